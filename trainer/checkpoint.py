@@ -1,0 +1,273 @@
+"""Atomic, validated, full-state checkpoints and auto-resume.
+
+On-disk format (``FORMAT_VERSION`` 1), one directory per checkpoint::
+
+    <checkpoint_dir>/
+      ckpt-000001234/          global optimizer step 1234
+        state.pt               model, optimizer, scheduler, grad scaler, EMA, progress, config, fingerprint
+        rng.pt                 RNG states of every rank: {"ranks": [{python, numpy, torch, cuda}, ...]}
+        manifest.json          format version, progress, and {file: {bytes, sha256}} for every file above
+      latest                   text: name of the newest complete checkpoint
+      best                     text: name of the checkpoint with the best primary metric
+
+Durability (how a crash at any instant leaves a loadable checkpoint): every file is written to a temporary
+name, flushed, ``fsync``-ed and renamed; the checkpoint is assembled in ``.tmp-<name>/`` and renamed into
+place only when complete; ``latest`` moves (again by rename) only after that; older checkpoints are deleted
+only after the new one is durable. ``progress`` holds ``epoch`` (0-based epoch to continue in),
+``step_in_epoch`` (optimizer steps already done in it) and ``global_step``, so mid-epoch checkpoints fit
+the same format. Loading uses ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import random
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+FORMAT_VERSION = 1
+_NAME = re.compile(r"^ckpt-(\d{9})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, corrupt or of an unknown format; the message names the path."""
+
+
+# --- durable file primitives ----------------------------------------------------------------------------
+def fsync_dir(path: Path) -> None:
+    """fsync a directory so that renames inside it survive a power loss (no-op where unsupported)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via temp file + fsync + rename (readers see the old or the new file)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def _serialize(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# --- RNG state --------------------------------------------------------------------------------------------
+def capture_rng() -> dict:
+    """RNG states of this process: python ``random``, numpy, torch CPU and (if present) every CUDA device.
+
+    Stored as tensors and plain Python values so ``torch.load(weights_only=True)`` accepts them.
+    """
+    np_state = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
+                  "has_gauss": int(np_state[3]), "gauss": float(np_state[4])},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict) -> None:
+    """Inverse of :func:`capture_rng`."""
+    random.setstate(_as_tuple(state["python"]))
+    n = state["numpy"]
+    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _as_tuple(x):
+    return tuple(_as_tuple(i) for i in x) if isinstance(x, (list, tuple)) else x
+
+
+# --- the manager ----------------------------------------------------------------------------------------
+class CheckpointManager:
+    """Save, validate, find and load checkpoints in one directory.
+
+    Collective: :meth:`save` must be called by every rank (rank 0 gathers the RNG states and writes; the
+    others only take part in the gather and the final barrier). All ranks may call :meth:`load`.
+
+    Args:
+        directory: checkpoint folder (created if missing).
+        rank, world_size: this process's place in the process group.
+        keep_every_epochs: epoch-end checkpoints with ``epoch % keep_every_epochs == 0`` are kept;
+            ``latest`` and ``best`` are always kept; every other checkpoint is deleted once a newer one is
+            durable.
+    """
+
+    def __init__(self, directory: str | Path, rank: int = 0, world_size: int = 1, keep_every_epochs: int = 1):
+        self.dir = Path(directory)
+        self.rank, self.world_size, self.keep_every = rank, world_size, keep_every_epochs
+        if rank == 0:
+            self.dir.mkdir(parents=True, exist_ok=True)
+
+    # .. saving ..........................................................................................
+    def save(self, state: dict, progress: dict, *, is_best: bool = False) -> Optional[Path]:
+        """Write a checkpoint of ``state`` at ``progress`` and move ``latest`` (and ``best``) to it.
+
+        Args:
+            state: rank 0's training state (tensors, dicts, numbers, strings).
+            progress: ``{"epoch", "step_in_epoch", "global_step"}`` (ints).
+            is_best: also move the ``best`` pointer.
+
+        Returns the checkpoint directory on rank 0, None elsewhere. Raises ``OSError`` on a failed write,
+        leaving the previous checkpoints untouched.
+        """
+        rng = capture_rng()
+        if dist.is_available() and dist.is_initialized():
+            gathered = [None] * self.world_size if self.rank == 0 else None
+            dist.gather_object(rng, gathered, dst=0)
+        else:
+            gathered = [rng]
+        path = None
+        if self.rank == 0:
+            path = self._write(state, {"ranks": gathered}, progress, is_best)
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+        return path
+
+    def _write(self, state: dict, rng: dict, progress: dict, is_best: bool) -> Path:
+        name = f"ckpt-{int(progress['global_step']):09d}"
+        final, tmp = self.dir / name, self.dir / f".tmp-{name}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        files = {}
+        for fname, obj in (("state.pt", {**state, "progress": dict(progress), "format_version": FORMAT_VERSION}),
+                           ("rng.pt", rng)):
+            atomic_write_bytes(tmp / fname, _serialize(obj))
+            files[fname] = {"bytes": (tmp / fname).stat().st_size, "sha256": _sha256(tmp / fname)}
+        manifest = {"format_version": FORMAT_VERSION, "name": name, "progress": dict(progress),
+                    "world_size": self.world_size, "created_unix": time.time(), "files": files}
+        atomic_write_bytes(tmp / "manifest.json", json.dumps(manifest, indent=2).encode())
+        if final.exists():  # same step saved again (e.g. epoch end right after a periodic save)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        fsync_dir(self.dir)
+        atomic_write_bytes(self.dir / "latest", name.encode())
+        if is_best:
+            atomic_write_bytes(self.dir / "best", name.encode())
+        self._prune()
+        return final
+
+    def _prune(self) -> None:
+        keep = {self._pointer("latest"), self._pointer("best")}
+        for d in self.list():
+            if d.name in keep:
+                continue
+            try:
+                prog = json.loads((d / "manifest.json").read_text())["progress"]
+            except (OSError, ValueError, KeyError):
+                continue  # not ours to judge: leave incomplete/foreign folders alone
+            if prog.get("step_in_epoch", 0) == 0 and prog.get("epoch", 0) % self.keep_every == 0:
+                continue
+            shutil.rmtree(d, ignore_errors=True)
+
+    # .. finding and validating .........................................................................
+    def _pointer(self, name: str) -> Optional[str]:
+        try:
+            return (self.dir / name).read_text().strip() or None
+        except OSError:
+            return None
+
+    def list(self) -> list[Path]:
+        """Complete-looking checkpoint directories, newest (highest global step) first."""
+        if not self.dir.is_dir():
+            return []
+        found = [p for p in self.dir.iterdir() if p.is_dir() and _NAME.match(p.name)]
+        return sorted(found, key=lambda p: p.name, reverse=True)
+
+    @staticmethod
+    def validate(path: str | Path) -> dict:
+        """Check a checkpoint directory against its manifest (format, file sizes, SHA-256).
+
+        Returns the manifest. Raises :class:`CheckpointError` saying what is wrong.
+        """
+        path = Path(path)
+        try:
+            manifest = json.loads((path / "manifest.json").read_text())
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: no manifest.json (incomplete or not a checkpoint directory)") from None
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{path}/manifest.json: unreadable ({e})") from None
+        if manifest.get("format_version") != FORMAT_VERSION:
+            raise CheckpointError(f"{path}: format_version {manifest.get('format_version')!r}, "
+                                  f"this trainer reads {FORMAT_VERSION}")
+        for fname, meta in manifest.get("files", {}).items():
+            f = path / fname
+            if not f.is_file():
+                raise CheckpointError(f"{f}: missing")
+            if f.stat().st_size != meta["bytes"]:
+                raise CheckpointError(f"{f}: {f.stat().st_size} bytes, manifest says {meta['bytes']} (truncated?)")
+            if _sha256(f) != meta["sha256"]:
+                raise CheckpointError(f"{f}: SHA-256 differs from the manifest (corrupt)")
+        return manifest
+
+    def find_resume(self) -> tuple[Optional[Path], list[str]]:
+        """Newest checkpoint that validates, and log lines saying which one and why (skipped ones named).
+
+        Order: the ``latest`` pointer's target first, then every other checkpoint newest first.
+        """
+        notes = []
+        candidates = self.list()
+        latest = self._pointer("latest")
+        if latest:
+            candidates.sort(key=lambda p: p.name != latest)
+        for p in candidates:
+            try:
+                self.validate(p)
+            except CheckpointError as e:
+                notes.append(f"checkpoint: skipping {p.name}: {e}")
+                continue
+            why = "the 'latest' pointer" if p.name == latest else "the newest checkpoint that validates"
+            notes.append(f"checkpoint: resuming from {p} ({why})")
+            return p, notes
+        return None, notes
+
+    @staticmethod
+    def load(path: str | Path, rank: int = 0, map_location: Any = "cpu") -> tuple[dict, Optional[dict]]:
+        """Validate and load ``path``: returns (state, this rank's RNG state or None if the checkpoint was
+        written by fewer ranks). Raises :class:`CheckpointError`."""
+        path = Path(path)
+        CheckpointManager.validate(path)
+        try:
+            state = torch.load(path / "state.pt", map_location=map_location, weights_only=True)
+            rng = torch.load(path / "rng.pt", map_location="cpu", weights_only=True)["ranks"]
+        except Exception as e:  # noqa: BLE001 - report any unpickling error with the path
+            raise CheckpointError(f"{path}: cannot load ({type(e).__name__}: {e})") from None
+        return state, (rng[rank] if rank < len(rng) else None)

@@ -1,0 +1,84 @@
+"""Command line: ``python -m trainer train [--config FILE] [--<field> VALUE ...]``.
+
+Every :class:`trainer.config.TrainConfig` field is a flag (``batch_size`` -> ``--batch-size``; booleans get
+``--x/--no-x``). Seed 003's spellings work as written: ``--amp`` (precision=amp), ``--no-amp``
+(precision=32), ``--use-ema``, ``--auto-resume/--no-auto-resume``, ``--resume PATH``. Flags override the
+YAML file. Works unchanged under ``torchrun --nproc-per-node N -m trainer train ...``.
+
+Exit codes: 0 done; 2 bad config/data/checkpoint (nothing trained); 3 loss became NaN/inf.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import sys
+from typing import Optional, Sequence
+
+from trainer.config import FIELDS, ConfigError, load_config
+
+EXIT_OK, EXIT_USAGE, EXIT_NONFINITE = 0, 2, 3
+
+
+def _add_train_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML file of config fields (flags below override it)")
+    for name, f in FIELDS.items():
+        flag = f.metadata.get("flag") or "--" + name.replace("_", "-")
+        kw = {"dest": name, "default": argparse.SUPPRESS, "help": f.metadata.get("help")}
+        if f.metadata.get("choices"):
+            kw["choices"] = f.metadata["choices"]
+            if name == "precision":
+                kw.pop("choices")  # aliases such as 16-mixed/bf16 are normalised by the config
+        if isinstance(f.default, bool):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+        else:
+            p.add_argument(flag, metavar=name.upper(), **kw)
+        for alias in f.metadata.get("aliases", ()):
+            a = "--" + alias.replace("_", "-")
+            if isinstance(f.default, bool):
+                p.add_argument(a, action=argparse.BooleanOptionalAction, dest=name, default=argparse.SUPPRESS,
+                               help=argparse.SUPPRESS)
+            else:
+                p.add_argument(a, dest=name, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    p.add_argument("--amp", dest="precision", action="store_const", const="amp", default=argparse.SUPPRESS,
+                   help="Mixed precision: bf16 where supported, fp16 + GradScaler otherwise (seed 003).")
+    p.add_argument("--no-amp", dest="precision", action="store_const", const="32", default=argparse.SUPPRESS,
+                   help="Same as --precision 32.")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``trainer`` argument parser with its sub-commands."""
+    parser = argparse.ArgumentParser(prog="python -m trainer", description="Trainstack trainer")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train a model (single process or under torchrun)",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    _add_train_flags(train)
+    return parser
+
+
+def parse_train_config(argv: Sequence[str]):
+    """Parse ``train`` arguments (without the sub-command) into a validated TrainConfig."""
+    p = argparse.ArgumentParser(prog="python -m trainer train")
+    _add_train_flags(p)
+    ns = vars(p.parse_args(list(argv)))
+    path = ns.pop("config", None)
+    return load_config(path, ns)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``python -m trainer``; returns the process exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv[:1] if argv else argv)
+    if args.command == "train":
+        try:
+            cfg = parse_train_config(argv[1:])
+        except ConfigError as e:
+            print(f"error: config: {e}", file=sys.stderr)
+            return EXIT_USAGE
+        from trainer.train import run
+
+        return run(cfg)
+    return EXIT_USAGE
+
+
+

@@ -1,0 +1,1 @@
+"""Loop components: optimizer and LR schedule, precision policy, EMA."""

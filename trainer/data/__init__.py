@@ -1,0 +1,1 @@
+"""Datasets, samplers and transforms (no training logic)."""

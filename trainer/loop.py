@@ -1,0 +1,354 @@
+"""The task-agnostic training loop: DDP, precision, accumulation, clipping, EMA, schedule, evaluation,
+checkpoints, early stop. Tasks (trainer/tasks) supply data, model, loss and metrics.
+
+One optimizer step = ``accumulate_grad_batches`` micro-batches per rank; DDP gradient all-reduce happens
+only on the last micro-batch (``no_sync`` on the others). All per-step statistics stay on the device and are
+read back (one synchronisation) only every ``log_every_steps`` steps and at the end of the epoch.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as tdist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import BatchSampler, DataLoader
+
+from trainer import distributed as dist
+from trainer.checkpoint import CheckpointError, CheckpointManager, restore_rng
+from trainer.components.ema import build_ema
+from trainer.components.optim import build_optimizer, build_scheduler, linear_scaling_warning
+from trainer.components.precision import resolve_precision, set_tf32
+from trainer.config import NON_TRAJECTORY_FIELDS, ConfigError, TrainConfig
+from trainer.data.imagefolder import DataError
+from trainer.data.sampler import EpochSampler
+from trainer.metrics import MetricsLogger
+from trainer.tasks import TASKS
+
+_NONE = 2**62  # "no non-finite loss seen" marker for the MIN all-reduce
+
+
+class NonFiniteLossError(RuntimeError):
+    """The training loss became NaN or inf; the message names the global step. Checkpoints written before
+    that step are kept untouched."""
+
+
+def _config_diff(saved: dict, current: dict) -> list[str]:
+    keys = sorted(k for k in set(saved) | set(current) if k not in NON_TRAJECTORY_FIELDS)
+    return [f"{k}: checkpoint {saved.get(k)!r} -> now {current.get(k)!r}" for k in keys
+            if saved.get(k) != current.get(k)]
+
+
+class Trainer:
+    """Builds everything from a validated :class:`TrainConfig` and runs :meth:`fit`.
+
+    Raises (before any training step): ``ConfigError`` (bad value, e.g. a global batch that does not split
+    over ranks), ``DataError`` (unusable data), ``CheckpointError`` (resume target invalid or config
+    changed without ``force_resume``).
+    """
+
+    def __init__(self, cfg: TrainConfig, info: dist.DistInfo):
+        self.cfg, self.info, self.device = cfg, info, info.device
+        self.log = MetricsLogger(cfg.log_dir, enabled=info.is_main)
+        torch.manual_seed(cfg.seed)
+        self.task = TASKS[cfg.task](cfg, info)
+        data = self.task.build_data()
+        for line in data.report:
+            self.log.info(line)
+        self.micro = cfg.micro_batch_size(info.world_size)
+        self.accum = cfg.accumulate_grad_batches
+        self.sampler = EpochSampler(len(data.train), info.rank, info.world_size, shuffle=True, seed=cfg.seed)
+        per_rank = len(self.sampler)
+        self.steps_per_epoch = per_rank // self.micro // self.accum
+        if self.steps_per_epoch == 0:
+            raise ConfigError(f"batch_size: global batch {cfg.batch_size} is larger than the training set "
+                              f"({len(data.train)} files); lower batch_size to at most "
+                              f"{per_rank * info.world_size}")
+        if cfg.max_steps_per_epoch:
+            self.steps_per_epoch = min(self.steps_per_epoch, cfg.max_steps_per_epoch)
+        self.train_loader = self._loader(data.train, BatchSampler(self.sampler, self.micro, drop_last=True),
+                                         data.collate)
+        self.val_sampler = EpochSampler(len(data.val), info.rank, info.world_size, shuffle=False)
+        eval_bs = cfg.eval_batch_size or 2 * self.micro
+        self.val_loader = self._loader(data.val, BatchSampler(self.val_sampler, eval_bs, drop_last=False),
+                                       data.collate)
+
+        self.precision = resolve_precision(cfg.precision, self.device)
+        set_tf32(cfg.tf32)
+        model = self.task.build_model(data.num_outputs).to(self.device)
+        if cfg.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        self.model = model  # the raw module: state_dict, EMA source, evaluation
+        self.ema = build_ema(model, cfg.ema_decay) if cfg.use_ema else None
+        self.optimizer = build_optimizer(cfg, model)
+        self.scheduler = build_scheduler(cfg, self.optimizer, self.steps_per_epoch)
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision.use_scaler)
+        if cfg.compile:
+            model.compile()  # in place: DDP below wraps the compiled module, state_dict keys unchanged
+        self.train_model = (DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+                            if info.distributed else model)
+        self.ckpt = CheckpointManager(cfg.checkpoint_dir, info.rank, info.world_size, cfg.checkpoint_interval)
+        self.epoch, self.step_in_epoch, self.global_step = 0, 0, 0
+        self.best: Optional[float] = None
+        self.history: list[dict] = []
+        self._resume_if_asked()
+        torch.manual_seed(cfg.seed * 1000 + info.rank + 1 + self.global_step)  # per-rank MixUp/CutMix stream
+        if self.global_step and self._rng_state is not None:
+            restore_rng(self._rng_state)
+
+    def _loader(self, dataset, batch_sampler, collate) -> DataLoader:
+        cfg = self.cfg
+        workers = cfg.num_workers
+        return DataLoader(dataset, batch_sampler=batch_sampler, num_workers=workers, collate_fn=collate,
+                          pin_memory=cfg.pin_memory and self.device.type == "cuda",
+                          persistent_workers=cfg.persistent_workers and workers > 0,
+                          prefetch_factor=cfg.prefetch_factor if workers > 0 else None)
+
+    # .. resume ..............................................................................................
+    def _resume_if_asked(self) -> None:
+        cfg = self.cfg
+        self._rng_state = None
+        path: Optional[Path] = None
+        if cfg.resume:
+            path = Path(cfg.resume)
+            if path.is_file() and path.name in ("state.pt", "manifest.json", "rng.pt"):
+                path = path.parent
+            self.log.info(f"checkpoint: resuming from {path} (--resume)")
+        elif cfg.auto_resume:
+            path, notes = self.ckpt.find_resume()
+            for n in notes:
+                self.log.info(n)
+        if path is None:
+            return
+        state, self._rng_state = CheckpointManager.load(path, self.info.rank, map_location=self.device)
+        diff = _config_diff(state.get("config", {}), self.cfg.to_dict())
+        if diff and not cfg.force_resume:
+            raise CheckpointError(f"{path}: the config changed since this checkpoint was written; "
+                                  f"refusing to resume (pass --force-resume to accept): " + "; ".join(diff))
+        if diff:
+            self.log.info("checkpoint: config changed (accepted by --force-resume): " + "; ".join(diff))
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if diff:  # a changed schedule (e.g. more epochs): keep the new schedule, move it to the saved step
+            for _ in range(state["progress"]["global_step"]):
+                self.scheduler.step()
+        else:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        if self.ema is not None and state.get("ema") is not None:
+            self.ema.load_state_dict(state["ema"])
+        p = state["progress"]
+        self.epoch, self.step_in_epoch, self.global_step = p["epoch"], p["step_in_epoch"], p["global_step"]
+        self.best = state.get("best_metric")
+        self.history = list(state.get("history", []))
+        if self.info.world_size != state.get("world_size", self.info.world_size):
+            self._rng_state = None  # other rank layout: fresh per-rank streams
+        self.log.info(f"checkpoint: continuing at epoch {self.epoch} step {self.step_in_epoch} "
+                      f"(global step {self.global_step})")
+
+    def _state(self) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+                "ema": self.ema.state_dict() if self.ema is not None else None,
+                "config": self.cfg.to_dict(), "fingerprint": self.cfg.fingerprint(),
+                "best_metric": self.best, "history": self.history, "world_size": self.info.world_size}
+
+    def save_checkpoint(self, is_best: bool = False) -> Optional[Path]:
+        """Write a checkpoint of the current state (collective; see :class:`CheckpointManager`)."""
+        progress = {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "global_step": self.global_step}
+        return self.ckpt.save(self._state(), progress, is_best=is_best)
+
+    # .. evaluation ..........................................................................................
+    @torch.no_grad()
+    def evaluate(self, model: torch.nn.Module) -> tuple[dict, int]:
+        """Metrics of ``model`` on the whole validation split (summed over ranks) and its bad-file count."""
+        was_training = model.training
+        model.eval()
+        sums, bad = None, 0
+        self.val_sampler.set_epoch(self.epoch)
+        for batch in self.val_loader:
+            bad += len(batch["bad"])
+            x, y, n = self.task.eval_inputs(batch)
+            if n == 0:
+                continue
+            with self.precision.autocast(self.device):
+                out = model(x)
+            s = self.task.eval_sums(out, y)
+            sums = s if sums is None else sums + s
+        if sums is None:  # this rank's whole share was undecodable
+            sums = torch.zeros(self.task.eval_stat_size, dtype=torch.float64, device=self.device)
+        stats = torch.cat([sums, torch.tensor([float(bad)], dtype=torch.float64, device=sums.device)])
+        dist.all_reduce_sum(stats)
+        model.train(was_training)
+        return self.task.eval_metrics(stats[:-1]), int(stats[-1].item())
+
+    # .. training ............................................................................................
+    def _sync_checks(self, first_bad: torch.Tensor, bad: int, bad_paths: list, where: str) -> None:
+        """Collective health check (all ranks call it at the same step, all raise together).
+
+        Raises NonFiniteLossError when any rank saw a NaN/inf loss (naming the first such global step) and
+        DataError when the epoch's undecodable files already exceed ``max_bad_fraction``.
+        """
+        t = first_bad.clone()
+        n_bad = torch.tensor([float(bad)], dtype=torch.float64, device=self.device)
+        if self.info.distributed:
+            tdist.all_reduce(t, op=tdist.ReduceOp.MIN)
+            tdist.all_reduce(n_bad)
+        step, n_bad = int(t.item()), int(n_bad.item())
+        if step != _NONE:
+            latest = self.ckpt._pointer("latest")
+            raise NonFiniteLossError(
+                f"loss became NaN/inf at global step {step} (epoch {self.epoch}); stopping without saving. "
+                f"Last good checkpoint: {self.ckpt.dir / latest if latest else 'none yet'}. Lower lr, add "
+                f"warmup_epochs or gradient_clip, or try precision=32.")
+        epoch_total = self.steps_per_epoch * self.accum * self.micro * self.info.world_size
+        if n_bad > self.cfg.max_bad_fraction * epoch_total:
+            examples = "; ".join(f"{b.path} ({b.error})" for b in bad_paths[:3])
+            raise DataError(f"{where}: {n_bad} files could not be decoded, more than max_bad_fraction="
+                            f"{self.cfg.max_bad_fraction} of the {epoch_total} files of an epoch; e.g. {examples}")
+
+    def train_epoch(self) -> dict:
+        """Run the optimizer steps of ``self.epoch`` from ``self.step_in_epoch``; return train metrics."""
+        cfg, task, dev = self.cfg, self.task, self.device
+        self.sampler.set_epoch(self.epoch, start=self.step_in_epoch * self.accum * self.micro)
+        self.train_model.train()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
+        count = torch.zeros((), dtype=torch.float64, device=dev)
+        extra = None
+        first_bad = torch.full((), _NONE, dtype=torch.int64, device=dev)
+        step_dev = torch.full((), self.global_step, dtype=torch.int64, device=dev)
+        bad_paths: list = []
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        it = iter(self.train_loader)
+        t0, data_wait, images = time.perf_counter(), 0.0, 0
+        window_loss = torch.zeros((), dtype=torch.float64, device=dev)
+        window_n = torch.zeros((), dtype=torch.float64, device=dev)
+        self.log.start_epoch(self.epoch, self.steps_per_epoch, initial=self.step_in_epoch)
+        while self.step_in_epoch < self.steps_per_epoch:
+            for micro_i in range(self.accum):
+                tw = time.perf_counter()
+                batch = next(it)
+                data_wait += time.perf_counter() - tw
+                bad_paths += batch["bad"]
+                x, y, n = task.train_inputs(batch)
+                images += n
+                sync = micro_i == self.accum - 1 or not self.info.distributed
+                ctx = nullcontext() if sync else self.train_model.no_sync()
+                with ctx:
+                    with self.precision.autocast(dev):
+                        out = self.train_model(x)
+                        loss = task.loss(out, y)
+                    self.scaler.scale(loss / self.accum).backward()
+                ld = loss.detach()
+                first_bad = torch.where((first_bad == _NONE) & ~torch.isfinite(ld), step_dev, first_bad)
+                loss_sum += ld.double() * n
+                count += n
+                window_loss += ld.double() * n
+                window_n += n
+                s = task.train_sums(out, y)
+                if s is not None:
+                    extra = s if extra is None else extra + s
+            if cfg.gradient_clip > 0:
+                self.scaler.unscale_(self.optimizer)
+                torch.nn.utils.clip_grad_norm_(params, cfg.gradient_clip)
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()
+            if self.ema is not None:
+                self.ema.update_parameters(self.model)
+            self.step_in_epoch += 1
+            self.global_step += 1
+            step_dev += 1
+            log_now = self.global_step % cfg.log_every_steps == 0
+            if log_now:
+                self._sync_checks(first_bad, len(bad_paths), bad_paths, f"train epoch {self.epoch}")
+            self.log.step(self.global_step, self._step_values(window_loss, window_n, t0, images)
+                          if log_now else {}, cfg.log_every_steps)
+            if log_now:
+                window_loss.zero_()
+                window_n.zero_()
+        self.log.end_epoch()
+        self._sync_checks(first_bad, len(bad_paths), bad_paths, f"train epoch {self.epoch}")
+        elapsed = time.perf_counter() - t0
+        totals = torch.stack([loss_sum, count, torch.tensor(float(images), dtype=torch.float64, device=dev)])
+        dist.all_reduce_sum(totals)
+        all_bad = self._gather_bad(bad_paths)
+        out = {"train_loss": totals[0].item() / max(totals[1].item(), 1.0), "bad_files": len(all_bad)}
+        if extra is not None:
+            dist.all_reduce_sum(extra)
+            out.update({f"train_{k}": v for k, v in task.train_metrics(extra).items()})
+        out["images_per_s"] = totals[2].item() / max(elapsed, 1e-9)
+        out["epoch_time_s"] = elapsed
+        out["data_wait_s"] = data_wait
+        if all_bad:
+            self.log.info(f"data: {len(all_bad)} file(s) skipped this epoch: "
+                          + "; ".join(f"{b.path} ({b.error})" for b in all_bad[:5])
+                          + (" ..." if len(all_bad) > 5 else ""))
+        return out
+
+    def _step_values(self, window_loss, window_n, t0, images) -> dict:
+        return {"loss": window_loss.item() / max(window_n.item(), 1.0), "lr": self.optimizer.param_groups[0]["lr"],
+                "images_per_s": images * self.info.world_size / max(time.perf_counter() - t0, 1e-9)}
+
+    def _gather_bad(self, bad_paths: list) -> list:
+        if not self.info.distributed:
+            return bad_paths
+        out = [None] * self.info.world_size
+        tdist.all_gather_object(out, bad_paths)
+        return [b for part in out for b in part]
+
+    def fit(self) -> dict:
+        """Train until ``epochs`` or ``target_accuracy``; return the last epoch's metrics."""
+        cfg = self.cfg
+        warn = linear_scaling_warning(cfg)
+        if warn:
+            self.log.info("WARNING: " + warn)
+        self.log.info(f"train: model={cfg.model} world_size={self.info.world_size} device={self.device} "
+                      f"precision={self.precision.name} global_batch={cfg.batch_size} micro_batch={self.micro} "
+                      f"accumulate={self.accum} steps_per_epoch={self.steps_per_epoch} epochs={cfg.epochs}")
+        last: dict = {}
+        metric = self.task.primary_metric
+        while self.epoch < cfg.epochs:
+            train = self.train_epoch()
+            val, val_bad = self.evaluate(self.model)
+            if val_bad > self.cfg.max_bad_fraction * len(self.val_sampler.indices()) * self.info.world_size:
+                raise DataError(f"val: {val_bad} of about {len(self.val_sampler.indices()) * self.info.world_size} "
+                                f"files could not be decoded (max_bad_fraction={self.cfg.max_bad_fraction})")
+            row = {"lr": self.optimizer.param_groups[0]["lr"], **train,
+                   **{f"val_{k}": v for k, v in val.items()}, "val_bad_files": val_bad}
+            score = val[metric]
+            if self.ema is not None:
+                ema_val, _ = self.evaluate(self.ema.module)
+                row.update({f"ema_val_{k}": v for k, v in ema_val.items()})
+                score = max(score, ema_val[metric])
+            row["image_size"] = self._train_size()
+            is_best = self.best is None or score > self.best
+            if is_best:
+                self.best = score
+            self.epoch += 1
+            self.step_in_epoch = 0
+            self.history.append({"epoch": self.epoch, **row})
+            self.log.epoch(self.epoch, self.global_step, row)
+            self.save_checkpoint(is_best=is_best)
+            last = row
+            if cfg.target_accuracy is not None and score >= cfg.target_accuracy:
+                self.log.info(f"target_accuracy {cfg.target_accuracy}% reached ({metric}={score:.2f}) "
+                              f"after epoch {self.epoch}; stopping")
+                break
+        return last
+
+    def _train_size(self) -> int:
+        from trainer.data.transforms import progressive_size
+
+        cfg = self.cfg
+        stages = cfg.progressive_stages if cfg.progressive_resize else 1
+        return progressive_size(self.epoch, cfg.epochs, cfg.progressive_min_size, cfg.image_size, stages)
+
+    def close(self) -> Optional[Path]:
+        """Close the metric sinks and draw the curves PNG (rank 0); returns its path."""
+        return self.log.close()
