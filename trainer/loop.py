@@ -9,6 +9,7 @@ read back (one synchronisation) only every ``log_every_steps`` steps and at the 
 from __future__ import annotations
 
 import time
+import warnings
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Optional
@@ -132,10 +133,16 @@ class Trainer:
         if diff:
             self.log.info("checkpoint: config changed (accepted by --force-resume): " + "; ".join(diff))
         self.model.load_state_dict(state["model"])
+        fresh = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         self.optimizer.load_state_dict(state["optimizer"])
+        if diff:  # keep the new hyperparameters (lr, momentum, ...), not the checkpoint's
+            for g, f in zip(self.optimizer.param_groups, fresh):
+                g.update(f)
         if diff:  # a changed schedule (e.g. more epochs): keep the new schedule, move it to the saved step
-            for _ in range(state["progress"]["global_step"]):
-                self.scheduler.step()
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+                for _ in range(state["progress"]["global_step"]):
+                    self.scheduler.step()
         else:
             self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])

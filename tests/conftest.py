@@ -1,0 +1,70 @@
+"""Shared fixtures. Real datasets are read from ``$TRAINSTACK_DATA`` (default ``../shared/data`` beside the
+checkout); a test that needs them fails (never skips) when they are missing, as CI requires."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = Path(os.environ.get("TRAINSTACK_DATA", REPO.parent / "shared" / "data"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_cache(tmp_path_factory):
+    os.environ["TRAINSTACK_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    """Root of the shared real datasets (hymenoptera, imagenette-subset, ...)."""
+    if not (SHARED_DATA / "hymenoptera").is_dir():
+        pytest.fail(f"shared datasets not found at {SHARED_DATA} (set TRAINSTACK_DATA); CI must have them")
+    return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def tiny_digits(tmp_path_factory) -> Path:
+    """Small real ImageFolder: 30 train + 8 val scans per digit from scikit-learn's digits (PNG, 8x8)."""
+    import numpy as np
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    root = tmp_path_factory.mktemp("tiny_digits")
+    d = load_digits()
+    counts: dict = {}
+    for i, (img, label) in enumerate(zip(d.images, d.target)):
+        k = counts.get(int(label), 0)
+        if k >= 38:
+            continue
+        counts[int(label)] = k + 1
+        split = "val" if k < 8 else "train"
+        out = root / split / str(int(label))
+        out.mkdir(parents=True, exist_ok=True)
+        Image.fromarray((img * 255 / 16).astype(np.uint8), mode="L").save(out / f"{i:04d}.png")
+    return root
+
+
+def tiny_overrides(data_dir: Path, tmp: Path, **extra) -> dict:
+    """Config overrides for a seconds-long CPU run on :func:`tiny_digits`."""
+    base = dict(data_dir=str(data_dir), model="resnet18", image_size=32, crop_scale_min=0.5, hflip_prob=0.0,
+                batch_size=32, epochs=2, lr=0.05, warmup_epochs=0.5, scheduler="onecycle", num_workers=0,
+                checkpoint_dir=str(tmp / "ckpt"), log_dir=str(tmp / "logs"), log_every_steps=2, device="cpu")
+    base.update(extra)
+    return base
+
+
+def run_trainer(args: list[str], cwd: Path = REPO, torchrun_nproc: int = 0, timeout: int = 600,
+                env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``python -m trainer train ARGS`` (or under torchrun) and return the completed process."""
+    if torchrun_nproc:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(torchrun_nproc),
+               "--master-port", "0", "-m", "trainer", "train", *args]
+    else:
+        cmd = [sys.executable, "-m", "trainer", "train", *args]
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    return subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
