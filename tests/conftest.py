@@ -63,7 +63,7 @@ def run_trainer(args: list[str], cwd: Path = REPO, torchrun_nproc: int = 0, time
     """Run ``python -m trainer train ARGS`` (or under torchrun) and return the completed process."""
     if torchrun_nproc:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(torchrun_nproc),
-               "--master-port", "0", "-m", "trainer", "train", *args]
+               "--standalone", "-m", "trainer", "train", *args]
     else:
         cmd = [sys.executable, "-m", "trainer", "train", *args]
     full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}

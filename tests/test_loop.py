@@ -114,7 +114,7 @@ def test_too_many_bad_files_abort(shared_data, tmp_path):
 
     root, _ = _folder_with_bad_files(shared_data / "hymenoptera", tmp_path / "d")
     kw = dict(batch_size=4, epochs=1, image_size=32, hflip_prob=0.5)
-    with pytest.raises(DataError, match=r"2 files could not be decoded, more than max_bad_fraction=0.01"):
+    with pytest.raises(DataError, match=r"train epoch 0: [12] file\(s\) could not be decoded, more than max_bad_fraction=0.01 of the 12 files"):
         _fit(root, tmp_path / "r1", **kw)
     t, last = _fit(root, tmp_path / "r2", max_bad_fraction=0.2, **kw)
     assert last["bad_files"] == 2

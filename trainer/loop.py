@@ -215,7 +215,7 @@ class Trainer:
         epoch_total = self.steps_per_epoch * self.accum * self.micro * self.info.world_size
         if n_bad > self.cfg.max_bad_fraction * epoch_total:
             examples = "; ".join(f"{b.path} ({b.error})" for b in bad_paths[:3])
-            raise DataError(f"{where}: {n_bad} files could not be decoded, more than max_bad_fraction="
+            raise DataError(f"{where}: {n_bad} file(s) could not be decoded, more than max_bad_fraction="
                             f"{self.cfg.max_bad_fraction} of the {epoch_total} files of an epoch; e.g. {examples}")
 
     def train_epoch(self) -> dict:
