@@ -49,14 +49,21 @@ def val_transform(size: int, resize_ratio: float) -> v2.Compose:
     return v2.Compose([v2.Resize(int(round(size / resize_ratio)), antialias=True), v2.CenterCrop(size)])
 
 
+@functools.lru_cache(maxsize=8)
+def _mean_inv_std(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1) * 255.0
+    inv_std = 1.0 / (torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1) * 255.0)
+    return mean, inv_std
+
+
 def normalize_on_device(images: torch.Tensor, device: torch.device, channels_last: bool) -> torch.Tensor:
     """uint8 (B,3,H,W) on host -> float32 (B,3,H,W) on ``device``, ImageNet-normalised.
 
-    The copy is non-blocking (pinned host memory makes it asynchronous on CUDA).
+    The copy moves uint8 (4x fewer bytes than float32) and is non-blocking (asynchronous on CUDA when the
+    host batch is pinned); the layout change happens on uint8, the normalisation in place in two passes.
     """
     x = images.to(device, non_blocking=True)
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
-    mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1) * 255.0
-    std = torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1) * 255.0
-    return (x.float() - mean) / std
+    mean, inv_std = _mean_inv_std(device)
+    return x.float().sub_(mean).mul_(inv_std)
