@@ -128,3 +128,15 @@ def test_cli_reports_invalid_value(capsys):
 
     assert main(["train", "--label-smoothing", "2"]) == 2
     assert "label_smoothing: got 2.0; must be in [0.0, 1.0)" in capsys.readouterr().err
+
+
+def test_help_lists_every_field(capsys):
+    from trainer.cli import main
+    from trainer.config import FIELDS
+
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0
+    assert all("--" + name.replace("_", "-") in out for name in FIELDS if name != "data_dir")
+    assert "--data-dir" in out and "--amp" in out

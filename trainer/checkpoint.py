@@ -186,7 +186,7 @@ class CheckpointManager:
         return final
 
     def _prune(self) -> None:
-        keep = {self._pointer("latest"), self._pointer("best")}
+        keep = {self.pointer("latest"), self.pointer("best")}
         for d in self.list():
             if d.name in keep:
                 continue
@@ -199,7 +199,8 @@ class CheckpointManager:
             shutil.rmtree(d, ignore_errors=True)
 
     # .. finding and validating .........................................................................
-    def _pointer(self, name: str) -> Optional[str]:
+    def pointer(self, name: str) -> Optional[str]:
+        """Checkpoint name stored in the ``latest`` or ``best`` pointer file, or None."""
         try:
             return (self.dir / name).read_text().strip() or None
         except OSError:
@@ -245,7 +246,7 @@ class CheckpointManager:
         """
         notes = []
         candidates = self.list()
-        latest = self._pointer("latest")
+        latest = self.pointer("latest")
         if latest:
             candidates.sort(key=lambda p: p.name != latest)
         for p in candidates:

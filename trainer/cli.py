@@ -24,7 +24,7 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML file of config fields (flags below override it)")
     for name, f in FIELDS.items():
         flag = f.metadata.get("flag") or "--" + name.replace("_", "-")
-        kw = {"dest": name, "default": argparse.SUPPRESS, "help": f.metadata.get("help")}
+        kw = {"dest": name, "default": argparse.SUPPRESS, "help": (f.metadata.get("help") or "").replace("%", "%%")}
         if f.metadata.get("choices"):
             kw["choices"] = f.metadata["choices"]
             if name == "precision":
@@ -51,27 +51,31 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m trainer", description="Trainstack trainer")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a model (single process or under torchrun)",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                           description="Train a model. Flags override --config; defaults are "
+                                       "trainer/config.py's TrainConfig.")
     _add_train_flags(train)
     return parser
 
 
+def _config_from_namespace(ns: argparse.Namespace):
+    values = {k: v for k, v in vars(ns).items() if k in FIELDS}
+    return load_config(getattr(ns, "config", None), values)
+
+
 def parse_train_config(argv: Sequence[str]):
-    """Parse ``train`` arguments (without the sub-command) into a validated TrainConfig."""
-    p = argparse.ArgumentParser(prog="python -m trainer train")
-    _add_train_flags(p)
-    ns = vars(p.parse_args(list(argv)))
-    path = ns.pop("config", None)
-    return load_config(path, ns)
+    """Parse ``train`` arguments (without the sub-command) into a validated TrainConfig.
+
+    Raises ConfigError for invalid values; argparse exits with code 2 for unknown flags or bad choices.
+    """
+    return _config_from_namespace(build_parser().parse_args(["train", *argv]))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``python -m trainer``; returns the process exit code."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv[:1] if argv else argv)
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.command == "train":
         try:
-            cfg = parse_train_config(argv[1:])
+            cfg = _config_from_namespace(args)
         except ConfigError as e:
             print(f"error: config: {e}", file=sys.stderr)
             return EXIT_USAGE
@@ -79,6 +83,3 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         return run(cfg)
     return EXIT_USAGE
-
-
-

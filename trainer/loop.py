@@ -27,6 +27,7 @@ from trainer.components.precision import resolve_precision, set_tf32
 from trainer.config import NON_TRAJECTORY_FIELDS, ConfigError, TrainConfig
 from trainer.data.imagefolder import DataError
 from trainer.data.sampler import EpochSampler
+from trainer.data.transforms import progressive_size
 from trainer.metrics import MetricsLogger
 from trainer.tasks import TASKS
 
@@ -119,10 +120,11 @@ class Trainer:
             if path.is_file() and path.name in ("state.pt", "manifest.json", "rng.pt"):
                 path = path.parent
             self.log.info(f"checkpoint: resuming from {path} (--resume)")
-        elif cfg.auto_resume:
-            path, notes = self.ckpt.find_resume()
+        elif cfg.auto_resume:  # rank 0 chooses, every rank loads the same one
+            path, notes = self.ckpt.find_resume() if self.info.is_main else (None, [])
             for n in notes:
                 self.log.info(n)
+            path = dist.broadcast_object(path)
         if path is None:
             return
         state, self._rng_state = CheckpointManager.load(path, self.info.rank, map_location=self.device)
@@ -207,7 +209,7 @@ class Trainer:
             tdist.all_reduce(n_bad)
         step, n_bad = int(t.item()), int(n_bad.item())
         if step != _NONE:
-            latest = self.ckpt._pointer("latest")
+            latest = self.ckpt.pointer("latest")
             raise NonFiniteLossError(
                 f"loss became NaN/inf at global step {step} (epoch {self.epoch}); stopping without saving. "
                 f"Last good checkpoint: {self.ckpt.dir / latest if latest else 'none yet'}. Lower lr, add "
@@ -350,8 +352,6 @@ class Trainer:
         return last
 
     def _train_size(self) -> int:
-        from trainer.data.transforms import progressive_size
-
         cfg = self.cfg
         stages = cfg.progressive_stages if cfg.progressive_resize else 1
         return progressive_size(self.epoch, cfg.epochs, cfg.progressive_min_size, cfg.image_size, stages)

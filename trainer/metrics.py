@@ -140,7 +140,7 @@ def plot_curves(jsonl: Path, out: Path) -> Optional[Path]:
         pts = [(e, rows[e][key]) for e in epochs if key in rows[e]]
         if pts:
             ax.plot(*zip(*pts), marker="o", label=key)
-    ax1.set(xlabel="epoch", ylabel="loss", title="loss")
+    ax1.set(xlabel="epoch", ylabel="loss (log scale)", title="loss", yscale="log")
     ax2.set(xlabel="epoch", ylabel="accuracy (%)", title="accuracy")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)

@@ -26,7 +26,7 @@ def run(cfg: TrainConfig) -> int:
         last = trainer.fit()
         plot = trainer.close()
         if info.is_main:
-            latest = trainer.ckpt._pointer("latest")
+            latest = trainer.ckpt.pointer("latest")
             print(f"done: best {trainer.task.primary_metric}={trainer.best:.2f} "
                   f"last val_{trainer.task.primary_metric}={last.get('val_' + trainer.task.primary_metric, float('nan')):.2f}"
                   if trainer.best is not None and last else "done: nothing left to train", flush=True)
