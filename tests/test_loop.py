@@ -59,7 +59,7 @@ def test_checkpoint_round_trip_and_resume_is_bit_exact(tiny_digits, tmp_path):
     state, rng = CheckpointManager.load(ck / "ckpt-000000027")
     for k, v in resumed.model.state_dict().items():
         assert torch.equal(state["model"][k], v)
-    assert state["progress"] == {"epoch": 3, "step_in_epoch": 0, "global_step": 27} and "torch" in rng
+    assert state["progress"] == {"epoch": 3, "step_in_epoch": 0, "global_step": 27} and "torch" in rng["rng"]
 
 
 def test_auto_resume_skips_corrupt_checkpoint(tiny_digits, tmp_path):

@@ -3,9 +3,10 @@
 On-disk format (``FORMAT_VERSION`` 1), one directory per checkpoint::
 
     <checkpoint_dir>/
-      ckpt-000001234/          global optimizer step 1234
+      ckpt-000001234/          epoch-end checkpoint at global optimizer step 1234
+      ckpt-000001300-m/        mid-epoch checkpoint (stop request or periodic) at step 1300
         state.pt               model, optimizer, scheduler, grad scaler, EMA, progress, config, fingerprint
-        rng.pt                 RNG states of every rank: {"ranks": [{python, numpy, torch, cuda}, ...]}
+        ranks.pt               per-rank state: {"ranks": [{"rng": {python, numpy, torch, cuda}, ...}, ...]}
         manifest.json          format version, progress, and {file: {bytes, sha256}} for every file above
       latest                   text: name of the newest complete checkpoint
       best                     text: name of the checkpoint with the best primary metric
@@ -16,6 +17,10 @@ place only when complete; ``latest`` moves (again by rename) only after that; ol
 only after the new one is durable. ``progress`` holds ``epoch`` (0-based epoch to continue in),
 ``step_in_epoch`` (optimizer steps already done in it) and ``global_step``, so mid-epoch checkpoints fit
 the same format. Loading uses ``torch.load(weights_only=True)``.
+
+Writes are asynchronous: :meth:`CheckpointManager.save` copies the state to host memory (the only part that
+stalls training) and a background thread serialises, hashes, writes and renames; :meth:`wait` blocks until
+the last checkpoint is durable. A new save waits for the previous one first.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import os
 import random
 import re
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -36,7 +42,20 @@ import torch
 import torch.distributed as dist
 
 FORMAT_VERSION = 1
-_NAME = re.compile(r"^ckpt-(\d{9})$")
+#: Written next to the checkpoints when a run stops on request (JSON: reason, checkpoint, global_step); a
+#: launcher that only sees torchrun's exit status can read it. Removed when the next run starts.
+INTERRUPTED_MARKER = "interrupted.json"
+_NAME = re.compile(r"^ckpt-(\d{9})(-m)?$")
+
+
+def checkpoint_name(progress: dict) -> str:
+    """``ckpt-<global step>`` at an epoch end, ``ckpt-<global step>-m`` mid-epoch."""
+    return f"ckpt-{int(progress['global_step']):09d}" + ("-m" if progress.get("step_in_epoch", 0) else "")
+
+
+def _order(name: str) -> tuple[int, int]:
+    m = _NAME.match(name)
+    return (int(m.group(1)), 0 if m.group(2) else 1) if m else (-1, -1)
 
 
 class CheckpointError(RuntimeError):
@@ -76,7 +95,21 @@ def _serialize(obj: Any) -> bytes:
     return buf.getvalue()
 
 
-def _sha256(path: Path) -> str:
+def snapshot(obj: Any) -> Any:
+    """Deep copy of a state tree with every tensor copied to host memory (so training can go on mutating
+    the originals while a background thread writes the copy)."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        return t.to("cpu", copy=True) if t.device.type != "cpu" else t.clone()
+    if isinstance(obj, dict):
+        return {k: snapshot(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(snapshot(v) for v in obj)
+    return obj
+
+
+def sha256_file(path: Path) -> str:
+    """Hex SHA-256 of a file, read in 4 MiB chunks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
@@ -134,51 +167,87 @@ class CheckpointManager:
     def __init__(self, directory: str | Path, rank: int = 0, world_size: int = 1, keep_every_epochs: int = 1):
         self.dir = Path(directory)
         self.rank, self.world_size, self.keep_every = rank, world_size, keep_every_epochs
+        self._writer: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+        self.last_durable: Optional[tuple[Path, float]] = None  # (path, time.monotonic() when durable)
         if rank == 0:
             self.dir.mkdir(parents=True, exist_ok=True)
+            for stale in self.dir.glob(".tmp-ckpt-*"):  # a write killed mid-way (SIGKILL, power loss)
+                shutil.rmtree(stale, ignore_errors=True)
 
     # .. saving ..........................................................................................
-    def save(self, state: dict, progress: dict, *, is_best: bool = False) -> Optional[Path]:
+    def save(self, state: dict, progress: dict, *, rank_state: Optional[dict] = None, is_best: bool = False,
+             blocking: bool = False) -> Optional[Path]:
         """Write a checkpoint of ``state`` at ``progress`` and move ``latest`` (and ``best``) to it.
 
         Args:
-            state: rank 0's training state (tensors, dicts, numbers, strings).
+            state: rank 0's training state (tensors, dicts, numbers, strings); copied to host memory before
+                this returns, so the caller may keep training.
             progress: ``{"epoch", "step_in_epoch", "global_step"}`` (ints).
+            rank_state: this rank's own small state (e.g. running epoch statistics); gathered with every
+                rank's RNG state into ``ranks.pt``.
             is_best: also move the ``best`` pointer.
+            blocking: wait until the checkpoint is durable (otherwise a background thread finishes it).
 
-        Returns the checkpoint directory on rank 0, None elsewhere. Raises ``OSError`` on a failed write,
-        leaving the previous checkpoints untouched.
+        Returns the checkpoint directory it will have (rank 0), None elsewhere. A failed write is raised by
+        the next :meth:`save` or :meth:`wait`; the previous checkpoints stay untouched.
         """
-        rng = capture_rng()
+        mine = {"rng": capture_rng(), **(rank_state or {})}
         if dist.is_available() and dist.is_initialized():
             gathered = [None] * self.world_size if self.rank == 0 else None
-            dist.gather_object(rng, gathered, dst=0)
+            dist.gather_object(mine, gathered, dst=0)
         else:
-            gathered = [rng]
-        path = None
-        if self.rank == 0:
-            path = self._write(state, {"ranks": gathered}, progress, is_best)
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier()
-        return path
+            gathered = [mine]
+        if self.rank != 0:
+            return None
+        self.wait()
+        full = snapshot({**state, "progress": dict(progress), "format_version": FORMAT_VERSION})
+        self._writer = threading.Thread(target=self._write_guarded, name="checkpoint-writer", daemon=True,
+                                        args=(full, {"ranks": gathered}, dict(progress), is_best))
+        self._writer.start()
+        if blocking:
+            self.wait()
+        return self.dir / checkpoint_name(progress)
+
+    def wait(self) -> Optional[Path]:
+        """Block until the last checkpoint write finished; re-raise its error. Returns its path (rank 0)."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+        return self.last_durable[0] if self.last_durable else None
+
+    def _write_guarded(self, state: dict, rng: dict, progress: dict, is_best: bool) -> None:
+        try:
+            path = self._write(state, rng, progress, is_best)
+            self.last_durable = (path, time.monotonic())
+        except BaseException as e:  # noqa: BLE001 - handed to the training thread by wait()
+            self._error = e
 
     def _write(self, state: dict, rng: dict, progress: dict, is_best: bool) -> Path:
-        name = f"ckpt-{int(progress['global_step']):09d}"
+        name = checkpoint_name(progress)
         final, tmp = self.dir / name, self.dir / f".tmp-{name}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         files = {}
-        for fname, obj in (("state.pt", {**state, "progress": dict(progress), "format_version": FORMAT_VERSION}),
-                           ("rng.pt", rng)):
-            atomic_write_bytes(tmp / fname, _serialize(obj))
-            files[fname] = {"bytes": (tmp / fname).stat().st_size, "sha256": _sha256(tmp / fname)}
-        manifest = {"format_version": FORMAT_VERSION, "name": name, "progress": dict(progress),
+        for fname, obj in (("state.pt", state), ("ranks.pt", rng)):
+            data = _serialize(obj)
+            files[fname] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            atomic_write_bytes(tmp / fname, data)
+        manifest = {"format_version": FORMAT_VERSION, "name": name, "progress": progress,
                     "world_size": self.world_size, "created_unix": time.time(), "files": files}
         atomic_write_bytes(tmp / "manifest.json", json.dumps(manifest, indent=2).encode())
-        if final.exists():  # same step saved again (e.g. epoch end right after a periodic save)
-            shutil.rmtree(final)
+        old = None
+        if final.exists():  # same step written again (a rerun after a crash before `latest` moved)
+            old = self.dir / f".tmp-old-{name}"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
         os.replace(tmp, final)
         fsync_dir(self.dir)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
         atomic_write_bytes(self.dir / "latest", name.encode())
         if is_best:
             atomic_write_bytes(self.dir / "best", name.encode())
@@ -211,7 +280,7 @@ class CheckpointManager:
         if not self.dir.is_dir():
             return []
         found = [p for p in self.dir.iterdir() if p.is_dir() and _NAME.match(p.name)]
-        return sorted(found, key=lambda p: p.name, reverse=True)
+        return sorted(found, key=lambda p: _order(p.name), reverse=True)
 
     @staticmethod
     def validate(path: str | Path) -> dict:
@@ -235,7 +304,7 @@ class CheckpointManager:
                 raise CheckpointError(f"{f}: missing")
             if f.stat().st_size != meta["bytes"]:
                 raise CheckpointError(f"{f}: {f.stat().st_size} bytes, manifest says {meta['bytes']} (truncated?)")
-            if _sha256(f) != meta["sha256"]:
+            if sha256_file(f) != meta["sha256"]:
                 raise CheckpointError(f"{f}: SHA-256 differs from the manifest (corrupt)")
         return manifest
 
@@ -262,13 +331,13 @@ class CheckpointManager:
 
     @staticmethod
     def load(path: str | Path, rank: int = 0, map_location: Any = "cpu") -> tuple[dict, Optional[dict]]:
-        """Validate and load ``path``: returns (state, this rank's RNG state or None if the checkpoint was
-        written by fewer ranks). Raises :class:`CheckpointError`."""
+        """Validate and load ``path``: returns (state, this rank's part ``{"rng": ..., ...}``, or None if the
+        checkpoint was written by fewer ranks). Raises :class:`CheckpointError`."""
         path = Path(path)
         CheckpointManager.validate(path)
         try:
             state = torch.load(path / "state.pt", map_location=map_location, weights_only=True)
-            rng = torch.load(path / "rng.pt", map_location="cpu", weights_only=True)["ranks"]
+            rng = torch.load(path / "ranks.pt", map_location="cpu", weights_only=True)["ranks"]
         except Exception as e:  # noqa: BLE001 - report any unpickling error with the path
             raise CheckpointError(f"{path}: cannot load ({type(e).__name__}: {e})") from None
         return state, (rng[rank] if rank < len(rng) else None)

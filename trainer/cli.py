@@ -5,7 +5,9 @@ Every :class:`trainer.config.TrainConfig` field is a flag (``batch_size`` -> ``-
 (precision=32), ``--use-ema``, ``--auto-resume/--no-auto-resume``, ``--resume PATH``. Flags override the
 YAML file. Works unchanged under ``torchrun --nproc-per-node N -m trainer train ...``.
 
-Exit codes: 0 done; 2 bad config/data/checkpoint (nothing trained); 3 loss became NaN/inf.
+Exit codes: 0 done; 2 bad config/data/checkpoint (nothing trained); 3 loss became NaN/inf;
+75 interrupted (SIGTERM/SIGINT/spot notice) after a durable checkpoint: run the same command again to resume
+(75 is EX_TEMPFAIL of sysexits.h, "try again later").
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Optional, Sequence
 
 from trainer.config import FIELDS, ConfigError, load_config
 
-EXIT_OK, EXIT_USAGE, EXIT_NONFINITE = 0, 2, 3
+EXIT_OK, EXIT_USAGE, EXIT_NONFINITE, EXIT_INTERRUPTED = 0, 2, 3, 75
 
 
 def _add_train_flags(p: argparse.ArgumentParser) -> None:

@@ -132,6 +132,12 @@ class TrainConfig:
     resume: Optional[str] = _f(None, "Resume from this checkpoint directory (overrides auto_resume).")
     force_resume: bool = _f(False, "Resume even if training-relevant config fields changed since the "
                             "checkpoint (they are listed); a changed schedule restarts at the saved step.")
+    checkpoint_every_steps: int = _f(0, "Also checkpoint every N optimizer steps, mid-epoch (0 = off); bounds "
+                                     "what a SIGKILL loses.")
+    checkpoint_every_minutes: float = _f(0.0, "Also checkpoint every N minutes of training, mid-epoch (0 = off; "
+                                         "inside SageMaker 10 by default, since SIGTERM may not reach us there).")
+    spot_poll_interval_s: float = _f(5.0, "Seconds between EC2 spot interruption-notice polls (IMDSv2).")
+    stop_on_rebalance: bool = _f(False, "Also checkpoint and stop on an EC2 rebalance recommendation.")
     log_dir: str = _f("runs/default/logs", "Metrics JSONL, TensorBoard events and the curves PNG go here.")
     log_every_steps: int = _f(50, "Plain progress line every N optimizer steps (no terminal attached).")
     target_accuracy: Optional[float] = _f(None, "Stop once validation top-1 (%, EMA or raw) reaches this.")
@@ -154,7 +160,7 @@ class TrainConfig:
         for name in _positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: got {getattr(self, name)!r}; must be an integer >= 1")
-        for name in ("num_workers", "eval_batch_size", "max_steps_per_epoch"):
+        for name in ("num_workers", "eval_batch_size", "max_steps_per_epoch", "checkpoint_every_steps"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: got {getattr(self, name)!r}; must be an integer >= 0")
         if self.prefetch_factor < 1:
@@ -172,7 +178,10 @@ class TrainConfig:
                 raise ConfigError(f"{name}: got {v!r}; must be in [0, 1]")
         if not (0.0 < self.crop_scale_min <= 1.0):
             raise ConfigError(f"crop_scale_min: got {self.crop_scale_min!r}; must be in (0, 1]")
-        for name in ("mixup_alpha", "cutmix_alpha", "weight_decay", "gradient_clip", "warmup_epochs"):
+        if self.spot_poll_interval_s <= 0:
+            raise ConfigError(f"spot_poll_interval_s: got {self.spot_poll_interval_s}; must be > 0")
+        for name in ("mixup_alpha", "cutmix_alpha", "weight_decay", "gradient_clip", "warmup_epochs",
+                     "checkpoint_every_minutes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: got {getattr(self, name)!r}; must be >= 0")
         if self.warmup_epochs >= self.epochs:
@@ -219,7 +228,8 @@ class TrainConfig:
 NON_TRAJECTORY_FIELDS = ("checkpoint_dir", "log_dir", "auto_resume", "resume", "force_resume", "log_every_steps",
                          "checkpoint_interval", "target_accuracy", "num_workers", "prefetch_factor",
                          "pin_memory", "persistent_workers", "data_dir", "eval_batch_size", "max_steps_per_epoch",
-                         "device")
+                         "device", "checkpoint_every_steps", "checkpoint_every_minutes", "spot_poll_interval_s",
+                         "stop_on_rebalance")
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 ALIASES = {a: f.name for f in dataclasses.fields(TrainConfig) for a in f.metadata.get("aliases", ())}

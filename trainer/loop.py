@@ -8,6 +8,8 @@ read back (one synchronisation) only every ``log_every_steps`` steps and at the 
 
 from __future__ import annotations
 
+import json
+import sys
 import time
 import warnings
 from contextlib import nullcontext
@@ -17,17 +19,19 @@ from typing import Optional
 import torch
 import torch.distributed as tdist
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import BatchSampler, DataLoader
+from torch.utils.data import BatchSampler
 
 from trainer import distributed as dist
-from trainer.checkpoint import CheckpointError, CheckpointManager, restore_rng
+from trainer.checkpoint import INTERRUPTED_MARKER, CheckpointError, CheckpointManager, restore_rng
 from trainer.components.ema import build_ema
 from trainer.components.optim import build_optimizer, build_scheduler, linear_scaling_warning
 from trainer.components.precision import resolve_precision, set_tf32
 from trainer.config import NON_TRAJECTORY_FIELDS, ConfigError, TrainConfig
-from trainer.data.imagefolder import DataError
+from trainer.data.imagefolder import BadSample, DataError
+from trainer.data.loading import build_loader, iterate, shutdown_all
 from trainer.data.sampler import EpochSampler
 from trainer.data.transforms import progressive_size
+from trainer.interruption import StopFlag
 from trainer.metrics import MetricsLogger
 from trainer.tasks import TASKS
 
@@ -37,6 +41,27 @@ _NONE = 2**62  # "no non-finite loss seen" marker for the MIN all-reduce
 class NonFiniteLossError(RuntimeError):
     """The training loss became NaN or inf; the message names the global step. Checkpoints written before
     that step are kept untouched."""
+
+
+class _EpochStats:
+    """Running training statistics of the current epoch (device tensors + host counters), checkpointed
+    mid-epoch so a resumed epoch reports the same totals as an uninterrupted one."""
+
+    def __init__(self, device: torch.device, saved: Optional[dict] = None):
+        saved = saved or {}
+        f64 = dict(dtype=torch.float64, device=device)
+        self.loss_sum = torch.tensor(saved.get("loss_sum", 0.0), **f64)
+        self.count = torch.tensor(saved.get("count", 0.0), **f64)
+        self.extra = torch.tensor(saved["extra"], **f64) if saved.get("extra") is not None else None
+        self.images = int(saved.get("images", 0))
+        self.data_wait = float(saved.get("data_wait", 0.0))
+        self.elapsed = float(saved.get("elapsed", 0.0))
+        self.bad = [BadSample(p, e) for p, e in saved.get("bad", [])]
+
+    def state_dict(self) -> dict:
+        return {"loss_sum": self.loss_sum.item(), "count": self.count.item(),
+                "extra": self.extra.tolist() if self.extra is not None else None, "images": self.images,
+                "data_wait": self.data_wait, "elapsed": self.elapsed, "bad": [[b.path, b.error] for b in self.bad]}
 
 
 def _config_diff(saved: dict, current: dict) -> list[str]:
@@ -53,8 +78,11 @@ class Trainer:
     changed without ``force_resume``).
     """
 
-    def __init__(self, cfg: TrainConfig, info: dist.DistInfo):
+    def __init__(self, cfg: TrainConfig, info: dist.DistInfo, stop: Optional[StopFlag] = None):
         self.cfg, self.info, self.device = cfg, info, info.device
+        self.stop = stop or StopFlag()  # set by signal handlers / the spot poller (trainer.train)
+        self.interrupted: Optional[str] = None
+        self._resumed_epoch_stats: Optional[dict] = None
         self.log = MetricsLogger(cfg.log_dir, enabled=info.is_main)
         torch.manual_seed(cfg.seed)
         self.task = TASKS[cfg.task](cfg, info)
@@ -94,30 +122,39 @@ class Trainer:
         self.train_model = (DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
                             if info.distributed else model)
         self.ckpt = CheckpointManager(cfg.checkpoint_dir, info.rank, info.world_size, cfg.checkpoint_interval)
+        # Stop/periodic agreement runs on gloo over CPU tensors, so it never synchronises the GPU stream.
+        self._ctrl_group = (tdist.new_group(backend="gloo") if info.distributed and self.device.type == "cuda"
+                            else None)
+        self._last_save = time.monotonic()
         self.epoch, self.step_in_epoch, self.global_step = 0, 0, 0
         self.best: Optional[float] = None
         self.history: list[dict] = []
         self._resume_if_asked()
+        marker = self.ckpt.dir / INTERRUPTED_MARKER
+        if info.is_main and marker.exists():
+            try:
+                self.log.info(f"checkpoint: the previous run was interrupted: {json.loads(marker.read_text())['reason']}")
+            except (OSError, ValueError, KeyError):
+                pass
+            marker.unlink(missing_ok=True)
         torch.manual_seed(cfg.seed * 1000 + info.rank + 1 + self.global_step)  # per-rank MixUp/CutMix stream
-        if self.global_step and self._rng_state is not None:
-            restore_rng(self._rng_state)
+        if self.global_step and self._rank_state is not None:
+            restore_rng(self._rank_state["rng"])
 
-    def _loader(self, dataset, batch_sampler, collate) -> DataLoader:
+    def _loader(self, dataset, batch_sampler, collate):
         cfg = self.cfg
-        workers = cfg.num_workers
-        return DataLoader(dataset, batch_sampler=batch_sampler, num_workers=workers, collate_fn=collate,
-                          pin_memory=cfg.pin_memory and self.device.type == "cuda",
-                          persistent_workers=cfg.persistent_workers and workers > 0,
-                          prefetch_factor=cfg.prefetch_factor if workers > 0 else None)
+        return build_loader(dataset, batch_sampler, collate, num_workers=cfg.num_workers,
+                            prefetch_factor=cfg.prefetch_factor, persistent_workers=cfg.persistent_workers,
+                            pin_memory=cfg.pin_memory and self.device.type == "cuda")
 
     # .. resume ..............................................................................................
     def _resume_if_asked(self) -> None:
         cfg = self.cfg
-        self._rng_state = None
+        self._rank_state = None
         path: Optional[Path] = None
         if cfg.resume:
             path = Path(cfg.resume)
-            if path.is_file() and path.name in ("state.pt", "manifest.json", "rng.pt"):
+            if path.is_file() and path.name in ("state.pt", "manifest.json", "ranks.pt"):
                 path = path.parent
             self.log.info(f"checkpoint: resuming from {path} (--resume)")
         elif cfg.auto_resume:  # rank 0 chooses, every rank loads the same one
@@ -127,7 +164,7 @@ class Trainer:
             path = dist.broadcast_object(path)
         if path is None:
             return
-        state, self._rng_state = CheckpointManager.load(path, self.info.rank, map_location=self.device)
+        state, self._rank_state = CheckpointManager.load(path, self.info.rank, map_location=self.device)
         diff = _config_diff(state.get("config", {}), self.cfg.to_dict())
         if diff and not cfg.force_resume:
             raise CheckpointError(f"{path}: the config changed since this checkpoint was written; "
@@ -153,9 +190,11 @@ class Trainer:
         p = state["progress"]
         self.epoch, self.step_in_epoch, self.global_step = p["epoch"], p["step_in_epoch"], p["global_step"]
         self.best = state.get("best_metric")
+        if p["step_in_epoch"] and self._rank_state is not None:
+            self._resumed_epoch_stats = self._rank_state.get("epoch_stats")
         self.history = list(state.get("history", []))
         if self.info.world_size != state.get("world_size", self.info.world_size):
-            self._rng_state = None  # other rank layout: fresh per-rank streams
+            self._rank_state = None  # other rank layout: fresh per-rank streams and epoch statistics
         self.log.info(f"checkpoint: continuing at epoch {self.epoch} step {self.step_in_epoch} "
                       f"(global step {self.global_step})")
 
@@ -166,10 +205,14 @@ class Trainer:
                 "config": self.cfg.to_dict(), "fingerprint": self.cfg.fingerprint(),
                 "best_metric": self.best, "history": self.history, "world_size": self.info.world_size}
 
-    def save_checkpoint(self, is_best: bool = False) -> Optional[Path]:
-        """Write a checkpoint of the current state (collective; see :class:`CheckpointManager`)."""
+    def save_checkpoint(self, is_best: bool = False, epoch_stats: Optional[dict] = None) -> Optional[Path]:
+        """Write a checkpoint of the current state (collective; see :class:`CheckpointManager`).
+
+        ``epoch_stats``: this rank's running statistics of an unfinished epoch (mid-epoch saves)."""
         progress = {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "global_step": self.global_step}
-        return self.ckpt.save(self._state(), progress, is_best=is_best)
+        path = self.ckpt.save(self._state(), progress, rank_state={"epoch_stats": epoch_stats}, is_best=is_best)
+        self._last_save = time.monotonic()
+        return path
 
     # .. evaluation ..........................................................................................
     @torch.no_grad()
@@ -179,7 +222,7 @@ class Trainer:
         model.eval()
         sums, bad = None, 0
         self.val_sampler.set_epoch(self.epoch)
-        for batch in self.val_loader:
+        for batch in iterate(self.val_loader):
             bad += len(batch["bad"])
             x, y, n = self.task.eval_inputs(batch)
             if n == 0:
@@ -220,20 +263,56 @@ class Trainer:
             raise DataError(f"{where}: {n_bad} file(s) could not be decoded, more than max_bad_fraction="
                             f"{self.cfg.max_bad_fraction} of the {epoch_total} files of an epoch; e.g. {examples}")
 
-    def train_epoch(self) -> dict:
-        """Run the optimizer steps of ``self.epoch`` from ``self.step_in_epoch``; return train metrics."""
+    def _control(self, first_bad: torch.Tensor, bad_paths: list) -> tuple[bool, bool]:
+        """At an optimizer-step boundary: do all ranks agree to stop, and is a periodic checkpoint due?
+
+        One all-reduce (MAX) of two CPU ints on a gloo group (never the GPU stream): [stop requested on any
+        rank, periodic checkpoint due]. Step-based periodicity is the same on every rank; time-based is
+        decided by rank 0's clock.
+        """
+        cfg = self.cfg
+        due = bool(cfg.checkpoint_every_steps and self.global_step % cfg.checkpoint_every_steps == 0)
+        if cfg.checkpoint_every_minutes and self.info.is_main:
+            due |= time.monotonic() - self._last_save >= cfg.checkpoint_every_minutes * 60.0
+        flags = torch.tensor([int(self.stop.requested), int(due)], dtype=torch.int32)
+        if self.info.distributed:
+            tdist.all_reduce(flags, op=tdist.ReduceOp.MAX, group=self._ctrl_group)
+        return bool(flags[0]), bool(flags[1])
+
+    def _save_mid_epoch(self, stats: "_EpochStats", first_bad: torch.Tensor, bad_paths: list) -> Optional[Path]:
+        self._sync_checks(first_bad, len(bad_paths), bad_paths, f"train epoch {self.epoch}")
+        return self.save_checkpoint(epoch_stats=stats.state_dict())
+
+    def _interrupt(self, path_hint: Optional[Path]) -> None:
+        """Wait until the stop checkpoint is durable, record why, and mark the run interrupted."""
+        path = self.ckpt.wait() if self.info.is_main else path_hint
+        reason = self.stop.reason or "stop requested by another rank"
+        self.interrupted = reason
+        if self.info.is_main:
+            took = ""
+            if self.stop.requested_at is not None and self.ckpt.last_durable is not None:
+                took = f", durable {self.ckpt.last_durable[1] - self.stop.requested_at:.2f} s after the request"
+            from trainer.checkpoint import atomic_write_bytes
+
+            marker = {"reason": reason, "checkpoint": path.name if path else None,
+                      "global_step": self.global_step, "time_unix": time.time()}
+            atomic_write_bytes(self.ckpt.dir / INTERRUPTED_MARKER, json.dumps(marker).encode())
+            self.log.info(f"interrupted: {reason}; stopped at global step {self.global_step} (epoch {self.epoch}, "
+                          f"step {self.step_in_epoch}); checkpoint {path}{took}. Run the same command to resume.")
+
+    def train_epoch(self) -> Optional[dict]:
+        """Run the optimizer steps of ``self.epoch`` from ``self.step_in_epoch``; return train metrics, or
+        None when the run was interrupted (a durable checkpoint exists, ``self.interrupted`` says why)."""
         cfg, task, dev = self.cfg, self.task, self.device
         self.sampler.set_epoch(self.epoch, start=self.step_in_epoch * self.accum * self.micro)
         self.train_model.train()
-        loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
-        count = torch.zeros((), dtype=torch.float64, device=dev)
-        extra = None
+        st = _EpochStats(dev, self._resumed_epoch_stats)
+        self._resumed_epoch_stats = None
         first_bad = torch.full((), _NONE, dtype=torch.int64, device=dev)
         step_dev = torch.full((), self.global_step, dtype=torch.int64, device=dev)
-        bad_paths: list = []
         params = [p for p in self.model.parameters() if p.requires_grad]
-        it = iter(self.train_loader)
-        t0, data_wait, images = time.perf_counter(), 0.0, 0
+        it = iterate(self.train_loader)
+        t0, images0 = time.perf_counter(), st.images
         window_loss = torch.zeros((), dtype=torch.float64, device=dev)
         window_n = torch.zeros((), dtype=torch.float64, device=dev)
         self.log.start_epoch(self.epoch, self.steps_per_epoch, initial=self.step_in_epoch)
@@ -241,10 +320,10 @@ class Trainer:
             for micro_i in range(self.accum):
                 tw = time.perf_counter()
                 batch = next(it)
-                data_wait += time.perf_counter() - tw
-                bad_paths += batch["bad"]
+                st.data_wait += time.perf_counter() - tw
+                st.bad += batch["bad"]
                 x, y, n = task.train_inputs(batch)
-                images += n
+                st.images += n
                 sync = micro_i == self.accum - 1 or not self.info.distributed
                 ctx = nullcontext() if sync else self.train_model.no_sync()
                 with ctx:
@@ -254,13 +333,13 @@ class Trainer:
                     self.scaler.scale(loss / self.accum).backward()
                 ld = loss.detach()
                 first_bad = torch.where((first_bad == _NONE) & ~torch.isfinite(ld), step_dev, first_bad)
-                loss_sum += ld.double() * n
-                count += n
+                st.loss_sum += ld.double() * n
+                st.count += n
                 window_loss += ld.double() * n
                 window_n += n
                 s = task.train_sums(out, y)
                 if s is not None:
-                    extra = s if extra is None else extra + s
+                    st.extra = s if st.extra is None else st.extra + s
             if cfg.gradient_clip > 0:
                 self.scaler.unscale_(self.optimizer)
                 torch.nn.utils.clip_grad_norm_(params, cfg.gradient_clip)
@@ -275,25 +354,34 @@ class Trainer:
             step_dev += 1
             log_now = self.global_step % cfg.log_every_steps == 0
             if log_now:
-                self._sync_checks(first_bad, len(bad_paths), bad_paths, f"train epoch {self.epoch}")
-            self.log.step(self.global_step, self._step_values(window_loss, window_n, t0, images)
+                self._sync_checks(first_bad, len(st.bad), st.bad, f"train epoch {self.epoch}")
+            self.log.step(self.global_step, self._step_values(window_loss, window_n, t0, st.images - images0)
                           if log_now else {}, cfg.log_every_steps)
             if log_now:
                 window_loss.zero_()
                 window_n.zero_()
+            stop, due = self._control(first_bad, st.bad)
+            if stop or due:
+                st.elapsed += time.perf_counter() - t0
+                t0, images0 = time.perf_counter(), st.images
+                path = self._save_mid_epoch(st, first_bad, st.bad)
+                if stop:
+                    self.log.end_epoch()
+                    self._interrupt(path)
+                    return None
         self.log.end_epoch()
-        self._sync_checks(first_bad, len(bad_paths), bad_paths, f"train epoch {self.epoch}")
-        elapsed = time.perf_counter() - t0
-        totals = torch.stack([loss_sum, count, torch.tensor(float(images), dtype=torch.float64, device=dev)])
+        self._sync_checks(first_bad, len(st.bad), st.bad, f"train epoch {self.epoch}")
+        elapsed = st.elapsed + time.perf_counter() - t0
+        totals = torch.stack([st.loss_sum, st.count, torch.tensor(float(st.images), dtype=torch.float64, device=dev)])
         dist.all_reduce_sum(totals)
-        all_bad = self._gather_bad(bad_paths)
+        all_bad = self._gather_bad(st.bad)
         out = {"train_loss": totals[0].item() / max(totals[1].item(), 1.0), "bad_files": len(all_bad)}
-        if extra is not None:
-            dist.all_reduce_sum(extra)
-            out.update({f"train_{k}": v for k, v in task.train_metrics(extra).items()})
+        if st.extra is not None:
+            dist.all_reduce_sum(st.extra)
+            out.update({f"train_{k}": v for k, v in task.train_metrics(st.extra).items()})
         out["images_per_s"] = totals[2].item() / max(elapsed, 1e-9)
         out["epoch_time_s"] = elapsed
-        out["data_wait_s"] = data_wait
+        out["data_wait_s"] = st.data_wait
         if all_bad:
             self.log.info(f"data: {len(all_bad)} file(s) skipped this epoch: "
                           + "; ".join(f"{b.path} ({b.error})" for b in all_bad[:5])
@@ -312,7 +400,18 @@ class Trainer:
         return [b for part in out for b in part]
 
     def fit(self) -> dict:
-        """Train until ``epochs`` or ``target_accuracy``; return the last epoch's metrics."""
+        """Train until ``epochs``, ``target_accuracy`` or an agreed stop request; return the last epoch's
+        metrics. Every checkpoint started is durable when this returns or raises."""
+        try:
+            return self._fit()
+        finally:
+            try:
+                self.ckpt.wait()
+            except Exception:  # noqa: BLE001 - a write error must not hide the error that got us here
+                if sys.exc_info()[0] is None:
+                    raise
+
+    def _fit(self) -> dict:
         cfg = self.cfg
         warn = linear_scaling_warning(cfg)
         if warn:
@@ -324,6 +423,8 @@ class Trainer:
         metric = self.task.primary_metric
         while self.epoch < cfg.epochs:
             train = self.train_epoch()
+            if train is None:
+                break
             val, val_bad = self.evaluate(self.model)
             if val_bad > self.cfg.max_bad_fraction * len(self.val_sampler.indices()) * self.info.world_size:
                 raise DataError(f"val: {val_bad} of about {len(self.val_sampler.indices()) * self.info.world_size} "
@@ -343,8 +444,11 @@ class Trainer:
             self.step_in_epoch = 0
             self.history.append({"epoch": self.epoch, **row})
             self.log.epoch(self.epoch, self.global_step, row)
-            self.save_checkpoint(is_best=is_best)
+            path = self.save_checkpoint(is_best=is_best)
             last = row
+            if self._control(torch.full((), _NONE), [])[0]:
+                self._interrupt(path)
+                break
             if cfg.target_accuracy is not None and score >= cfg.target_accuracy:
                 self.log.info(f"target_accuracy {cfg.target_accuracy}% reached ({metric}={score:.2f}) "
                               f"after epoch {self.epoch}; stopping")
@@ -357,5 +461,8 @@ class Trainer:
         return progressive_size(self.epoch, cfg.epochs, cfg.progressive_min_size, cfg.image_size, stages)
 
     def close(self) -> Optional[Path]:
-        """Close the metric sinks and draw the curves PNG (rank 0); returns its path."""
+        """Wait for the last checkpoint, close the metric sinks and draw the curves PNG (rank 0); returns
+        the PNG's path."""
+        self.ckpt.wait()
+        shutdown_all()
         return self.log.close()

@@ -1,0 +1,29 @@
+"""Fault injection for tests/test_interruption.py: ``python -m trainer train`` whose checkpoint writer
+stalls inside the write of ``state.pt`` at global step ``STALL_AT`` (after creating ``MARKER``), so the test
+can SIGKILL the job while a checkpoint is half-written."""
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import trainer.checkpoint as ckpt
+from trainer.cli import main
+
+STALL_AT, MARKER = int(os.environ["STALL_AT_STEP"]), Path(os.environ["STALL_MARKER"])
+_real = ckpt.atomic_write_bytes
+
+
+def _stalling_write(path, data):
+    if Path(path).name == "state.pt" and f"ckpt-{STALL_AT:09d}" in str(path):
+        tmp = Path(path).with_name(".state.pt.partial")
+        tmp.write_bytes(data[: len(data) // 2])  # half a file on disk, as a real crash would leave
+        MARKER.write_text(str(path))
+        time.sleep(600)
+    return _real(path, data)
+
+
+ckpt.atomic_write_bytes = _stalling_write
+
+if __name__ == "__main__":
+    sys.exit(main())
