@@ -28,7 +28,8 @@ from trainer.loop import Trainer
 from trainer.tasks.classification import build_classifier
 
 
-def _batches(root, size, batch, steps):
+def in_memory_batches(root, size, batch, steps):
+    """``steps`` collated uint8 batches of real photos from ``root/train`` (decoded and resized once)."""
     scan = scan_split(root, "train")
     tf = val_transform(size, 0.875)
     imgs, labels = [], []
@@ -49,7 +50,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
-    batches, n_classes = _batches(args.data, args.size, args.batch, args.steps)
+    batches, n_classes = in_memory_batches(args.data, args.size, args.batch, args.steps)
     cpu = torch.device("cpu")
     tmp = tempfile.mkdtemp()
     cfg = load_config(None, dict(data_dir=args.data, model=args.model, image_size=args.size, batch_size=args.batch,

@@ -125,3 +125,16 @@ def test_batch_larger_than_dataset(tiny_digits, tmp_path):
 
     with pytest.raises(ConfigError, match="batch_size: global batch 1024 is larger than the training set"):
         Trainer(load_config(None, tiny_overrides(tiny_digits, tmp_path, batch_size=1024)), CPU)
+
+
+def test_time_based_periodic_checkpoints(tiny_digits, tmp_path):
+    t = Trainer(load_config(None, tiny_overrides(tiny_digits, tmp_path, epochs=1, checkpoint_every_minutes=1e-9)), CPU)
+    saves = []
+    orig = t.save_checkpoint
+    t.save_checkpoint = lambda **kw: saves.append((t.step_in_epoch, kw.get("epoch_stats") is not None)) or orig(**kw)
+    t.fit()
+    t.close()
+    assert saves[:8] == [(i, True) for i in range(1, 9)] and saves[-1] == (0, False)  # then the epoch end
+    ck = tmp_path / "ckpt"
+    assert (ck / "latest").read_text() == "ckpt-000000009"
+    assert not [p for p in ck.iterdir() if p.name.endswith("-m")]  # superseded mid-epoch ones pruned
