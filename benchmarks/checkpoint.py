@@ -23,25 +23,17 @@ import json
 import os
 import signal
 import statistics
-import tempfile
 import threading
 import time
 
 import torch
 
-from overhead import in_memory_batches
-from trainer.config import load_config
-from trainer.distributed import DistInfo
+from overhead import in_memory_batches, in_memory_trainer
 from trainer.interruption import SignalHandlers, StopFlag
-from trainer.loop import Trainer
 
 
-def _trainer(args, tmp, stop=None, **extra):
-    cfg = load_config(None, dict(data_dir=args.data, model=args.model, image_size=args.size, batch_size=args.batch,
-                                 epochs=1000, lr=0.01, precision="32", use_ema=True, num_workers=0,
-                                 log_every_steps=10**9, checkpoint_dir=f"{tmp}/ck", log_dir=f"{tmp}/logs",
-                                 device="cpu", auto_resume=False, **extra))
-    return Trainer(cfg, DistInfo(0, 0, 1, torch.device("cpu")), stop)
+def _trainer(args, batches, stop=None, **extra):
+    return in_memory_trainer(args.data, args.model, args.size, args.batch, batches, stop, use_ema=True, **extra)
 
 
 def main() -> None:
@@ -57,8 +49,7 @@ def main() -> None:
     batches, _ = in_memory_batches(args.data, args.size, args.batch, args.steps)
 
     # 1. stall of periodic checkpoints
-    tmp = tempfile.mkdtemp()
-    t = _trainer(args, tmp, checkpoint_every_steps=args.every)
+    t = _trainer(args, batches, checkpoint_every_steps=args.every)
     state_bytes = sum(v.numel() * v.element_size() for v in t.model.state_dict().values()) * 3
     times, saved = [], []
     orig_save = t.save_checkpoint
@@ -67,7 +58,6 @@ def main() -> None:
         saved.append(len(times))
         return orig_save(*a, **k)
     t.save_checkpoint = timed_save
-    t.train_loader, t.steps_per_epoch = batches, len(batches)
     orig_control = t._control
 
     def timed_control(*a):
@@ -91,8 +81,7 @@ def main() -> None:
     ck_size = sum(f.stat().st_size for d in t.ckpt.list() for f in d.iterdir())
 
     total_with = sum(times)
-    t0 = _trainer(args, tempfile.mkdtemp())
-    t0.train_loader, t0.steps_per_epoch = batches, len(batches)
+    t0 = _trainer(args, batches)
     t0.train_epoch()  # warm-up of the allocator for the same shapes
     start = time.perf_counter()
     t0.step_in_epoch = 0
@@ -100,11 +89,9 @@ def main() -> None:
     total_without = time.perf_counter() - start
 
     # 2. SIGTERM-to-durable
-    tmp2 = tempfile.mkdtemp()
     stop = StopFlag()
     handlers = SignalHandlers(stop)
-    t2 = _trainer(args, tmp2, stop=stop)
-    t2.train_loader, t2.steps_per_epoch = batches, len(batches)
+    t2 = _trainer(args, batches, stop=stop)
     count = [0]
     orig2 = t2._control
 

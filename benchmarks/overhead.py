@@ -41,6 +41,18 @@ def in_memory_batches(root, size, batch, steps):
             for i in range(steps)], len(scan.classes)
 
 
+def in_memory_trainer(data: str, model: str, size: int, batch: int, batches: list, stop=None, **extra) -> Trainer:
+    """A single-process CPU Trainer (fp32, logs and checkpoints in a temporary folder) whose loader is
+    replaced by ``batches``."""
+    tmp = tempfile.mkdtemp()
+    cfg = load_config(None, dict(data_dir=data, model=model, image_size=size, batch_size=batch, epochs=1000,
+                                 lr=0.01, precision="32", num_workers=0, log_every_steps=10**9, auto_resume=False,
+                                 checkpoint_dir=f"{tmp}/ck", log_dir=f"{tmp}/logs", device="cpu", **extra))
+    trainer = Trainer(cfg, DistInfo(0, 0, 1, torch.device("cpu")), stop)
+    trainer.train_loader, trainer.steps_per_epoch = batches, len(batches)
+    return trainer
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", required=True)
@@ -52,14 +64,9 @@ def main() -> None:
     args = ap.parse_args()
     batches, n_classes = in_memory_batches(args.data, args.size, args.batch, args.steps)
     cpu = torch.device("cpu")
-    tmp = tempfile.mkdtemp()
-    cfg = load_config(None, dict(data_dir=args.data, model=args.model, image_size=args.size, batch_size=args.batch,
-                                 epochs=1000, lr=0.01, scheduler="cosine", precision="32", channels_last=False,
-                                 num_workers=0, log_every_steps=10**9, checkpoint_dir=f"{tmp}/ck",
-                                 log_dir=f"{tmp}/logs", no_decay_norm_bias=False, device="cpu"))
-    trainer = Trainer(cfg, DistInfo(0, 0, 1, cpu))
-    trainer.train_loader = batches
-    trainer.steps_per_epoch = len(batches)
+    trainer = in_memory_trainer(args.data, args.model, args.size, args.batch, batches, scheduler="cosine",
+                                channels_last=False, no_decay_norm_bias=False)
+    cfg = trainer.cfg
 
     torch.manual_seed(0)
     model = build_classifier(args.model, n_classes)
