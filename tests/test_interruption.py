@@ -249,6 +249,8 @@ def test_sigkill_during_checkpoint_write(tiny_digits, tmp_path, reference):
         assert p.poll() is None and time.monotonic() < deadline, "the job ended before stalling"
         time.sleep(0.2)
     os.killpg(p.pid, signal.SIGKILL)
+    # torchrun starts its ranks in sessions of their own: kill them too, as a lost instance would
+    subprocess.run(["pkill", "-KILL", "-f", str(out / "ck")], check=False)
     p.wait(timeout=60)
     ck = out / "ck"
     assert (ck / ".tmp-ckpt-000000012-m").is_dir()  # the half-written one

@@ -222,7 +222,7 @@ class Trainer:
         model.eval()
         sums, bad = None, 0
         self.val_sampler.set_epoch(self.epoch)
-        for batch in iterate(self.val_loader):
+        for batch in iterate(self.val_loader, before_fork=self.ckpt.wait):
             bad += len(batch["bad"])
             x, y, n = self.task.eval_inputs(batch)
             if n == 0:
@@ -311,7 +311,7 @@ class Trainer:
         first_bad = torch.full((), _NONE, dtype=torch.int64, device=dev)
         step_dev = torch.full((), self.global_step, dtype=torch.int64, device=dev)
         params = [p for p in self.model.parameters() if p.requires_grad]
-        it = iterate(self.train_loader)
+        it = iterate(self.train_loader, before_fork=self.ckpt.wait)
         t0, images0 = time.perf_counter(), st.images
         window_loss = torch.zeros((), dtype=torch.float64, device=dev)
         window_n = torch.zeros((), dtype=torch.float64, device=dev)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import atexit
 import signal
 import weakref
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -45,8 +45,17 @@ def build_loader(dataset: Dataset, batch_sampler: Sampler, collate: Callable, *,
                       prefetch_factor=prefetch_factor if num_workers > 0 else None)
 
 
-def iterate(loader) -> Iterator:
-    """``iter(loader)``, remembered so that :func:`shutdown_all` can stop its workers."""
+def iterate(loader, before_fork: Optional[Callable[[], object]] = None) -> Iterator:
+    """``iter(loader)``, remembered so that :func:`shutdown_all` can stop its workers.
+
+    ``before_fork`` runs first when this call will fork worker processes (the first iteration of a persistent
+    loader, every iteration of a non-persistent one): forking while another thread holds a lock (a checkpoint
+    being written in the background) can leave the child deadlocked on that lock, so the caller waits for
+    such threads there.
+    """
+    if before_fork is not None and loader.num_workers > 0 and (
+            not loader.persistent_workers or getattr(loader, "_iterator", None) is None):
+        before_fork()
     it = iter(loader)
     if hasattr(it, "_shutdown_workers"):
         _LIVE.add(it)
