@@ -263,3 +263,13 @@ def test_sigkill_during_checkpoint_write(tiny_digits, tmp_path, reference):
     _assert_same_state(reference, _final_state(out))
     # periodic mid-epoch checkpoints are pruned once superseded
     assert not [p for p in ck.iterdir() if p.name.endswith("-m")]
+
+
+def test_expired_token_is_refreshed(imds):
+    _IMDS.notice_after = 10**6
+    try:
+        p = SpotNoticePoller(StopFlag(), endpoint=imds, log=lambda m: None)
+        p._token = "expired"
+        assert p.poll_once() is False and p._token == _IMDS.token  # 401 -> new token -> 404 (nothing)
+    finally:
+        _IMDS.notice_after = 2
