@@ -263,7 +263,7 @@ class Trainer:
             raise DataError(f"{where}: {n_bad} file(s) could not be decoded, more than max_bad_fraction="
                             f"{self.cfg.max_bad_fraction} of the {epoch_total} files of an epoch; e.g. {examples}")
 
-    def _control(self, first_bad: torch.Tensor, bad_paths: list) -> tuple[bool, bool]:
+    def _control(self) -> tuple[bool, bool]:
         """At an optimizer-step boundary: do all ranks agree to stop, and is a periodic checkpoint due?
 
         One all-reduce (MAX) of two CPU ints on a gloo group (never the GPU stream): [stop requested on any
@@ -279,8 +279,8 @@ class Trainer:
             tdist.all_reduce(flags, op=tdist.ReduceOp.MAX, group=self._ctrl_group)
         return bool(flags[0]), bool(flags[1])
 
-    def _save_mid_epoch(self, stats: "_EpochStats", first_bad: torch.Tensor, bad_paths: list) -> Optional[Path]:
-        self._sync_checks(first_bad, len(bad_paths), bad_paths, f"train epoch {self.epoch}")
+    def _save_mid_epoch(self, stats: "_EpochStats", first_bad: torch.Tensor) -> Optional[Path]:
+        self._sync_checks(first_bad, len(stats.bad), stats.bad, f"train epoch {self.epoch}")
         return self.save_checkpoint(epoch_stats=stats.state_dict())
 
     def _interrupt(self, path_hint: Optional[Path]) -> None:
@@ -360,11 +360,11 @@ class Trainer:
             if log_now:
                 window_loss.zero_()
                 window_n.zero_()
-            stop, due = self._control(first_bad, st.bad)
+            stop, due = self._control()
             if stop or due:
                 st.elapsed += time.perf_counter() - t0
                 t0, images0 = time.perf_counter(), st.images
-                path = self._save_mid_epoch(st, first_bad, st.bad)
+                path = self._save_mid_epoch(st, first_bad)
                 if stop:
                     self.log.end_epoch()
                     self._interrupt(path)
@@ -446,7 +446,7 @@ class Trainer:
             self.log.epoch(self.epoch, self.global_step, row)
             path = self.save_checkpoint(is_best=is_best)
             last = row
-            if self._control(torch.full((), _NONE), [])[0]:
+            if self._control()[0]:
                 self._interrupt(path)
                 break
             if cfg.target_accuracy is not None and score >= cfg.target_accuracy:
