@@ -59,25 +59,22 @@ def main() -> None:
         return orig_save(*a, **k)
     t.save_checkpoint = timed_save
     orig_control = t._control
-
-    def timed_control(*a):
-        r = orig_control(*a)
-        return r
     last = [time.perf_counter()]
 
-    def stamp(*a, **k):
+    def stamp():  # called once per optimizer step, before a possible checkpoint
         now = time.perf_counter()
         times.append(now - last[0])
         last[0] = now
-        return timed_control(*a, **k)
+        return orig_control()
     t._control = stamp
     last[0] = time.perf_counter()
     t.train_epoch()
     t.ckpt.wait()
-    # times[i] = step i's compute + (save of step i-1 if one happened there)
-    with_save = [times[i + 1] for i in saved if i + 1 < len(times)]
-    after = [times[i + 2] for i in saved if i + 2 < len(times)]
-    plain = [x for j, x in enumerate(times[1:], 1) if j - 1 not in saved and j - 2 not in saved]
+    # saved holds len(times) at each save, i.e. the index of the interval that contains the save:
+    # times[s] = snapshot of step s-1's checkpoint + step s; times[s + 1] = the step after.
+    with_save = [times[s] for s in saved if s < len(times)]
+    after = [times[s + 1] for s in saved if s + 1 < len(times)]
+    plain = [x for j, x in enumerate(times[1:], 1) if j not in saved and j - 1 not in saved]
     ck_size = sum(f.stat().st_size for d in t.ckpt.list() for f in d.iterdir())
 
     total_with = sum(times)
@@ -95,11 +92,11 @@ def main() -> None:
     count = [0]
     orig2 = t2._control
 
-    def ctl(*a):
+    def ctl():
         count[0] += 1
         if count[0] == args.signal_after:
             threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGTERM)).start()
-        return orig2(*a)
+        return orig2()
     t2._control = ctl
     t2.train_epoch()
     handlers.restore()

@@ -11,19 +11,21 @@ import trainer.checkpoint as ckpt
 from trainer.cli import main
 
 STALL_AT, MARKER = int(os.environ["STALL_AT_STEP"]), Path(os.environ["STALL_MARKER"])
-_real = ckpt.atomic_write_bytes
+_real = ckpt.atomic_torch_save
 
 
-def _stalling_write(path, data):
+def _stalling_save(obj, path):
     if Path(path).name == "state.pt" and f"ckpt-{STALL_AT:09d}" in str(path):
-        tmp = Path(path).with_name(".state.pt.partial")
-        tmp.write_bytes(data[: len(data) // 2])  # half a file on disk, as a real crash would leave
+        meta = _real(obj, Path(path).with_name(".state.pt.full"))
+        full = Path(path).with_name(".state.pt.full")
+        Path(path).with_name(".state.pt.partial").write_bytes(full.read_bytes()[: meta["bytes"] // 2])
+        full.unlink()  # half a file on disk, as a real crash would leave
         MARKER.write_text(str(path))
         time.sleep(600)
-    return _real(path, data)
+    return _real(obj, path)
 
 
-ckpt.atomic_write_bytes = _stalling_write
+ckpt.atomic_torch_save = _stalling_save
 
 if __name__ == "__main__":
     sys.exit(main())

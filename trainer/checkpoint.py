@@ -26,7 +26,6 @@ the last checkpoint is durable. A new save waits for the previous one first.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import random
@@ -89,10 +88,21 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
-def _serialize(obj: Any) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
+def atomic_torch_save(obj: Any, path: Path) -> dict:
+    """``torch.save`` straight to a temporary file, fsync, rename; returns ``{"bytes", "sha256"}``.
+
+    Saving to a path lets torch's C++ writer stream the tensors to disk; saving into ``io.BytesIO`` first
+    held the GIL for the whole copy and stalled the training thread while a checkpoint was written.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    torch.save(obj, tmp)
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    meta = {"bytes": tmp.stat().st_size, "sha256": sha256_file(tmp)}
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+    return meta
 
 
 def snapshot(obj: Any) -> Any:
@@ -233,9 +243,7 @@ class CheckpointManager:
         tmp.mkdir(parents=True)
         files = {}
         for fname, obj in (("state.pt", state), ("ranks.pt", rng)):
-            data = _serialize(obj)
-            files[fname] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-            atomic_write_bytes(tmp / fname, data)
+            files[fname] = atomic_torch_save(obj, tmp / fname)
         manifest = {"format_version": FORMAT_VERSION, "name": name, "progress": progress,
                     "world_size": self.world_size, "created_unix": time.time(), "files": files}
         atomic_write_bytes(tmp / "manifest.json", json.dumps(manifest, indent=2).encode())
@@ -266,6 +274,25 @@ class CheckpointManager:
             if prog.get("step_in_epoch", 0) == 0 and prog.get("epoch", 0) % self.keep_every == 0:
                 continue
             shutil.rmtree(d, ignore_errors=True)
+
+    # .. interruption marker .............................................................................
+    def mark_interrupted(self, reason: str, path: Optional[Path], global_step: int) -> None:
+        """Write ``interrupted.json`` (reason, checkpoint name, global step) for launchers (rank 0)."""
+        marker = {"reason": reason, "checkpoint": path.name if path else None, "global_step": global_step,
+                  "time_unix": time.time()}
+        atomic_write_bytes(self.dir / INTERRUPTED_MARKER, json.dumps(marker).encode())
+
+    def pop_interrupted(self) -> Optional[dict]:
+        """Read and remove ``interrupted.json`` left by the previous run; None if there is none."""
+        marker = self.dir / INTERRUPTED_MARKER
+        try:
+            data = json.loads(marker.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            data = {"reason": "unknown (unreadable interrupted.json)"}
+        marker.unlink(missing_ok=True)
+        return data
 
     # .. finding and validating .........................................................................
     def pointer(self, name: str) -> Optional[str]:

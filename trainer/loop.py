@@ -8,7 +8,6 @@ read back (one synchronisation) only every ``log_every_steps`` steps and at the 
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 import warnings
@@ -22,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import BatchSampler
 
 from trainer import distributed as dist
-from trainer.checkpoint import INTERRUPTED_MARKER, CheckpointError, CheckpointManager, restore_rng
+from trainer.checkpoint import CheckpointError, CheckpointManager, restore_rng
 from trainer.components.ema import build_ema
 from trainer.components.optim import build_optimizer, build_scheduler, linear_scaling_warning
 from trainer.components.precision import resolve_precision, set_tf32
@@ -30,7 +29,7 @@ from trainer.config import NON_TRAJECTORY_FIELDS, ConfigError, TrainConfig
 from trainer.data.imagefolder import BadSample, DataError
 from trainer.data.loading import build_loader, iterate, shutdown_all
 from trainer.data.sampler import EpochSampler
-from trainer.data.transforms import progressive_size
+from trainer.data.transforms import train_size_for_epoch
 from trainer.interruption import StopFlag
 from trainer.metrics import MetricsLogger
 from trainer.tasks import TASKS
@@ -130,13 +129,9 @@ class Trainer:
         self.best: Optional[float] = None
         self.history: list[dict] = []
         self._resume_if_asked()
-        marker = self.ckpt.dir / INTERRUPTED_MARKER
-        if info.is_main and marker.exists():
-            try:
-                self.log.info(f"checkpoint: the previous run was interrupted: {json.loads(marker.read_text())['reason']}")
-            except (OSError, ValueError, KeyError):
-                pass
-            marker.unlink(missing_ok=True)
+        previous = self.ckpt.pop_interrupted() if info.is_main else None
+        if previous:
+            self.log.info(f"checkpoint: the previous run was interrupted: {previous.get('reason')}")
         torch.manual_seed(cfg.seed * 1000 + info.rank + 1 + self.global_step)  # per-rank MixUp/CutMix stream
         if self.global_step and self._rank_state is not None:
             restore_rng(self._rank_state["rng"])
@@ -174,10 +169,9 @@ class Trainer:
         self.model.load_state_dict(state["model"])
         fresh = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         self.optimizer.load_state_dict(state["optimizer"])
-        if diff:  # keep the new hyperparameters (lr, momentum, ...), not the checkpoint's
+        if diff:  # keep the new hyperparameters (lr, momentum, ...) and schedule, moved to the saved step
             for g, f in zip(self.optimizer.param_groups, fresh):
                 g.update(f)
-        if diff:  # a changed schedule (e.g. more epochs): keep the new schedule, move it to the saved step
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
                 for _ in range(state["progress"]["global_step"]):
@@ -190,11 +184,11 @@ class Trainer:
         p = state["progress"]
         self.epoch, self.step_in_epoch, self.global_step = p["epoch"], p["step_in_epoch"], p["global_step"]
         self.best = state.get("best_metric")
-        if p["step_in_epoch"] and self._rank_state is not None:
-            self._resumed_epoch_stats = self._rank_state.get("epoch_stats")
         self.history = list(state.get("history", []))
         if self.info.world_size != state.get("world_size", self.info.world_size):
             self._rank_state = None  # other rank layout: fresh per-rank streams and epoch statistics
+        if p["step_in_epoch"] and self._rank_state is not None:
+            self._resumed_epoch_stats = self._rank_state.get("epoch_stats")
         self.log.info(f"checkpoint: continuing at epoch {self.epoch} step {self.step_in_epoch} "
                       f"(global step {self.global_step})")
 
@@ -239,14 +233,14 @@ class Trainer:
         return self.task.eval_metrics(stats[:-1]), int(stats[-1].item())
 
     # .. training ............................................................................................
-    def _sync_checks(self, first_bad: torch.Tensor, bad: int, bad_paths: list, where: str) -> None:
+    def _sync_checks(self, first_bad: torch.Tensor, bad_paths: list, where: str) -> None:
         """Collective health check (all ranks call it at the same step, all raise together).
 
         Raises NonFiniteLossError when any rank saw a NaN/inf loss (naming the first such global step) and
         DataError when the epoch's undecodable files already exceed ``max_bad_fraction``.
         """
         t = first_bad.clone()
-        n_bad = torch.tensor([float(bad)], dtype=torch.float64, device=self.device)
+        n_bad = torch.tensor([float(len(bad_paths))], dtype=torch.float64, device=self.device)
         if self.info.distributed:
             tdist.all_reduce(t, op=tdist.ReduceOp.MIN)
             tdist.all_reduce(n_bad)
@@ -280,7 +274,7 @@ class Trainer:
         return bool(flags[0]), bool(flags[1])
 
     def _save_mid_epoch(self, stats: "_EpochStats", first_bad: torch.Tensor) -> Optional[Path]:
-        self._sync_checks(first_bad, len(stats.bad), stats.bad, f"train epoch {self.epoch}")
+        self._sync_checks(first_bad, stats.bad, f"train epoch {self.epoch}")
         return self.save_checkpoint(epoch_stats=stats.state_dict())
 
     def _interrupt(self, path_hint: Optional[Path]) -> None:
@@ -292,11 +286,7 @@ class Trainer:
             took = ""
             if self.stop.requested_at is not None and self.ckpt.last_durable is not None:
                 took = f", durable {self.ckpt.last_durable[1] - self.stop.requested_at:.2f} s after the request"
-            from trainer.checkpoint import atomic_write_bytes
-
-            marker = {"reason": reason, "checkpoint": path.name if path else None,
-                      "global_step": self.global_step, "time_unix": time.time()}
-            atomic_write_bytes(self.ckpt.dir / INTERRUPTED_MARKER, json.dumps(marker).encode())
+            self.ckpt.mark_interrupted(reason, path, self.global_step)
             self.log.info(f"interrupted: {reason}; stopped at global step {self.global_step} (epoch {self.epoch}, "
                           f"step {self.step_in_epoch}); checkpoint {path}{took}. Run the same command to resume.")
 
@@ -354,7 +344,7 @@ class Trainer:
             step_dev += 1
             log_now = self.global_step % cfg.log_every_steps == 0
             if log_now:
-                self._sync_checks(first_bad, len(st.bad), st.bad, f"train epoch {self.epoch}")
+                self._sync_checks(first_bad, st.bad, f"train epoch {self.epoch}")
             self.log.step(self.global_step, self._step_values(window_loss, window_n, t0, st.images - images0)
                           if log_now else {}, cfg.log_every_steps)
             if log_now:
@@ -370,7 +360,7 @@ class Trainer:
                     self._interrupt(path)
                     return None
         self.log.end_epoch()
-        self._sync_checks(first_bad, len(st.bad), st.bad, f"train epoch {self.epoch}")
+        self._sync_checks(first_bad, st.bad, f"train epoch {self.epoch}")
         elapsed = st.elapsed + time.perf_counter() - t0
         totals = torch.stack([st.loss_sum, st.count, torch.tensor(float(st.images), dtype=torch.float64, device=dev)])
         dist.all_reduce_sum(totals)
@@ -436,7 +426,7 @@ class Trainer:
                 ema_val, _ = self.evaluate(self.ema.module)
                 row.update({f"ema_val_{k}": v for k, v in ema_val.items()})
                 score = max(score, ema_val[metric])
-            row["image_size"] = self._train_size()
+            row["image_size"] = train_size_for_epoch(cfg, self.epoch)
             is_best = self.best is None or score > self.best
             if is_best:
                 self.best = score
@@ -454,11 +444,6 @@ class Trainer:
                               f"after epoch {self.epoch}; stopping")
                 break
         return last
-
-    def _train_size(self) -> int:
-        cfg = self.cfg
-        stages = cfg.progressive_stages if cfg.progressive_resize else 1
-        return progressive_size(self.epoch, cfg.epochs, cfg.progressive_min_size, cfg.image_size, stages)
 
     def close(self) -> Optional[Path]:
         """Wait for the last checkpoint, close the metric sinks and draw the curves PNG (rank 0); returns

@@ -53,8 +53,9 @@ def iterate(loader, before_fork: Optional[Callable[[], object]] = None) -> Itera
     being written in the background) can leave the child deadlocked on that lock, so the caller waits for
     such threads there.
     """
-    if before_fork is not None and loader.num_workers > 0 and (
-            not loader.persistent_workers or getattr(loader, "_iterator", None) is None):
+    forks = getattr(loader, "num_workers", 0) > 0 and (  # any iterable works; only DataLoaders fork
+        not loader.persistent_workers or getattr(loader, "_iterator", None) is None)
+    if before_fork is not None and forks:
         before_fork()
     it = iter(loader)
     if hasattr(it, "_shutdown_workers"):

@@ -34,6 +34,13 @@ def progressive_size(epoch: int, epochs: int, min_size: int, max_size: int, stag
     return max(16, int(size) // 16 * 16)
 
 
+def train_size_for_epoch(cfg, epoch: int) -> int:
+    """Training resolution of ``epoch`` for a TrainConfig: the progressive schedule when
+    ``progressive_resize`` is on, else ``image_size``."""
+    stages = cfg.progressive_stages if cfg.progressive_resize else 1
+    return progressive_size(epoch, cfg.epochs, cfg.progressive_min_size, cfg.image_size, stages)
+
+
 @functools.lru_cache(maxsize=16)
 def train_transform(size: int, crop_scale_min: float, hflip_prob: float) -> v2.Compose:
     """uint8 (3,H,W) -> uint8 (3,size,size): RandomResizedCrop + RandomHorizontalFlip."""

@@ -15,7 +15,7 @@ from torchvision.transforms import v2
 from trainer.config import BUILTIN_DIGITS, ConfigError
 from trainer.data.digits import ensure_digits
 from trainer.data.imagefolder import ImageFolderDataset, check_same_classes, collate_skip_bad, scan_split
-from trainer.data.transforms import normalize_on_device, progressive_size, train_transform, val_transform
+from trainer.data.transforms import normalize_on_device, train_size_for_epoch, train_transform, val_transform
 from trainer.tasks.base import Task, TaskData
 
 
@@ -43,13 +43,10 @@ class _TrainTransformForEpoch:
     """Picklable ``epoch -> transform`` for the loader workers (progressive resize aware)."""
 
     def __init__(self, cfg):
-        self.epochs, self.size, self.min_size = cfg.epochs, cfg.image_size, cfg.progressive_min_size
-        self.stages = cfg.progressive_stages if cfg.progressive_resize else 1
-        self.scale_min, self.hflip = cfg.crop_scale_min, cfg.hflip_prob
+        self.cfg = cfg
 
     def __call__(self, epoch: int):
-        size = progressive_size(epoch, self.epochs, self.min_size, self.size, self.stages)
-        return train_transform(size, self.scale_min, self.hflip)
+        return train_transform(train_size_for_epoch(self.cfg, epoch), self.cfg.crop_scale_min, self.cfg.hflip_prob)
 
 
 class _ValTransformForEpoch:
