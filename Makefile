@@ -10,7 +10,7 @@ SHELL  := /bin/bash
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: requirements.txt
+$(VENV)/.installed: requirements.txt requirements-trainer.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt
