@@ -8,12 +8,20 @@ SHELL  := /bin/bash
 
 .PHONY: setup run test clean
 
-setup: $(VENV)/.installed
+export JSII_SILENCE_WARNING_DEPRECATED_NODE_VERSION := 1
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+
+setup: $(VENV)/.installed node_modules/.installed
 
 $(VENV)/.installed: requirements.txt requirements-trainer.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt
+	touch $@
+
+# The CDK CLI (`npx cdk synth/deploy`), pinned in package.json / package-lock.json.
+node_modules/.installed: package.json package-lock.json
+	npm ci --no-audit --no-fund --loglevel=error
 	touch $@
 
 run: setup

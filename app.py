@@ -1,10 +1,13 @@
-"""CDK entry point: ``cdk deploy TrainingStack`` (see cdk.json).
+"""CDK entry point (cdk.json runs it): ``npx cdk deploy TrainingStack [-c env=pr-42] [-c key=value ...]``.
 
-The stacks (data, training, monitoring) are built in ``infra/`` by the CDK-stacks issue; until then this
-app synthesizes no stack. It never imports torch.
+The stacks live in infra/ (see infra/app.py and infra/config.py for every context key). Never imports torch.
 """
 
-import aws_cdk as cdk
+import os
 
-app = cdk.App()
+os.environ.setdefault("JSII_SILENCE_WARNING_DEPRECATED_NODE_VERSION", "1")
+
+from infra.app import build_app  # noqa: E402
+
+app, _config, _stacks = build_app()
 app.synth()

@@ -1,0 +1,46 @@
+"""Build the CDK app: three stacks per environment, cdk-nag's AwsSolutions pack on every synth.
+
+``cdk deploy TrainingStack -c env=pr-42`` deploys ``pr-42-DataStack``, ``pr-42-MonitoringStack`` and
+``pr-42-TrainingStack`` (TrainingStack depends on the other two, so CDK deploys them first). Construct ids
+(``DataStack``, ``MonitoringStack``, ``TrainingStack``) never change; only stack names carry the prefix.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+import aws_cdk as cdk
+from cdk_nag import AwsSolutionsChecks
+
+from infra.config import InfraConfig, from_context
+from infra.stacks.data import DataStack
+from infra.stacks.monitoring import MonitoringStack
+from infra.stacks.training import TrainingStack
+
+
+def build_app(context: Optional[Mapping[str, Any]] = None, outdir: Optional[str] = None,
+              app: Optional[cdk.App] = None) -> tuple[cdk.App, InfraConfig, dict[str, cdk.Stack]]:
+    """Create (or fill) an App; returns it, the validated config and the stacks by construct id.
+
+    ``context`` is used by tests; ``cdk`` itself passes ``-c`` values through the App.
+    Raises infra.config.InfraConfigError for bad context.
+    """
+    if app is None:
+        app = cdk.App(context=dict(context or {}), outdir=outdir)
+    cfg = from_context(app.node.try_get_context)
+    env = cdk.Environment(account=cfg.account, region=cfg.region) if cfg.account and cfg.region else None
+    cdk.Tags.of(app).add("trainstack:env", cfg.env)
+    cdk.Tags.of(app).add("project", "trainstack")
+    data = DataStack(app, "DataStack", config=cfg, env=env, stack_name=cfg.stack_name("DataStack"),
+                     termination_protection=False,
+                     description=f"Trainstack {cfg.env}: S3, EBS data volume, FSx, VPC (retained on destroy)")
+    monitoring = MonitoringStack(app, "MonitoringStack", config=cfg, env=env,
+                                 stack_name=cfg.stack_name("MonitoringStack"),
+                                 description=f"Trainstack {cfg.env}: alarms, events, logs, dashboard")
+    training = TrainingStack(app, "TrainingStack", config=cfg, data=data, monitoring=monitoring, env=env,
+                             stack_name=cfg.stack_name("TrainingStack"),
+                             description=f"Trainstack {cfg.env}: ECR, roles, spot launch templates, SageMaker jobs")
+    training.add_stack_dependency(monitoring)
+    training.add_stack_dependency(data)
+    cdk.Validations.of(app).add_plugins(AwsSolutionsChecks(app))
+    return app, cfg, {"DataStack": data, "MonitoringStack": monitoring, "TrainingStack": training}

@@ -1,0 +1,221 @@
+"""One typed infrastructure config, read once from CDK context (``-c key=value`` or cdk.json) and validated.
+
+Every size, type and price the stacks use is a field here, with its default from the seeds:
+seed 003 (400 GiB gp3 data volume at 16,000 IOPS, 200 GiB gp3 root, spot p4d.24xlarge), seed 002 (FSx for
+Lustre), seeds 000/001 (SageMaker ml.g5.* and ml.m5.xlarge, the CPU-then-GPU scaling phases), seed 001's
+"memory below 80 %" alarm. Imports neither torch nor aws_cdk: the CLI reads it too.
+
+Errors: :class:`InfraConfigError` names the context key, the value given and what was expected.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, Mapping, Optional
+
+from infra import catalog
+
+DLAMI_SSM_PARAMETER = "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
+FSX_DEPLOYMENT_TYPES = ("off", "SCRATCH_2", "PERSISTENT_2")
+STACK_IDS = ("DataStack", "MonitoringStack", "TrainingStack")
+
+
+class InfraConfigError(ValueError):
+    """A context value of the wrong type or out of range; the message names the key."""
+
+
+def _seed001_phases() -> list[dict]:
+    """Seed 001's scaling plan, phases 1-3 on the CPU instance and phase 5 on the GPU one, as job steps."""
+    return [
+        {"name": "cpu-smoke", "instance_type": "ml.m5.xlarge",
+         "hyperparameters": {"epochs": "1", "batch_size": "2", "workers": "2", "device": "cpu"}},
+        {"name": "gpu", "instance_type": "ml.g5.xlarge", "hyperparameters": {"precision": "amp"}},
+    ]
+
+
+@dataclass(frozen=True)
+class InfraConfig:
+    """Everything the stacks need, with units in the names (GiB, MiB/s, hours, percent, minutes, USD)."""
+
+    env: str = "dev"
+    account: Optional[str] = None
+    region: Optional[str] = None
+    availability_zone: Optional[str] = None  # default: <region>a
+    # data (seed 003)
+    data_volume_gib: int = 400
+    data_volume_iops: int = 16000
+    data_volume_throughput_mibps: int = 1000
+    data_volume_removal: str = "snapshot"  # or "retain"
+    fsx: str = "off"  # seed 002's FSx for Lustre: SCRATCH_2 or PERSISTENT_2 when wanted (costs from creation)
+    fsx_storage_gib: int = 1200
+    fsx_throughput_mibps_per_tib: int = 250  # PERSISTENT_2 only: 125, 250, 500 or 1000
+    fsx_data_path: str = "/datasets"  # file-system path linked to s3://<bucket>/datasets/
+    nat_gateways: int = 0  # 0: instances get public IPs (no SSH ingress); 1: private subnet + NAT (all EFA cards)
+    # training (seeds 000, 002, 003)
+    launch_template_types: tuple[str, ...] = catalog.DEFAULT_LAUNCH_TEMPLATE_TYPES
+    root_volume_gib: int = 200
+    ami_parameter: str = DLAMI_SSM_PARAMETER
+    ssh_cidr: Optional[str] = None
+    spot_max_price_fraction: float = 1.0  # max spot price as a fraction of the catalog's on-demand price
+    image_tag: str = "latest"
+    train_config: str = "configs/p4d_resnet50.yaml"
+    sagemaker_instance_types: tuple[str, ...] = ("ml.g5.2xlarge", "ml.g5.xlarge", "ml.m5.xlarge")
+    sagemaker_max_run_hours: float = 24.0
+    sagemaker_max_wait_hours: float = 48.0
+    sagemaker_volume_gib: int = 100
+    scaling_phases: tuple[Mapping[str, Any], ...] = field(default_factory=lambda: tuple(_seed001_phases()))
+    prices: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    # monitoring (seeds 001, 002)
+    alarm_email: Optional[str] = None
+    budget_usd: float = 100.0
+    gpu_low_util_percent: float = 50.0
+    gpu_low_util_minutes: int = 15
+    gpu_idle_percent: float = 5.0
+    gpu_idle_minutes: int = 30
+    host_memory_percent: float = 80.0
+    disk_percent: float = 85.0
+    # GitHub Actions OIDC deploy role
+    github_repo: Optional[str] = None  # "owner/name"
+
+    @property
+    def az(self) -> str:
+        """The one AZ of the data volume and the instances (EBS volumes attach only within their AZ)."""
+        return self.availability_zone or f"{self.region or 'us-east-1'}a"
+
+    @property
+    def prefix(self) -> str:
+        """Name prefix of this environment's stacks and named resources, e.g. ``trainstack-pr-42``."""
+        return f"trainstack-{self.env}"
+
+    def stack_name(self, stack_id: str) -> str:
+        """CloudFormation stack name for a construct id: ``pr-42-TrainingStack`` (ids stay unchanged)."""
+        return f"{self.env}-{stack_id}"
+
+    def bucket_name(self, account: str, region: str) -> str:
+        """The data bucket's name (deterministic, so the training stack can scope IAM to it without an import).
+
+        ``account``/``region`` are the stack's (tokens or literals); S3 names are at most 63 characters.
+        """
+        return f"{self.prefix}-{account}-{region}"
+
+    def catalog(self) -> dict[str, catalog.InstanceType]:
+        """The instance catalog with this config's price overrides applied."""
+        return catalog.with_prices(self.prices, source="cdk context 'prices'")
+
+
+_ENV_RE = re.compile(r"^[a-z][a-z0-9-]{0,19}$")  # 20 chars: bucket name <= 63, job names <= 63
+
+
+def _coerce(name: str, value: Any, default: Any) -> Any:
+    """Convert a context value (strings from ``-c``, JSON types from cdk.json) to the field's type."""
+    if isinstance(value, str) and (isinstance(default, (tuple, list, dict)) or name == "prices"):
+        if isinstance(default, tuple) and not value.strip().startswith("["):
+            return tuple(v.strip() for v in value.split(",") if v.strip())
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise InfraConfigError(f"context {name!r}: expected JSON, got {value!r} ({e})") from None
+    if isinstance(default, bool):
+        if isinstance(value, str):
+            if value.lower() not in ("true", "false"):
+                raise InfraConfigError(f"context {name!r}: expected true or false, got {value!r}")
+            return value.lower() == "true"
+        return bool(value)
+    if isinstance(default, (int, float)) and not isinstance(default, bool):
+        try:
+            num = float(value)
+        except (TypeError, ValueError):
+            raise InfraConfigError(f"context {name!r}: expected a number, got {value!r}") from None
+        if isinstance(default, int):
+            if num != int(num):
+                raise InfraConfigError(f"context {name!r}: expected a whole number, got {value!r}")
+            return int(num)
+        return num
+    if isinstance(default, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise InfraConfigError(f"context {name!r}: expected a list, got {value!r}")
+        return tuple(value)
+    return value
+
+
+def _validate(cfg: InfraConfig) -> None:
+    def bad(key: str, expected: str) -> InfraConfigError:
+        return InfraConfigError(f"context {key!r}={getattr(cfg, key)!r}: expected {expected}")
+
+    if not _ENV_RE.match(cfg.env):
+        raise bad("env", "lower-case letters, digits and '-', starting with a letter, at most 20 characters")
+    if not 1 <= cfg.data_volume_gib <= 16384:
+        raise bad("data_volume_gib", "1..16384 GiB (gp3 limits)")
+    if not 3000 <= cfg.data_volume_iops <= 80000 or cfg.data_volume_iops > 500 * cfg.data_volume_gib:
+        raise bad("data_volume_iops", "3000..80000 and at most 500 IOPS per GiB (gp3 limits)")
+    if not 125 <= cfg.data_volume_throughput_mibps <= 2000 \
+            or cfg.data_volume_throughput_mibps > cfg.data_volume_iops / 4:
+        raise bad("data_volume_throughput_mibps", "125..2000 MiB/s and at most IOPS/4 (gp3 limits)")
+    if cfg.data_volume_removal not in ("snapshot", "retain"):
+        raise bad("data_volume_removal", "'snapshot' or 'retain' (the data volume is never deleted)")
+    if cfg.fsx not in FSX_DEPLOYMENT_TYPES:
+        raise bad("fsx", " or ".join(FSX_DEPLOYMENT_TYPES))
+    if cfg.fsx != "off" and (cfg.fsx_storage_gib != 1200 and cfg.fsx_storage_gib % 2400):
+        raise bad("fsx_storage_gib", "1200 or a multiple of 2400 GiB (FSx for Lustre SSD sizes)")
+    if cfg.fsx == "PERSISTENT_2" and cfg.fsx_throughput_mibps_per_tib not in (125, 250, 500, 1000):
+        raise bad("fsx_throughput_mibps_per_tib", "125, 250, 500 or 1000 (PERSISTENT_2)")
+    if cfg.nat_gateways not in (0, 1):
+        raise bad("nat_gateways", "0 or 1")
+    cat = cfg.catalog()
+    for t in cfg.launch_template_types:
+        it = catalog.get(t, cat)
+        if it.platform != "ec2":
+            raise bad("launch_template_types", f"EC2 types; {t!r} is a SageMaker type")
+    for t in cfg.sagemaker_instance_types:
+        if catalog.get(t, cat).platform != "sagemaker":
+            raise bad("sagemaker_instance_types", f"ml.* types; {t!r} is not one")
+    if not 0 < cfg.spot_max_price_fraction <= 1:
+        raise bad("spot_max_price_fraction", "a fraction in (0, 1] of the on-demand price")
+    if cfg.sagemaker_max_run_hours <= 0 or cfg.sagemaker_max_wait_hours < cfg.sagemaker_max_run_hours:
+        raise bad("sagemaker_max_wait_hours", "MaxWaitTimeInSeconds >= MaxRuntimeInSeconds > 0 "
+                                              f"(max_run_hours={cfg.sagemaker_max_run_hours})")
+    if cfg.sagemaker_max_wait_hours > 28 * 24:
+        raise bad("sagemaker_max_wait_hours", "at most 28 days (SageMaker limit)")
+    for i, phase in enumerate(cfg.scaling_phases):
+        if not isinstance(phase, Mapping) or not {"name", "instance_type"} <= set(phase):
+            raise InfraConfigError(f"context 'scaling_phases'[{i}]: expected an object with 'name', "
+                                   f"'instance_type' and optional 'hyperparameters', got {phase!r}")
+        if catalog.get(phase["instance_type"], cat).platform != "sagemaker":
+            raise InfraConfigError(f"context 'scaling_phases'[{i}].instance_type={phase['instance_type']!r}: "
+                                   "expected an ml.* type")
+    for key in ("gpu_low_util_percent", "gpu_idle_percent", "host_memory_percent", "disk_percent"):
+        if not 0 < getattr(cfg, key) < 100:
+            raise bad(key, "a percentage between 0 and 100")
+    if cfg.budget_usd <= 0:
+        raise bad("budget_usd", "a positive amount of USD")
+    if cfg.github_repo is not None and not re.match(r"^[\w.-]+/[\w.-]+$", cfg.github_repo):
+        raise bad("github_repo", "'owner/name'")
+
+
+def from_context(get: Any) -> InfraConfig:
+    """Build the config from a context getter (``app.node.try_get_context``) and ``CDK_DEFAULT_*``.
+
+    Unknown context keys are ignored by CDK itself; known ones are converted and validated.
+    Raises InfraConfigError naming the first bad key.
+    """
+    values: dict[str, Any] = {}
+    for f in fields(InfraConfig):
+        raw = get(f.name)
+        if raw is None:
+            continue
+        default = f.default if f.default_factory is MISSING else f.default_factory()
+        values[f.name] = _coerce(f.name, raw, default if default is not None else "")
+    values.setdefault("account", os.environ.get("CDK_DEFAULT_ACCOUNT"))
+    values.setdefault("region", os.environ.get("CDK_DEFAULT_REGION"))
+    try:
+        cfg = InfraConfig(**values)
+    except TypeError as e:  # pragma: no cover - fields() and the dataclass cannot disagree
+        raise InfraConfigError(str(e)) from None
+    try:
+        _validate(cfg)
+    except catalog.CatalogError as e:
+        raise InfraConfigError(f"context: {e}") from None
+    return cfg

@@ -1,0 +1,129 @@
+"""DataStack: what must outlive the compute — S3 bucket, EBS gp3 data volume, optional FSx for Lustre, network.
+
+Nothing here is deleted by ``cdk destroy``: the bucket and the FSx file system are retained, the EBS volume
+is snapshotted (or retained, context ``data_volume_removal``). Seed 003 keeps FFCV data and checkpoints on a
+400 GiB gp3 volume at 16,000 IOPS that moves between instances; an EBS volume attaches only to instances in
+its own AZ, so the VPC here has subnets in that one AZ only and every launch template places instances there.
+"""
+
+from __future__ import annotations
+
+import aws_cdk as cdk
+from aws_cdk import aws_ec2 as ec2
+from aws_cdk import aws_fsx as fsx
+from aws_cdk import aws_logs as logs
+from aws_cdk import aws_s3 as s3
+from constructs import Construct
+
+from infra.config import InfraConfig
+from infra.constructs.nag import ack
+
+LUSTRE_PORTS = ((988, 988), (1018, 1023))  # FSx for Lustre user guide, "File system access control with VPC"
+
+
+class DataStack(cdk.Stack):
+    """S3 (datasets/, checkpoints/, models/, artifacts/), the data volume, FSx, VPC and security groups.
+
+    Attributes read by the other stacks: ``bucket``, ``access_log_bucket``, ``volume``, ``vpc``,
+    ``instance_subnets``, ``instance_sg``, ``file_system`` (None when ``fsx=off``).
+    """
+
+    def __init__(self, scope: Construct, cid: str, *, config: InfraConfig, **kwargs) -> None:
+        super().__init__(scope, cid, **kwargs)
+        cfg = config
+
+        self.access_log_bucket = s3.Bucket(
+            self, "AccessLogs", encryption=s3.BucketEncryption.S3_MANAGED, enforce_ssl=True, versioned=True,
+            block_public_access=s3.BlockPublicAccess.BLOCK_ALL, object_ownership=s3.ObjectOwnership.OBJECT_WRITER,
+            removal_policy=cdk.RemovalPolicy.RETAIN,
+            lifecycle_rules=[s3.LifecycleRule(expiration=cdk.Duration.days(365),
+                                              noncurrent_version_expiration=cdk.Duration.days(30))])
+        ack(self.access_log_bucket, "AwsSolutions-S1",
+            "This is the access-log bucket itself; logging it into itself would loop.")
+        self.bucket = s3.Bucket(
+            self, "Bucket", bucket_name=cfg.bucket_name(self.account, self.region), encryption=s3.BucketEncryption.S3_MANAGED, enforce_ssl=True, versioned=True,
+            block_public_access=s3.BlockPublicAccess.BLOCK_ALL, removal_policy=cdk.RemovalPolicy.RETAIN,
+            server_access_logs_bucket=self.access_log_bucket, server_access_logs_prefix="bucket/",
+            lifecycle_rules=[s3.LifecycleRule(id="old-versions", noncurrent_version_expiration=cdk.Duration.days(30),
+                                              abort_incomplete_multipart_upload_after=cdk.Duration.days(7))])
+
+        subnets = [ec2.SubnetConfiguration(name="public", subnet_type=ec2.SubnetType.PUBLIC, cidr_mask=24)]
+        private_type = (ec2.SubnetType.PRIVATE_WITH_EGRESS if cfg.nat_gateways else ec2.SubnetType.PRIVATE_ISOLATED)
+        subnets.append(ec2.SubnetConfiguration(name="private", subnet_type=private_type, cidr_mask=20))
+        self.vpc = ec2.Vpc(
+            self, "Vpc", ip_addresses=ec2.IpAddresses.cidr("10.42.0.0/16"), availability_zones=[cfg.az],
+            nat_gateways=cfg.nat_gateways, subnet_configuration=subnets,
+            gateway_endpoints={"S3": ec2.GatewayVpcEndpointOptions(service=ec2.GatewayVpcEndpointAwsService.S3)})
+        flow_logs = logs.LogGroup(self, "FlowLogs", retention=logs.RetentionDays.ONE_MONTH,
+                                  removal_policy=cdk.RemovalPolicy.DESTROY)
+        self.vpc.add_flow_log("FlowLog", destination=ec2.FlowLogDestination.to_cloud_watch_logs(flow_logs),
+                              traffic_type=ec2.FlowLogTrafficType.REJECT)
+        # With a NAT the instances sit in the private subnet (required for multi-card EFA); else public + IP.
+        self.instance_subnets = self.vpc.select_subnets(
+            subnet_group_name="private" if cfg.nat_gateways else "public").subnets
+
+        self.instance_sg = ec2.SecurityGroup(
+            self, "InstanceSg", vpc=self.vpc, allow_all_outbound=True,
+            description="Training instances: no ingress but from each other (NCCL/EFA need all traffic)")
+        self.instance_sg.add_ingress_rule(self.instance_sg, ec2.Port.all_traffic(), "NCCL/EFA between instances")
+        if cfg.ssh_cidr:
+            self.instance_sg.add_ingress_rule(ec2.Peer.ipv4(cfg.ssh_cidr), ec2.Port.tcp(22), "SSH (context ssh_cidr)")
+
+        self.volume = ec2.Volume(
+            self, "DataVolume", availability_zone=cfg.az, size=cdk.Size.gibibytes(cfg.data_volume_gib),
+            volume_type=ec2.EbsDeviceVolumeType.GP3, iops=cfg.data_volume_iops,
+            throughput=cfg.data_volume_throughput_mibps, encrypted=True,
+            removal_policy=(cdk.RemovalPolicy.SNAPSHOT if cfg.data_volume_removal == "snapshot"
+                            else cdk.RemovalPolicy.RETAIN))
+        cdk.Tags.of(self.volume).add("trainstack:role", "data")
+
+        self.file_system = None
+        if cfg.fsx != "off":
+            self.file_system = self._fsx(cfg)
+
+        for name, value, desc in [
+            ("BucketName", self.bucket.bucket_name, "datasets/, checkpoints/, models/, artifacts/"),
+            ("DataVolumeId", self.volume.volume_id, "EBS gp3 data volume (mounted at /data)"),
+            ("AvailabilityZone", cfg.az, "AZ of the data volume and the instances"),
+            ("VpcId", self.vpc.vpc_id, "training VPC"),
+            ("InstanceSecurityGroupId", self.instance_sg.security_group_id, "training instances"),
+            ("InstanceSubnetId", self.instance_subnets[0].subnet_id, "subnet the launch templates use"),
+        ]:
+            cdk.CfnOutput(self, name, value=value, description=desc)
+
+    def _fsx(self, cfg: InfraConfig) -> fsx.LustreFileSystem:
+        """FSx for Lustre in the instances' subnet, linked to ``s3://bucket/datasets/`` (seed 002)."""
+        sg = ec2.SecurityGroup(self, "FsxSg", vpc=self.vpc, allow_all_outbound=False,
+                               description="FSx for Lustre: Lustre ports from the training instances")
+        for lo, hi in LUSTRE_PORTS:
+            for peer in (self.instance_sg, sg):
+                sg.add_ingress_rule(peer, ec2.Port.tcp_range(lo, hi), "Lustre")
+            sg.add_egress_rule(sg, ec2.Port.tcp_range(lo, hi), "Lustre between file servers")
+            self.instance_sg.add_egress_rule(sg, ec2.Port.tcp_range(lo, hi), "Lustre client")
+        persistent = cfg.fsx == "PERSISTENT_2"
+        lustre = fsx.LustreConfiguration(
+            deployment_type=getattr(fsx.LustreDeploymentType, cfg.fsx),
+            per_unit_storage_throughput=cfg.fsx_throughput_mibps_per_tib if persistent else None,
+            data_compression_type=fsx.LustreDataCompressionType.LZ4,
+            # SCRATCH_2 links to S3 through its own import/export paths; PERSISTENT_2 through a DRA below.
+            import_path=None if persistent else self.bucket.s3_url_for_object("datasets"),
+            export_path=None if persistent else self.bucket.s3_url_for_object("datasets"),
+            auto_import_policy=None if persistent else fsx.LustreAutoImportPolicy.NEW_CHANGED_DELETED)
+        fs = fsx.LustreFileSystem(
+            self, "Lustre", vpc=self.vpc, vpc_subnet=self.instance_subnets[0], security_group=sg,
+            storage_capacity_gib=cfg.fsx_storage_gib, lustre_configuration=lustre,
+            file_system_type_version=fsx.FileSystemTypeVersion.V_2_15 if persistent else None,
+            removal_policy=cdk.RemovalPolicy.RETAIN)
+        if persistent:
+            fsx.CfnDataRepositoryAssociation(
+                self, "DataRepositoryAssociation", file_system_id=fs.file_system_id,
+                file_system_path=cfg.fsx_data_path, data_repository_path=self.bucket.s3_url_for_object("datasets/"),
+                batch_import_meta_data_on_create=True,
+                s3=fsx.CfnDataRepositoryAssociation.S3Property(
+                    auto_import_policy=fsx.CfnDataRepositoryAssociation.AutoImportPolicyProperty(
+                        events=["NEW", "CHANGED", "DELETED"]),
+                    auto_export_policy=fsx.CfnDataRepositoryAssociation.AutoExportPolicyProperty(
+                        events=["NEW", "CHANGED", "DELETED"])))
+        cdk.CfnOutput(self, "FsxDnsName", value=fs.dns_name, description="FSx for Lustre DNS name")
+        cdk.CfnOutput(self, "FsxMountName", value=fs.mount_name, description="FSx for Lustre mount name")
+        return fs
