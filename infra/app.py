@@ -18,6 +18,15 @@ from infra.stacks.monitoring import MonitoringStack
 from infra.stacks.training import TrainingStack
 
 
+#: CDK feature flags this app relies on (set before any construct is created).
+FEATURE_FLAGS = {
+    # grant S3 server-access-log delivery by bucket policy, not the legacy LogDeliveryWrite ACL (cfn-lint W3045)
+    "@aws-cdk/aws-s3:serverAccessLogsUseBucketPolicy": True,
+    # the data stack's exports stay protected while the training stack imports them
+    "@aws-cdk/core:defaultCrossStackReferences": "strong",
+}
+
+
 def build_app(context: Optional[Mapping[str, Any]] = None, outdir: Optional[str] = None,
               app: Optional[cdk.App] = None) -> tuple[cdk.App, InfraConfig, dict[str, cdk.Stack]]:
     """Create (or fill) an App; returns it, the validated config and the stacks by construct id.
@@ -27,6 +36,9 @@ def build_app(context: Optional[Mapping[str, Any]] = None, outdir: Optional[str]
     """
     if app is None:
         app = cdk.App(context=dict(context or {}), outdir=outdir)
+    for flag, value in FEATURE_FLAGS.items():
+        if app.node.try_get_context(flag) is None:
+            app.node.set_context(flag, value)
     cfg = from_context(app.node.try_get_context)
     env = cdk.Environment(account=cfg.account, region=cfg.region) if cfg.account and cfg.region else None
     cdk.Tags.of(app).add("trainstack:env", cfg.env)

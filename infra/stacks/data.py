@@ -34,7 +34,7 @@ class DataStack(cdk.Stack):
 
         self.access_log_bucket = s3.Bucket(
             self, "AccessLogs", encryption=s3.BucketEncryption.S3_MANAGED, enforce_ssl=True, versioned=True,
-            block_public_access=s3.BlockPublicAccess.BLOCK_ALL, object_ownership=s3.ObjectOwnership.OBJECT_WRITER,
+            block_public_access=s3.BlockPublicAccess.BLOCK_ALL, object_ownership=s3.ObjectOwnership.BUCKET_OWNER_ENFORCED,
             removal_policy=cdk.RemovalPolicy.RETAIN,
             lifecycle_rules=[s3.LifecycleRule(expiration=cdk.Duration.days(365),
                                               noncurrent_version_expiration=cdk.Duration.days(30))])

@@ -111,8 +111,13 @@ class MonitoringStack(cdk.Stack):
                     f"Host memory > {cfg.host_memory_percent:g} % (seed 001): lower --workers/--prefetch-factor.")
         self._alarm("disk-high", self._metric(agent.DISK, "Maximum"), cfg.disk_percent, 5, gt,
                     f"A disk (data volume or root) is > {cfg.disk_percent:g} % full: prune checkpoints.")
+        if cfg.region and cfg.region != "us-east-1":
+            cdk.Annotations.of(self).add_warning_v2(
+                "trainstack:billing-alarm", f"No estimated-charges alarm: billing metrics exist only in us-east-1 "
+                f"and an alarm cannot watch another region ({cfg.region}); deploy a us-east-1 environment for it.")
+            return
         charges = cw.Metric(namespace="AWS/Billing", metric_name="EstimatedCharges", statistic="Maximum",
-                            dimensions_map={"Currency": "USD"}, period=cdk.Duration.hours(6), region="us-east-1")
+                            dimensions_map={"Currency": "USD"}, period=cdk.Duration.hours(6))
         self._alarm("estimated-charges", charges, cfg.budget_usd, 1, gt,
                     f"Estimated charges this month > ${cfg.budget_usd:g} (billing metrics live in us-east-1 and "
                     "need 'Receive Billing Alerts' turned on).")
