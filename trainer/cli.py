@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Train a model. Flags override --config; defaults are "
                                        "trainer/config.py's TrainConfig.")
     _add_train_flags(train)
+    from trainer.planning_cli import add_planning_commands  # probe, plan (issue 6)
+
+    add_planning_commands(sub, _add_train_flags)
     return parser
 
 
@@ -84,4 +87,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from trainer.train import run
 
         return run(cfg)
+    if args.command in ("probe", "plan"):
+        from trainer.planning_cli import run_command
+
+        return run_command(args, _config_from_namespace)
     return EXIT_USAGE
