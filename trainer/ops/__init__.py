@@ -1,0 +1,1 @@
+"""Custom operators (CUDA kernels with PyTorch references)."""

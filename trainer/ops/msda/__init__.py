@@ -1,0 +1,17 @@
+"""Multi-scale deformable attention (Deformable DETR, arXiv 2010.04159; DINO's MultiScaleDeformableAttention).
+
+- :func:`ms_deform_attn` checked entry point: CUDA kernels (fp32/fp64/fp16/bf16) on CUDA tensors when the
+  extension is built (``images/build_msda.sh``), else the PyTorch reference with one RuntimeWarning.
+- :class:`MSDeformAttnFunction`, :func:`ms_deform_attn_core_pytorch`: DINO's names, drop-in for its code.
+- :class:`MultiScaleDeformableAttention`: the same op as an ``nn.Module``.
+"""
+
+from trainer.ops.msda.function import (MSDeformAttnFunction, check_inputs, extension_error, load_extension,
+                                       ms_deform_attn)
+from trainer.ops.msda.module import MultiScaleDeformableAttention
+from trainer.ops.msda.reference import ms_deform_attn_reference
+
+ms_deform_attn_core_pytorch = ms_deform_attn_reference  # DINO's name for the reference
+
+__all__ = ["MSDeformAttnFunction", "MultiScaleDeformableAttention", "check_inputs", "extension_error",
+           "load_extension", "ms_deform_attn", "ms_deform_attn_core_pytorch", "ms_deform_attn_reference"]

@@ -1,0 +1,44 @@
+"""Pure-PyTorch multi-scale deformable attention: the specification the CUDA kernels are tested against.
+
+Deformable DETR (Zhu et al., arXiv 2010.04159, eq. 3), as in DINO's ``ms_deform_attn_core_pytorch``:
+bilinear sampling with ``F.grid_sample(mode="bilinear", padding_mode="zeros", align_corners=False)``, so a
+normalised location ``(x, y)`` in [0, 1] samples pixel position ``(x * W - 0.5, y * H - 0.5)`` and the
+grid is zero outside. Runs on any device and dtype that ``grid_sample`` supports; autograd differentiates it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def ms_deform_attn_reference(value: torch.Tensor, spatial_shapes: torch.Tensor, sampling_locations: torch.Tensor,
+                             attention_weights: torch.Tensor) -> torch.Tensor:
+    """Multi-scale deformable attention by ``grid_sample``; no argument checks (see ``ms_deform_attn``).
+
+    Args:
+        value: (N, S, M, D) float; S = sum over levels of H_l * W_l, levels stacked in order, row-major.
+        spatial_shapes: (L, 2) int64, (H_l, W_l) per level in pixels.
+        sampling_locations: (N, Lq, M, L, P, 2), normalised (x, y); [0, 1] spans the level's grid.
+        attention_weights: (N, Lq, M, L, P), same dtype as value (usually softmax over L * P).
+
+    Returns:
+        (N, Lq, M * D) tensor, value's dtype: per query and head, the attention-weighted sum of the L * P
+        bilinear samples, heads concatenated (head m occupies channels m*D .. m*D+D-1).
+    """
+    n, _, m, d = value.shape
+    _, lq, _, n_levels, n_points, _ = sampling_locations.shape
+    shapes = [(int(h), int(w)) for h, w in spatial_shapes.tolist()]
+    value_list = value.split([h * w for h, w in shapes], dim=1)
+    grids = 2 * sampling_locations - 1  # grid_sample's [-1, 1] convention
+    samples = []
+    for lvl, (h, w) in enumerate(shapes):
+        # (N, H*W, M, D) -> (N*M, D, H, W)
+        value_l = value_list[lvl].flatten(2).transpose(1, 2).reshape(n * m, d, h, w)
+        # (N, Lq, M, P, 2) -> (N*M, Lq, P, 2)
+        grid_l = grids[:, :, :, lvl].transpose(1, 2).flatten(0, 1)
+        samples.append(F.grid_sample(value_l, grid_l, mode="bilinear", padding_mode="zeros", align_corners=False))
+    # (N, Lq, M, L, P) -> (N*M, 1, Lq, L*P)
+    weights = attention_weights.transpose(1, 2).reshape(n * m, 1, lq, n_levels * n_points)
+    out = (torch.stack(samples, dim=-2).flatten(-2) * weights).sum(-1).view(n, m * d, lq)
+    return out.transpose(1, 2).contiguous()
