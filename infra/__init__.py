@@ -1,6 +1,7 @@
-"""The AWS side of Trainstack (CDK stacks, instance catalog, boto3 CLI). Never imports torch.
+"""The AWS side of Trainstack. Never imports torch.
 
-Layout to come (see ../shared/DESIGN.md): ``catalog.py`` (instance facts and prices, the one copy),
-``stacks/{data,training,monitoring}.py``, ``constructs/``, ``__main__.py`` (push-image, launch, submit,
-status, logs, stop, teardown, cost). Nothing is implemented here yet.
+``catalog.py`` (instance facts and prices, the one copy), ``config.py`` (typed CDK context), ``app.py`` and
+``stacks/{data,monitoring,training}.py`` (CDK), ``constructs/`` (spot launch template, user data, SageMaker
+spot jobs, CloudWatch agent, cdk-nag acknowledgements), ``cli/`` (``python -m infra``: push-image, launch,
+submit, status, logs, stop, teardown, cost).
 """

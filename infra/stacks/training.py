@@ -34,7 +34,7 @@ class TrainingStack(cdk.Stack):
         # By name, from this stack's own account/region: IAM scoped to it needs no cross-stack import.
         self.bucket = s3.Bucket.from_bucket_name(self, "DataBucket", cfg.bucket_name(self.account, self.region))
         self.repository = ecr.Repository(
-            self, "Repository", image_scan_on_push=True, image_tag_mutability=ecr.TagMutability.MUTABLE,
+            self, "Repository", repository_name=cfg.prefix, image_scan_on_push=True, image_tag_mutability=ecr.TagMutability.MUTABLE,
             removal_policy=cdk.RemovalPolicy.DESTROY, empty_on_delete=True,
             lifecycle_rules=[ecr.LifecycleRule(description="untagged images go after 7 days", rule_priority=1,
                                                tag_status=ecr.TagStatus.UNTAGGED, max_image_age=cdk.Duration.days(7)),

@@ -1,0 +1,1 @@
+"""boto3 CLI operating a deployed environment: ``python -m infra --help`` (see infra/cli/main.py)."""

@@ -1,0 +1,158 @@
+"""EC2 side of the CLI: launch from the stack's spot launch template, list, stop, and the teardown sweep.
+
+The job is described by instance tags that the launch template's user data reads through IMDS
+(``trainstack:job``, ``trainstack:config``, ``trainstack:image-tag``, ``trainstack:args``, ``trainstack:keep``);
+every instance, volume and spot request also carries ``trainstack:env`` so that ``teardown`` finds them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+from botocore.exceptions import ClientError
+
+from infra.cli.outputs import Outputs
+from infra.cli.session import CAPACITY_ERRORS, Aws, CliError, explain
+
+ON_DEMAND_DESCRIPTION = "trainstack on-demand fallback (spot options removed)"
+LIVE_STATES = ["pending", "running", "stopping", "stopped"]
+_JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+
+
+@dataclass
+class Launched:
+    """``instance_id``, ``market`` ("spot" or "on-demand"), launch template ``version`` used."""
+
+    instance_id: str
+    market: str
+    version: str
+
+
+def _tags(env: str, job: str, config: str, image_tag: str, args: str, keep: bool) -> list[dict]:
+    tags = {"Name": f"trainstack-{env}-{job}", "trainstack:env": env, "trainstack:job": job,
+            "trainstack:config": config, "trainstack:image-tag": image_tag, "trainstack:keep": str(keep).lower()}
+    if args:
+        tags["trainstack:args"] = args
+    return [{"Key": k, "Value": v} for k, v in tags.items()]
+
+
+def on_demand_version(ec2, template_id: str) -> str:
+    """A version of the launch template without spot options (created once, then reused).
+
+    A launch template's ``InstanceMarketOptions`` cannot be removed by RunInstances, so the fallback copies the
+    default version's data without them into a new, non-default version.
+    """
+    versions = ec2.describe_launch_template_versions(LaunchTemplateId=template_id)["LaunchTemplateVersions"]
+    for v in versions:
+        if v.get("VersionDescription") == ON_DEMAND_DESCRIPTION:
+            return str(v["VersionNumber"])
+    default = next(v for v in versions if v.get("DefaultVersion")) if any(
+        v.get("DefaultVersion") for v in versions) else versions[0]
+    data = dict(default["LaunchTemplateData"])
+    data.pop("InstanceMarketOptions", None)
+    made = ec2.create_launch_template_version(LaunchTemplateId=template_id, VersionDescription=ON_DEMAND_DESCRIPTION,
+                                              LaunchTemplateData=data)
+    return str(made["LaunchTemplateVersion"]["VersionNumber"])
+
+
+def launch(aws: Aws, outputs: Outputs, instance_type: str, job: str, config: str, image_tag: str,
+           args: str = "", keep: bool = False, on_demand_fallback: bool = False, ec2=None) -> Launched:
+    """Run one instance from the stack's launch template for ``instance_type`` (spot unless it falls back).
+
+    Raises CliError for a bad job name, a type without a launch template, or capacity/spot errors (with the
+    next option) when no fallback is asked for or the fallback fails too.
+    """
+    if not _JOB_RE.match(job):
+        raise CliError(f"job name {job!r}: expected 1-63 letters, digits, '.', '_' or '-'")
+    ec2 = ec2 or aws.client("ec2")
+    template_id = outputs.launch_template(instance_type)
+    tags = _tags(aws.env, job, config, image_tag, args, keep)
+    spec = [{"ResourceType": "instance", "Tags": tags},
+            {"ResourceType": "volume", "Tags": [t for t in tags if t["Key"] in ("trainstack:env", "trainstack:job")]}]
+
+    def run(version: str, market: str) -> Launched:
+        extra = [{"ResourceType": "spot-instances-request", "Tags": spec[1]["Tags"]}] if market == "spot" else []
+        out = ec2.run_instances(LaunchTemplate={"LaunchTemplateId": template_id, "Version": version},
+                                MinCount=1, MaxCount=1, TagSpecifications=spec + extra)
+        return Launched(out["Instances"][0]["InstanceId"], market, version)
+
+    try:
+        return run("$Default", "spot")
+    except ClientError as e:
+        code = e.response.get("Error", {}).get("Code", "")
+        if not (on_demand_fallback and code in CAPACITY_ERRORS):
+            raise explain(e, f"launching spot {instance_type}", instance_type) from None
+    try:
+        return run(on_demand_version(ec2, template_id), "on-demand")
+    except ClientError as e:
+        raise explain(e, f"launching on-demand {instance_type} (after the spot launch failed)",
+                      instance_type) from None
+
+
+def list_instances(aws: Aws, ec2=None) -> list[dict]:
+    """This environment's live instances: id, type, state, market, job, launch time, AZ."""
+    ec2 = ec2 or aws.client("ec2")
+    try:
+        pages = ec2.get_paginator("describe_instances").paginate(Filters=[
+            {"Name": "tag:trainstack:env", "Values": [aws.env]},
+            {"Name": "instance-state-name", "Values": LIVE_STATES}])
+        found = [i for page in pages for r in page["Reservations"] for i in r["Instances"]]
+    except ClientError as e:
+        raise explain(e, "listing instances") from None
+    out = []
+    for i in found:
+        tags = {t["Key"]: t["Value"] for t in i.get("Tags", [])}
+        out.append({"instance_id": i["InstanceId"], "type": i["InstanceType"], "state": i["State"]["Name"],
+                    "market": "spot" if i.get("InstanceLifecycle") == "spot" else "on-demand",
+                    "job": tags.get("trainstack:job", "-"), "launch_time": i["LaunchTime"],
+                    "az": i.get("Placement", {}).get("AvailabilityZone", "-")})
+    return out
+
+
+def stop_instance(aws: Aws, instance_id: str, ec2=None) -> str:
+    """Stop an on-demand instance, terminate a spot one (one-time spot cannot be stopped). Returns the action.
+
+    Raises CliError if the instance is not this environment's.
+    """
+    ec2 = ec2 or aws.client("ec2")
+    mine = {i["instance_id"]: i for i in list_instances(aws, ec2)}
+    if instance_id not in mine:
+        raise CliError(f"{instance_id} is not a live instance of environment {aws.env}",
+                       "`python -m infra status` lists them")
+    try:
+        if mine[instance_id]["market"] == "spot":
+            ec2.terminate_instances(InstanceIds=[instance_id])
+            return "terminated"
+        ec2.stop_instances(InstanceIds=[instance_id])
+        return "stopped"
+    except ClientError as e:
+        raise explain(e, f"stopping {instance_id}") from None
+
+
+def sweep(aws: Aws, outputs: Optional[Outputs], apply: bool, ec2=None) -> dict[str, list[str]]:
+    """Find (and with ``apply`` remove) what keeps billing: live instances, open spot requests and unattached
+    volumes of this environment. The data volume (``trainstack:role=data`` or the stack's volume id) is never
+    touched. Returns {"instances": [...], "spot_requests": [...], "volumes": [...]}.
+    """
+    ec2 = ec2 or aws.client("ec2")
+    env_filter = [{"Name": "tag:trainstack:env", "Values": [aws.env]}]
+    try:
+        instances = [i["instance_id"] for i in list_instances(aws, ec2)]
+        requests = [r["SpotInstanceRequestId"] for r in ec2.describe_spot_instance_requests(
+            Filters=env_filter + [{"Name": "state", "Values": ["open", "active"]}])["SpotInstanceRequests"]]
+        vols = ec2.describe_volumes(Filters=env_filter + [{"Name": "status", "Values": ["available"]}])["Volumes"]
+        data_ids = {outputs.volume_id} if outputs else set()
+        volumes = [v["VolumeId"] for v in vols if v["VolumeId"] not in data_ids and
+                   {t["Key"]: t["Value"] for t in v.get("Tags", [])}.get("trainstack:role") != "data"]
+        if apply:
+            if requests:
+                ec2.cancel_spot_instance_requests(SpotInstanceRequestIds=requests)
+            if instances:
+                ec2.terminate_instances(InstanceIds=instances)
+            for vid in volumes:
+                ec2.delete_volume(VolumeId=vid)
+    except ClientError as e:
+        raise explain(e, "sweeping the environment") from None
+    return {"instances": instances, "spot_requests": requests, "volumes": volumes}

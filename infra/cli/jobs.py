@@ -1,0 +1,145 @@
+"""SageMaker side of the CLI: submit a managed-spot job through the stack's state machine, list, stop.
+
+``submit`` turns a trainer config (the same YAML ``python -m trainer train --config`` reads, validated by
+``trainer.config.load_config``, which needs no torch) into SageMaker hyperparameters, checks that the image tag
+exists in ECR, and starts an execution of ``trainstack-<env>-train-<type>`` or ``-scaling-plan``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import re
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+from botocore.exceptions import ClientError
+
+from infra import catalog
+from infra.cli.outputs import Outputs, image_exists
+from infra.cli.session import Aws, CliError, explain
+
+#: Fields SageMaker owns inside the job (channels, /opt/ml/checkpoints, /opt/ml/model): never sent.
+PLATFORM_FIELDS = ("data_dir", "checkpoint_dir", "log_dir", "resume", "device")
+_RUN_RE = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9-]{0,39}$")
+
+
+def hyperparameters(config_path: Optional[str], overrides: dict[str, str]) -> dict[str, str]:
+    """SageMaker hyperparameters (str -> str) from a trainer YAML plus ``--set key=value`` overrides.
+
+    The merged values are validated by the trainer's own config loader first. Raises CliError naming the
+    file or key (missing file, bad YAML, unknown field, invalid value).
+    """
+    from trainer.config import ALIASES, FIELDS, ConfigError, load_config  # pure Python: no torch (tested)
+
+    values: dict[str, Any] = {}
+    if config_path:
+        p = Path(config_path)
+        if not p.is_file():
+            raise CliError(f"config file {p} does not exist")
+        try:
+            values = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise CliError(f"config file {p} is not valid YAML: {e}") from None
+    for key in overrides:
+        if ALIASES.get(key, key) not in FIELDS:
+            raise CliError(f"--set {key}: unknown trainer config key (see `python -m trainer train --help`)")
+    try:  # the trainer's own validation: unknown keys (with close matches) and bad values
+        load_config(config_path, {ALIASES.get(k, k): v for k, v in overrides.items() if k not in PLATFORM_FIELDS})
+    except ConfigError as e:
+        raise CliError(str(e)) from None
+    values.update(overrides)
+    hp = {}
+    for k, v in values.items():
+        if k in PLATFORM_FIELDS:
+            continue
+        hp[k] = json.dumps(v) if isinstance(v, (list, dict)) else (str(v).lower() if isinstance(v, bool) else str(v))
+    if len(hp) > 100:
+        raise CliError(f"{len(hp)} hyperparameters; SageMaker accepts at most 100")
+    return hp
+
+
+def execution_name(run_name: str, now: Optional[dt.datetime] = None) -> str:
+    """``<run_name>-YYYYmmdd-HHMMSS`` (Step Functions names: at most 80 characters)."""
+    now = now or dt.datetime.now(dt.timezone.utc)
+    return f"{run_name}-{now:%Y%m%d-%H%M%S}"
+
+
+def submit(aws: Aws, outputs: Outputs, machine: str, run_name: str, image_tag: str, config: Optional[str],
+           overrides: dict[str, str], data_s3_uri: Optional[str] = None, instance_count: int = 1,
+           nproc_per_node: Optional[int] = None, sfn=None, ecr=None) -> str:
+    """Start a managed-spot SageMaker run; returns the execution ARN.
+
+    ``nproc_per_node`` is only checked: processes per host come from the catalog's GPU count, so asking for
+    2 on a 1-GPU type (seed 000's mistake on ml.g5.2xlarge) is an error. Raises CliError for a bad run
+    name, missing image, unknown state machine or a bad config.
+    """
+    if not _RUN_RE.match(run_name):
+        raise CliError(f"run name {run_name!r}: expected 1-40 letters, digits or '-' (it keys the S3 checkpoints)")
+    arn = outputs.state_machine(machine)
+    if machine.startswith("train-"):
+        it = catalog.get("ml." + machine.removeprefix("train-").replace("-", ".", 1))
+        if nproc_per_node is not None and nproc_per_node != it.processes_per_host:
+            raise CliError(f"{it.name} has {it.gpus} GPU(s): {nproc_per_node} processes per host is wrong",
+                           f"drop the flag: the job runs {it.processes_per_host} (the catalog's GPU count)")
+    if instance_count < 1:
+        raise CliError(f"--instance-count {instance_count}: expected at least 1")
+    hp = hyperparameters(config, overrides)
+    image_exists(aws, outputs, image_tag, ecr)
+    payload = {"run_name": run_name, "image_tag": image_tag, "instance_count": instance_count, "hyperparameters": hp}
+    if data_s3_uri:
+        if not data_s3_uri.startswith("s3://"):
+            raise CliError(f"--data {data_s3_uri!r}: expected an s3:// URI")
+        payload["data_s3_uri"] = data_s3_uri
+    sfn = sfn or aws.client("stepfunctions")
+    try:
+        out = sfn.start_execution(stateMachineArn=arn, name=execution_name(run_name), input=json.dumps(payload))
+    except ClientError as e:
+        raise explain(e, f"starting {machine}") from None
+    return out["executionArn"]
+
+
+def list_runs(aws: Aws, outputs: Outputs, sfn=None, sm=None) -> dict[str, list[dict]]:
+    """Recent executions of this environment's state machines and its SageMaker training jobs."""
+    sfn = sfn or aws.client("stepfunctions")
+    sm = sm or aws.client("sagemaker")
+    executions = []
+    try:
+        for key, arn in sorted(outputs.state_machines.items()):
+            for ex in sfn.list_executions(stateMachineArn=arn, maxResults=20)["executions"]:
+                executions.append({"machine": key, "name": ex["name"], "status": ex["status"],
+                                   "start": ex["startDate"], "arn": ex["executionArn"]})
+        jobs = [{"name": j["TrainingJobName"], "status": j["TrainingJobStatus"], "start": j["CreationTime"]}
+                for j in sm.list_training_jobs(NameContains=f"trainstack-{aws.env}-", MaxResults=50,
+                                               SortBy="CreationTime", SortOrder="Descending")["TrainingJobSummaries"]]
+    except ClientError as e:
+        raise explain(e, "listing runs") from None
+    return {"executions": executions, "jobs": jobs}
+
+
+def describe_job(aws: Aws, name: str, sm=None) -> dict:
+    """Status, secondary status, billable seconds and spot savings of one training job."""
+    sm = sm or aws.client("sagemaker")
+    try:
+        j = sm.describe_training_job(TrainingJobName=name)
+    except ClientError as e:
+        raise explain(e, f"describing job {name}") from None
+    return {k: j.get(k) for k in ("TrainingJobName", "TrainingJobStatus", "SecondaryStatus", "FailureReason",
+                                  "BillableTimeInSeconds", "TrainingTimeInSeconds", "EnableManagedSpotTraining",
+                                  "ResourceConfig", "CheckpointConfig", "ModelArtifacts")}
+
+
+def stop_run(aws: Aws, target: str, sfn=None, sm=None) -> str:
+    """Stop an execution (by ARN) or a training job (by name). Returns what was done."""
+    try:
+        if target.startswith("arn:") and ":execution:" in target:
+            (sfn or aws.client("stepfunctions")).stop_execution(executionArn=target, cause="python -m infra stop")
+            return f"stopped execution {target}"
+        if not target.startswith(f"trainstack-{aws.env}-"):
+            raise CliError(f"{target!r} is neither an execution ARN nor a training job of environment {aws.env}",
+                           "`python -m infra status` lists them")
+        (sm or aws.client("sagemaker")).stop_training_job(TrainingJobName=target)
+        return f"stopping training job {target}"
+    except ClientError as e:
+        raise explain(e, f"stopping {target}") from None

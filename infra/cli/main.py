@@ -1,0 +1,181 @@
+"""``python -m infra``: operate a deployed environment with boto3.
+
+    python -m infra [--env NAME] [--region R] [--profile P] COMMAND ...
+      push-image   build images/training/Dockerfile, push to the stack's ECR repository tagged with the commit
+      launch TYPE  run a spot instance from the stack's launch template (--on-demand-fallback to fall back)
+      submit       start a managed-spot SageMaker run through the stack's state machine
+      status       instances, executions and training jobs of the environment (or one of them)
+      logs TARGET  CloudWatch log tail of an instance (i-...) or a training job
+      stop TARGET  stop one instance, execution or training job
+      teardown     find (and with --yes remove) everything that still bills: instances, spot requests, volumes
+      cost         what is running and what it has cost so far
+
+Resource names come from the stacks' outputs. Exit codes: 0 done, 2 usage/AWS error, 75 capacity or spot
+error (try again later or with the suggested option).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from infra.catalog import CatalogError
+from infra.cli import costs, image, instances, jobs, logs
+from infra.cli.outputs import load as load_outputs
+from infra.cli.session import CliError, open_session
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m infra", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--env", default=os.environ.get("TRAINSTACK_ENV", "dev"), help="environment (cdk -c env=...)")
+    p.add_argument("--region", help="AWS region (default: AWS_REGION / profile)")
+    p.add_argument("--profile", help="AWS profile")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("push-image", help="build and push the training image")
+    s.add_argument("--tag", help="image tag (default: git commit, -dirty when the tree has changes)")
+    s.add_argument("--base-image", help="AWS DLC to build FROM (default: the Dockerfile's BASE_IMAGE)")
+    s.add_argument("--docker", default="docker", help="docker binary")
+
+    s = sub.add_parser("launch", help="run a spot training instance")
+    s.add_argument("instance_type")
+    s.add_argument("--job", required=True, help="job name: checkpoints go to /data/checkpoints/JOB")
+    s.add_argument("--config", default="configs/p4d_resnet50.yaml", help="trainer config inside the image")
+    s.add_argument("--image-tag", default="latest")
+    s.add_argument("--args", default="", help="extra trainer flags, e.g. '--epochs 5 --data-dir /data/imagenet'")
+    s.add_argument("--keep", action="store_true", help="do not shut the instance down when the job is done")
+    s.add_argument("--on-demand-fallback", action="store_true",
+                   help="launch on-demand when spot capacity or price says no")
+
+    s = sub.add_parser("submit", help="start a managed-spot SageMaker run")
+    s.add_argument("--run-name", required=True, help="keys s3://bucket/checkpoints/RUN/: same name = resume")
+    s.add_argument("--machine", default="train-g5-2xlarge", help="state machine: train-<type> or scaling-plan")
+    s.add_argument("--config", help="trainer YAML (validated here, sent as hyperparameters)")
+    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra hyperparameter")
+    s.add_argument("--image-tag", default="latest")
+    s.add_argument("--data", help="s3:// URI of the train channel (default: s3://bucket/datasets/)")
+    s.add_argument("--instance-count", type=int, default=1)
+    s.add_argument("--nproc-per-node", type=int, help="checked against the catalog's GPU count, never sent")
+
+    s = sub.add_parser("status", help="what runs in the environment")
+    s.add_argument("target", nargs="?", help="a training job name for its details")
+    s.add_argument("--json", action="store_true")
+
+    s = sub.add_parser("logs", help="log tail of an instance or a job")
+    s.add_argument("target")
+    s.add_argument("-n", "--lines", type=int, default=50)
+    s.add_argument("--follow", action="store_true")
+
+    s = sub.add_parser("stop", help="stop an instance, execution or job")
+    s.add_argument("target")
+
+    s = sub.add_parser("teardown", help="remove what still bills (dry run without --yes)")
+    s.add_argument("--yes", action="store_true", help="really terminate/cancel/delete")
+
+    s = sub.add_parser("cost", help="running resources and their cost so far")
+    s.add_argument("--json", action="store_true")
+    return p
+
+
+def _kv(pairs: list[str]) -> dict[str, str]:
+    out = {}
+    for item in pairs:
+        if "=" not in item:
+            raise CliError(f"--set {item!r}: expected KEY=VALUE")
+        k, v = item.split("=", 1)
+        out[k.strip().replace("-", "_")] = v
+    return out
+
+
+def _print_table(rows: list[dict], cols: list[str]) -> None:
+    if not rows:
+        print("  (none)")
+        return
+    widths = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in cols}
+    print("  " + "  ".join(c.ljust(widths[c]) for c in cols))
+    for r in rows:
+        print("  " + "  ".join(str(r.get(c, "")).ljust(widths[c]) for c in cols))
+
+
+def run(args: argparse.Namespace) -> int:
+    aws = open_session(args.env, args.region, args.profile)
+    outputs = load_outputs(aws)
+    cmd = args.command
+    if cmd == "push-image":
+        print(f"pushed {image.push_image(aws, outputs, REPO, args.tag, args.base_image, args.docker)}")
+    elif cmd == "launch":
+        got = instances.launch(aws, outputs, args.instance_type, args.job, args.config, args.image_tag,
+                               args.args, args.keep, args.on_demand_fallback)
+        print(f"launched {got.instance_id} ({args.instance_type}, {got.market}, launch template version "
+              f"{got.version}); logs: python -m infra --env {aws.env} logs {got.instance_id} --follow")
+    elif cmd == "submit":
+        arn = jobs.submit(aws, outputs, args.machine, args.run_name, args.image_tag, args.config, _kv(args.set),
+                          args.data, args.instance_count, args.nproc_per_node)
+        print(f"started {arn}")
+    elif cmd == "status":
+        if args.target:
+            info = jobs.describe_job(aws, args.target)
+            print(json.dumps(info, indent=1, default=str))
+            return 0
+        state = {"instances": instances.list_instances(aws), **jobs.list_runs(aws, outputs)}
+        if args.json:
+            print(json.dumps(state, indent=1, default=str))
+            return 0
+        for key, cols in (("instances", ["instance_id", "type", "market", "state", "job", "launch_time"]),
+                          ("executions", ["machine", "name", "status", "start"]),
+                          ("jobs", ["name", "status", "start"])):
+            print(f"{key}:")
+            _print_table(state[key], cols)
+    elif cmd == "logs":
+        for line in logs.tail(aws, outputs, args.target, args.lines, args.follow):
+            print(line)
+    elif cmd == "stop":
+        if args.target.startswith("i-"):
+            print(f"{instances.stop_instance(aws, args.target)} {args.target}")
+        else:
+            print(jobs.stop_run(aws, args.target))
+    elif cmd == "teardown":
+        found = instances.sweep(aws, outputs, apply=args.yes)
+        for runs in jobs.list_runs(aws, outputs)["executions"]:
+            if runs["status"] == "RUNNING":
+                found.setdefault("executions", []).append(runs["arn"])
+                if args.yes:
+                    jobs.stop_run(aws, runs["arn"])
+        verb = "removed" if args.yes else "would remove (run again with --yes)"
+        for key, items in found.items():
+            print(f"{verb} {len(items)} {key.replace('_', ' ')}: {' '.join(items) or '-'}")
+        print(f"kept: data volume {outputs.volume_id}, bucket {outputs.bucket} (cdk destroy DataStack never runs here)")
+    elif cmd == "cost":
+        est = costs.estimate(aws)
+        if args.json:
+            print(json.dumps(est, indent=1, default=str))
+            return 0
+        rows = [{**r, "hours": f"{r['hours']:.2f}", "usd_per_hour": r["usd_per_hour"] or "?",
+                 "usd": f"{r['usd']:.2f}" if r["usd"] is not None else "?"} for r in est["rows"]]
+        _print_table(rows, ["what", "type", "market", "hours", "usd_per_hour", "usd", "price_source"])
+        print(f"total so far: ${est['total_usd']:.2f} (estimate at {est['at']})")
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point; returns the exit code (0, 2, or 75 for capacity/spot errors)."""
+    args = _parser().parse_args(argv)
+    try:
+        return run(args)
+    except CliError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.code
+    except CatalogError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

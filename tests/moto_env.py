@@ -1,0 +1,77 @@
+"""A deployed environment inside moto (in-process, no network): the synthesized stacks created by moto's
+CloudFormation, so the CLI reads real stack outputs, launch templates, volumes and state machines.
+
+What moto cannot do, and what this harness does about it (the tests say so where it matters):
+- moto's CloudFormation has no ``AWS::KMS::Key``: the monitoring template is deployed without the key and
+  without the topic's ``KmsMasterKeyId`` (the real template, with both, is checked by test_infra_stacks.py).
+- The DLAMI's SSM public parameter cannot be written in moto (reserved ``/aws/`` names): the app is
+  synthesized with ``-c ami_parameter=/trainstack/test/ami-id``, the substitution the context key exists for.
+- moto's CloudFormation skips (with a warning) AWS::CloudWatch::Alarm, AWS::Logs::MetricFilter,
+  AWS::S3::BucketPolicy and AWS::SNS::TopicPolicy, and cannot resolve the dashboard's alarm references, so
+  the dashboard is dropped too. None of these is read by the CLI.
+- moto ignores spot options set only in a launch template (the instance runs on-demand) and does not run
+  Step Functions definitions against SageMaker.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+
+ENV = "test"
+REGION = "us-east-1"
+AMI_PARAMETER = "/trainstack/test/ami-id"
+UNSUPPORTED = ("AWS::KMS::Key", "AWS::CDK::Metadata", "AWS::CloudWatch::Dashboard")
+
+
+def synthesize(outdir: Path) -> dict[str, dict]:
+    """The three templates for environment ``test`` (construct id -> template)."""
+    from tests.infra_helpers import synth
+
+    _, _, raw = synth({"env": ENV, "ami_parameter": AMI_PARAMETER}, outdir)
+    return raw
+
+
+def _strip_unsupported(template: dict) -> dict:
+    t = copy.deepcopy(template)
+    dropped = {k for k, v in t["Resources"].items() if v["Type"] in UNSUPPORTED}
+    for k in dropped:
+        del t["Resources"][k]
+    for res in t["Resources"].values():
+        props = res.get("Properties", {})
+        if res["Type"] == "AWS::SNS::Topic":
+            props.pop("KmsMasterKeyId", None)
+        if isinstance(res.get("DependsOn"), list):
+            res["DependsOn"] = [d for d in res["DependsOn"] if d not in dropped]
+    return t
+
+
+def deploy(templates: dict[str, dict]) -> dict[str, str]:
+    """Create the stacks (inside an active ``mock_aws``); returns construct id -> stack status."""
+    import boto3
+
+    ssm = boto3.client("ssm", region_name=REGION)
+    ec2 = boto3.client("ec2", region_name=REGION)
+    ami = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    ssm.put_parameter(Name="/cdk-bootstrap/hnb659fds/version", Value="30", Type="String")
+    ssm.put_parameter(Name=AMI_PARAMETER, Value=ami, Type="String")
+    cfn = boto3.client("cloudformation", region_name=REGION)
+    status = {}
+    for cid in ("DataStack", "MonitoringStack", "TrainingStack"):
+        cfn.create_stack(StackName=f"{ENV}-{cid}", TemplateBody=json.dumps(_strip_unsupported(templates[cid])),
+                         Capabilities=["CAPABILITY_IAM", "CAPABILITY_NAMED_IAM"])
+        status[cid] = cfn.describe_stacks(StackName=f"{ENV}-{cid}")["Stacks"][0]["StackStatus"]
+    return status
+
+
+def fake_credentials(monkeypatch) -> None:
+    """Credentials and region for moto; never real ones (and no request leaves the process)."""
+    for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", REGION)
+    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
