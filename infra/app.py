@@ -13,6 +13,7 @@ import aws_cdk as cdk
 from cdk_nag import AwsSolutionsChecks
 
 from infra.config import InfraConfig, from_context
+from infra.stacks.ci import CiStack
 from infra.stacks.data import DataStack
 from infra.stacks.monitoring import MonitoringStack
 from infra.stacks.training import TrainingStack
@@ -54,5 +55,9 @@ def build_app(context: Optional[Mapping[str, Any]] = None, outdir: Optional[str]
                              description=f"Trainstack {cfg.env}: ECR, roles, spot launch templates, SageMaker jobs")
     training.add_stack_dependency(monitoring)
     training.add_stack_dependency(data)
+    stacks = {"DataStack": data, "MonitoringStack": monitoring, "TrainingStack": training}
+    if cfg.github_repo:
+        stacks["CiStack"] = CiStack(app, "CiStack", config=cfg, env=env, stack_name="trainstack-ci",
+                                    description=f"Trainstack: GitHub OIDC deploy role for {cfg.github_repo}")
     cdk.Validations.of(app).add_plugins(AwsSolutionsChecks(app))
-    return app, cfg, {"DataStack": data, "MonitoringStack": monitoring, "TrainingStack": training}
+    return app, cfg, stacks

@@ -20,7 +20,6 @@ from infra import catalog
 
 DLAMI_SSM_PARAMETER = "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
 FSX_DEPLOYMENT_TYPES = ("off", "SCRATCH_2", "PERSISTENT_2")
-STACK_IDS = ("DataStack", "MonitoringStack", "TrainingStack")
 
 
 class InfraConfigError(ValueError):
@@ -78,7 +77,8 @@ class InfraConfig:
     host_memory_percent: float = 80.0
     disk_percent: float = 85.0
     # GitHub Actions OIDC deploy role
-    github_repo: Optional[str] = None  # "owner/name"
+    github_repo: Optional[str] = None  # "owner/name": adds CiStack (OIDC provider + deploy role)
+    github_oidc_provider_arn: Optional[str] = None  # reuse the account's provider (one per account)
 
     @property
     def az(self) -> str:
