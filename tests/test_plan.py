@@ -60,7 +60,7 @@ def test_flags_two_processes_on_one_gpu_indivisible_batch_and_fits_nowhere(cfg):
     assert "not divisible by 4 processes" in rows["g5.12xlarge"]["errors"][0] and not rows["g5.12xlarge"]["fits"]
 
     plan = make_plan(cfg, PlanOptions(instances=TYPES, model_memory_gib=100.0, dataset_size=1000))
-    assert not any(r["fits"] for r in plan["rows"]) and "fits on none" in plan["flags"][0]
+    assert not any(r["fits"] for r in plan["rows"]) and "none of the 4 types planned" in plan["flags"][0]
     assert all("run_hours" not in r for r in plan["rows"])  # no throughput known: no time, no cost
     assert "unknown: give --images-per-second" in plan["rows"][0]["throughput_source"]
 

@@ -55,9 +55,10 @@ MIB, GIB = 1024 ** 2, 1024 ** 3
 #: prints the measured figure (``torch.cuda.mem_get_info`` before and after initialisation) to replace it.
 CUDA_CONTEXT_BYTES = 600 * MIB
 
-#: Memory of one forked loader worker beyond the batches it holds (private memory, USS), in bytes: measured by
-#: ``python -m trainer probe`` on CPU-2 (docs/planning.md); the default when no probe report exists.
-WORKER_OVERHEAD_BYTES = 60 * MIB
+#: Private memory (USS) of one forked loader worker beyond the batches it holds, in bytes: 17.3-22.3 MiB measured
+#: by ``python -m trainer probe`` on CPU-2 (imagenette subset, 112 px, 1-2 workers; docs/planning.md), rounded
+#: up. The default when no probe report gives a measured figure.
+WORKER_OVERHEAD_BYTES = 24 * MIB
 
 _BLOCK, _SMALL, _SMALL_SEG, _MID, _MID_SEG, _LARGE_ROUND = 512, MIB, 2 * MIB, 10 * MIB, 20 * MIB, 2 * MIB
 

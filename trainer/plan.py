@@ -225,7 +225,8 @@ def plan_rows(inp: _Inputs, types: list[catalog.InstanceType]) -> list[dict]:
         hours = cfg.epochs * epoch_s / 3600
         row.update(images_per_s=host, epoch_min=epoch_s / 60, run_hours=hours,
                    run_usd_on_demand=hours * it.on_demand.usd_per_hour, run_usd_spot=hours * it.spot.usd_per_hour)
-    rows.sort(key=lambda r: (not r["fits"], r.get("run_usd_on_demand", math.inf), r["instance"]))
+    rows.sort(key=lambda r: (not r["fits"], r.get("run_usd_on_demand", math.inf), r["on_demand_usd_per_hour"],
+                             r["instance"]))
     for i, r in enumerate(rows, 1):
         r["rank"] = i
     return rows
@@ -269,12 +270,14 @@ def make_plan(cfg: TrainConfig, opts: PlanOptions, predict: Callable = predict_s
     rows = plan_rows(_Inputs(cfg, opts, size, classes, probe, predict), types)
     flags = []
     if not any(r["fits"] for r in rows):
-        flags.append(f"the global batch {cfg.batch_size} fits on none of the {len(rows)} types planned: lower "
-                     f"batch_size or raise accumulate_grad_batches")
+        flags.append(f"none of the {len(rows)} types planned can run global batch {cfg.batch_size}: see the "
+                     f"ERROR notes (memory: lower batch_size or raise accumulate_grad_batches)")
     if probe and probe["device"] != "cuda":
         flags.append(f"probe report from a {probe['device']} run: its memory and images/s are not GPU figures; "
                      "GPU memory is predicted and throughput estimated instead")
-    return {"model": cfg.model, "image_size": cfg.image_size, "batch_size": cfg.batch_size,
+    model = (f"external model (--model-memory-gib {opts.model_memory_gib}, not built)"
+             if opts.model_memory_gib is not None else f"{cfg.model} at {cfg.image_size} px")
+    return {"model": model, "image_size": cfg.image_size, "batch_size": cfg.batch_size,
             "accumulate_grad_batches": cfg.accumulate_grad_batches, "epochs": cfg.epochs, "precision": cfg.precision,
             "dataset_size": size, "dataset_source": size_source, "margin": opts.margin,
             "scaling_efficiency": opts.scaling_efficiency, "probe_report": opts.probe_report,
@@ -287,7 +290,7 @@ def _num(v, fmt="{:,.2f}") -> str:
 
 def render_plan(plan: dict) -> str:
     """Markdown: one header line of inputs, the ranked table (seed 004's comparison, computed), the flags."""
-    head = (f"Plan: {plan['model']} at {plan['image_size']} px, global batch {plan['batch_size']}, "
+    head = (f"Plan: {plan['model']}, global batch {plan['batch_size']}, "
             f"{plan['epochs']} epochs of {plan['dataset_size']:,} images ({plan['dataset_source']}), precision "
             f"{plan['precision']}, margin {plan['margin']:.0%}, prices {plan['prices']}")
     lines = [head, "",

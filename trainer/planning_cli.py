@@ -105,7 +105,7 @@ def run_command(args: argparse.Namespace, config_from_namespace: Callable) -> in
         plan = make_plan(cfg, opts)
         plan["seconds"] = round(time.perf_counter() - t0, 2)
         print(render_plan(plan), end="")
-        print(f"plan took {plan['seconds']:.1f} s")
+        print(f"plan took {plan['seconds']:.2f} s")
         if opts.out:
             Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
             Path(opts.out).write_text(json.dumps(plan, indent=2) + "\n")
