@@ -146,7 +146,8 @@ def test_user_data_mounts_by_volume_id_and_restarts_on_75(default, tmp_path):
     assert "aws ec2 attach-volume" in ud and "X-aws-ec2-metadata-token" in ud
     assert "nvidia_gpu" in ud and "amazon-cloudwatch-agent-ctl" in ud
     assert "Restart=on-failure" in ud and "RestartPreventExitStatus=2 3" in ud
-    assert 'interrupted.json" ]; then exit 75' in ud
+    assert 'train --config "$CONFIG" --checkpoint-dir /data/checkpoints/"$JOB"' in ud  # the image's entrypoint
+    assert 'TRAINSTACK_NPROC_PER_NODE="$NPROC"' in ud and "ExecStop=/usr/bin/docker stop" in ud
     assert "put-metric-alarm" in ud and "ec2:$ACTION" in ud
     assert "mount -t lustre" not in ud  # no FSx by default
     script = tmp_path / "ud.sh"

@@ -13,10 +13,9 @@ What it does at boot, in order (each step logged to /var/log/trainstack-user-dat
 4. CloudWatch agent with NVIDIA GPU, memory and disk metrics (``cloudwatch_agent.agent_config``) and this
    instance's own "GPU idle -> stop/terminate" alarm.
 5. Log in to ECR, write ``/etc/trainstack.env`` and a systemd unit running the training container with
-   ``torchrun --nproc-per-node <GPUs from the catalog>``. ``Restart=on-failure`` with
-   ``RestartPreventExitStatus=2 3``: a run that stopped with a durable checkpoint (exit 75, or torchrun's 1
-   with the trainer's ``interrupted.json`` marker, mapped to 75 by ``trainstack-run``) is restarted and
-   resumes; bad config (2) and a NaN loss (3) are not retried. On success the instance shuts itself down
+   the image's ``train`` entrypoint and ``TRAINSTACK_NPROC_PER_NODE=<GPUs from the catalog>``.
+   ``Restart=on-failure`` with ``RestartPreventExitStatus=2 3``: a run that stopped with a durable checkpoint
+   (the entrypoint's exit 75) is restarted and resumes; a bad config (2) is not retried. On success the instance shuts itself down
    (terminates: ``InstanceInitiatedShutdownBehavior=terminate``) unless tagged ``trainstack:keep=true``.
 """
 
@@ -113,25 +112,23 @@ ENV_EOF
 aws ecr get-login-password | docker login --username AWS --password-stdin "${REPO%%/*}"
 cat > /usr/local/bin/trainstack-run <<'RUN_EOF'
 #!/bin/bash
-# One attempt of the job. Exit 75 = stopped with a durable checkpoint: systemd starts us again, the trainer resumes.
+# One attempt of the job through the image's `train` entrypoint (docs/training-image.md): it starts torchrun
+# with NPROC ranks and exits 75 when the run stopped with a durable checkpoint (systemd then starts us again
+# and the trainer resumes), 2 for a bad config, 0 when done (the model goes to /data/runs/$JOB/model).
 set -u
 . /etc/trainstack.env
-CKPT={ckpt}/$JOB
-mkdir -p "$CKPT" {runs}/$JOB
+mkdir -p {ckpt}/"$JOB" {runs}/"$JOB"
 DEVICES=""
 if [ "$EFA" = 1 ]; then for d in /dev/infiniband/uverbs*; do DEVICES="$DEVICES --device=$d"; done; fi
 docker pull "$IMAGE" || echo "pull failed; using the local copy of $IMAGE if any"
+docker rm -f "trainstack-$JOB" 2>/dev/null || true
 # shellcheck disable=SC2086
-docker run --rm --name "trainstack-$JOB" --gpus all --ipc=host --network host $DEVICES \
+exec docker run --rm --name "trainstack-$JOB" --gpus all --ipc=host --network host $DEVICES \
   --ulimit memlock=-1 --ulimit stack=67108864 -v /data:/data -v /fsx:/fsx \
+  -e TRAINSTACK_NPROC_PER_NODE="$NPROC" -e TRAINSTACK_SM_ROOT={runs}/"$JOB" \
   --log-driver awslogs --log-opt awslogs-region="$REGION" --log-opt awslogs-group="$LOG_GROUP" \
-  --log-opt awslogs-stream="$IID/$JOB" --entrypoint torchrun "$IMAGE" \
-  --standalone --nproc-per-node "$NPROC" -m trainer train --config "$CONFIG" \
-  --checkpoint-dir "$CKPT" --log-dir {runs}/$JOB $ARGS
-rc=$?
-# torchrun's agent exits 1 when a rank exits 75; the trainer leaves interrupted.json then.
-if [ "$rc" -ne 0 ] && [ -f "$CKPT/interrupted.json" ]; then exit 75; fi
-exit $rc
+  --log-opt awslogs-stream="$IID/$JOB" "$IMAGE" \
+  train --config "$CONFIG" --checkpoint-dir {ckpt}/"$JOB" --log-dir {runs}/"$JOB" $ARGS
 RUN_EOF
 cat > /usr/local/bin/trainstack-done <<'DONE_EOF'
 #!/bin/bash
@@ -148,7 +145,9 @@ StartLimitIntervalSec=0
 
 [Service]
 Type=simple
+EnvironmentFile=/etc/trainstack.env
 ExecStart=/usr/local/bin/trainstack-run
+ExecStop=/usr/bin/docker stop -t 110 trainstack-${JOB}
 Restart=on-failure
 RestartSec=15
 RestartPreventExitStatus=2 3
