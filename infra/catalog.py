@@ -65,6 +65,12 @@ class GpuModel:
     relative_throughput: float
 
 
+#: The images/s that ``relative_throughput`` 1.0 stands for: ResNet-50 v1.5 training, mixed precision, 224 px,
+#: one A100 (NVIDIA "Deep Learning Performance", data-center training tables, 2023-2024). The planner's
+#: fallback when neither a probe report nor ``--images-per-second`` is given.
+REFERENCE_GPU = "A100"
+REFERENCE_IMAGES_PER_S = 2600.0
+
 GPU_MODELS: dict[str, GpuModel] = {
     "A100": GpuModel("A100", "8.0", True, 1.0),
     "H100": GpuModel("H100", "9.0", True, 1.9),
@@ -223,6 +229,21 @@ def get(name: str, catalog: Optional[Mapping[str, InstanceType]] = None) -> Inst
         near = [k for k in cat if family and family in k] or sorted(cat)
         raise CatalogError(f"unknown instance type {name!r}; the catalog (infra/catalog.py) knows: "
                            f"{', '.join(sorted(near))}") from None
+
+
+def check_processes_per_host(it: InstanceType, nproc: int) -> Optional[tuple[str, str]]:
+    """``None`` when ``nproc`` processes per host suit ``it``; else ``("error"|"warning", message)``.
+
+    More processes than GPUs is an error (seed 000 plans 2 on ml.g5.2xlarge, which has 1 GPU: the extra rank
+    has no GPU of its own); fewer leaves GPUs idle (a warning). CPU-only types run 1.
+    """
+    want = it.processes_per_host
+    if nproc > want:
+        return "error", (f"--nproc-per-node {nproc} on {it.name}, which has {it.gpus} GPU(s): the extra ranks "
+                         f"find no GPU of their own; use {want}")
+    if nproc < want:
+        return "warning", f"--nproc-per-node {nproc} leaves {want - nproc} GPU(s) of {it.name} idle; use {want}"
+    return None
 
 
 def names(platform: Optional[str] = None) -> list[str]:

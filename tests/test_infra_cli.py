@@ -149,7 +149,7 @@ def test_submit_starts_a_managed_spot_execution_with_the_config_as_hyperparamete
 def test_submit_refuses_two_processes_on_a_one_gpu_type_and_bad_configs(aws, capsys, tmp_path):
     _push_fake_image(aws, "latest")
     assert main(E + ["submit", "--run-name", "dino", "--machine", "train-g5-2xlarge", "--nproc-per-node", "2"]) == 2
-    assert "ml.g5.2xlarge has 1 GPU(s): 2 processes per host is wrong" in capsys.readouterr().err
+    assert "--nproc-per-node 2 on ml.g5.2xlarge, which has 1 GPU(s)" in capsys.readouterr().err
     bad = tmp_path / "bad.yaml"
     bad.write_text("batch_sise: 64\n")
     assert main(E + ["submit", "--run-name", "x", "--config", str(bad)]) == 2

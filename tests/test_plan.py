@@ -52,8 +52,8 @@ def test_flags_two_processes_on_one_gpu_indivisible_batch_and_fits_nowhere(cfg):
                                       model_memory_gib=8.0, dataset_size=1000))
     rows = _rows(plan)
     assert not rows["ml.g5.2xlarge"]["fits"]
-    assert "--nproc-per-node 2 on a 1-GPU type" in rows["ml.g5.2xlarge"]["errors"][0]
-    assert "2 GPU(s) idle" in rows["g5.12xlarge"]["warnings"][0] and rows["g5.12xlarge"]["fits"]
+    assert "--nproc-per-node 2 on ml.g5.2xlarge, which has 1 GPU(s)" in rows["ml.g5.2xlarge"]["errors"][0]
+    assert "2 GPU(s) of g5.12xlarge idle" in rows["g5.12xlarge"]["warnings"][0] and rows["g5.12xlarge"]["fits"]
 
     odd = load_config(None, {**cfg.to_dict(), "batch_size": 30})
     rows = _rows(make_plan(odd, PlanOptions(instances=("g5.12xlarge",), model_memory_gib=8.0, dataset_size=1000)))
@@ -129,6 +129,6 @@ def test_plan_cli_writes_json(cfg, tmp_path, capsys):
     plan = json.loads(out.read_text())
     assert {r["instance"] for r in plan["rows"]} == {"g5.2xlarge", "ml.g5.2xlarge"}
     stdout = capsys.readouterr().out
-    assert "ERROR: --nproc-per-node 2 on a 1-GPU type" in stdout and "plan took" in stdout
+    assert "ERROR: --nproc-per-node 2 on ml.g5.2xlarge, which has 1 GPU(s)" in stdout and "plan took" in stdout
     with pytest.raises(PlanError):
         PlanOptions(throughput_gpu="TPU").validate()

@@ -32,14 +32,9 @@ from typing import Callable, Optional
 import torch
 
 from infra import catalog
+from infra.catalog import REFERENCE_GPU, REFERENCE_IMAGES_PER_S
 from trainer.config import ConfigError, TrainConfig
 from trainer.memory import GIB, MIB, predict_loader_ram, predict_step_memory, target_precision
-
-#: ResNet-50 v1.5 training, mixed precision, 224 px, one A100: about 2,600 images/s (NVIDIA "Deep Learning
-#: Performance", data-center training tables, 2023-2024; the figure infra/catalog.py's relative_throughput
-#: is normalised to). Used only when no probe report and no --images-per-second is given.
-REFERENCE_IMAGES_PER_S = 2600.0
-REFERENCE_GPU = "A100"
 
 
 class PlanError(ValueError):
@@ -190,12 +185,9 @@ def plan_rows(inp: _Inputs, types: list[catalog.InstanceType]) -> list[dict]:
             continue
         procs = it.processes_per_host
         row["processes_per_host"] = procs
-        if opts.nproc_per_node is not None and opts.nproc_per_node > it.gpus:
-            row["errors"].append(f"--nproc-per-node {opts.nproc_per_node} on a {it.gpus}-GPU type: the extra "
-                                 f"ranks find no GPU of their own; use {it.gpus}")
-        elif opts.nproc_per_node is not None and opts.nproc_per_node < it.gpus:
-            row["warnings"].append(f"--nproc-per-node {opts.nproc_per_node} leaves {it.gpus - opts.nproc_per_node} "
-                                   f"GPU(s) idle; use {it.gpus}")
+        issue = catalog.check_processes_per_host(it, opts.nproc_per_node) if opts.nproc_per_node else None
+        if issue:
+            row["errors" if issue[0] == "error" else "warnings"].append(issue[1])
         denom = procs * cfg.accumulate_grad_batches
         if cfg.batch_size % denom:
             row["errors"].append(f"global batch {cfg.batch_size} is not divisible by {procs} processes x "

@@ -80,9 +80,9 @@ def submit(aws: Aws, outputs: Outputs, machine: str, run_name: str, image_tag: s
     arn = outputs.state_machine(machine)
     if machine.startswith("train-"):
         it = catalog.get("ml." + machine.removeprefix("train-").replace("-", ".", 1))
-        if nproc_per_node is not None and nproc_per_node != it.processes_per_host:
-            raise CliError(f"{it.name} has {it.gpus} GPU(s): {nproc_per_node} processes per host is wrong",
-                           f"drop the flag: the job runs {it.processes_per_host} (the catalog's GPU count)")
+        issue = catalog.check_processes_per_host(it, nproc_per_node) if nproc_per_node is not None else None
+        if issue:
+            raise CliError(issue[1], f"drop the flag: the job runs {it.processes_per_host} (the catalog's GPU count)")
     if instance_count < 1:
         raise CliError(f"--instance-count {instance_count}: expected at least 1")
     hp = hyperparameters(config, overrides)
