@@ -100,7 +100,6 @@ def _bad(name):
 @pytest.mark.parametrize("case,error,pattern", [
     ("value_3d", ValueError, r"value must be \(N, S, M, D\)"),
     ("value_int", TypeError, "value must be float32, float64, float16 or bfloat16, got torch.int32"),
-    ("loc_dtype", TypeError, "sampling_locations is torch.float64 but value is torch.float32"),
     ("attn_shape", ValueError, r"attention_weights must be \(N, Lq, M, L, P\) = \(4, 3, 2, 2, 2\)"),
     ("loc_last_dim", ValueError, r"sampling_locations must be \(N, Lq, M, L, P, 2\)"),
     ("loc_levels", ValueError, r"sampling_locations must be .*got shape \(4, 3, 2, 1, 2, 2\)"),
@@ -117,6 +116,21 @@ def _bad(name):
 def test_clear_errors(case, error, pattern):
     with pytest.raises(error, match=pattern):
         msda.ms_deform_attn(**_bad(case))
+
+
+def test_mixed_dtypes_are_checked_strictly_but_promoted_by_the_entry_point():
+    """The Function's contract is one dtype; the public entry promotes autocast's bf16 value + fp32 locations."""
+    args = _bad("im2col_divide")
+    args["im2col_step"] = 64
+    strict = dict(args, sampling_locations=args["sampling_locations"].double())
+    with pytest.raises(TypeError, match="sampling_locations is torch.float64 but value is torch.float32"):
+        msda.check_inputs(**strict)
+    mixed = dict(args, value=args["value"].bfloat16())
+    out = msda.ms_deform_attn(**mixed)
+    assert out.dtype == torch.float32
+    expected = msda.ms_deform_attn_reference(args["value"].bfloat16().float(), args["spatial_shapes"],
+                                             args["sampling_locations"], args["attention_weights"])
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
 def test_device_mismatch_is_named():
