@@ -51,7 +51,8 @@ def test_flags_two_processes_on_one_gpu_indivisible_batch_and_fits_nowhere(cfg):
     plan = make_plan(cfg, PlanOptions(instances=("ml.g5.2xlarge", "g5.12xlarge"), nproc_per_node=2,
                                       model_memory_gib=8.0, dataset_size=1000))
     rows = _rows(plan)
-    assert not rows["ml.g5.2xlarge"]["fits"]
+    assert rows["ml.g5.2xlarge"]["fits"]  # memory fits; the process count is the mistake, and ranks it last
+    assert plan["rows"][-1]["instance"] == "ml.g5.2xlarge"
     assert "--nproc-per-node 2 on ml.g5.2xlarge, which has 1 GPU(s)" in rows["ml.g5.2xlarge"]["errors"][0]
     assert "2 GPU(s) of g5.12xlarge idle" in rows["g5.12xlarge"]["warnings"][0] and rows["g5.12xlarge"]["fits"]
 

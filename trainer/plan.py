@@ -199,7 +199,7 @@ def plan_rows(inp: _Inputs, types: list[catalog.InstanceType]) -> list[dict]:
         have = it.gpu_memory_mib * MIB
         row["memory_per_gpu_gib"] = need / GIB
         row["headroom_pct"] = round(100 * (1 - need / have), 1)
-        row["fits"] = need <= have * (1 - opts.margin) and not row["errors"]
+        row["fits"] = need <= have * (1 - opts.margin)  # memory only; other mistakes are in "errors"
         if need > have * (1 - opts.margin):
             row["errors"].append(f"needs {need / GIB:.1f} GiB per GPU, has {have / GIB:.1f} GiB minus "
                                  f"{opts.margin:.0%} margin: lower batch_size or raise accumulate_grad_batches")
@@ -217,8 +217,8 @@ def plan_rows(inp: _Inputs, types: list[catalog.InstanceType]) -> list[dict]:
         hours = cfg.epochs * epoch_s / 3600
         row.update(images_per_s=host, epoch_min=epoch_s / 60, run_hours=hours,
                    run_usd_on_demand=hours * it.on_demand.usd_per_hour, run_usd_spot=hours * it.spot.usd_per_hour)
-    rows.sort(key=lambda r: (not r["fits"], r.get("run_usd_on_demand", math.inf), r["on_demand_usd_per_hour"],
-                             r["instance"]))
+    rows.sort(key=lambda r: (bool(r["errors"]), not r["fits"], r.get("run_usd_on_demand", math.inf),
+                             r["on_demand_usd_per_hour"], r["instance"]))
     for i, r in enumerate(rows, 1):
         r["rank"] = i
     return rows
@@ -261,7 +261,7 @@ def make_plan(cfg: TrainConfig, opts: PlanOptions, predict: Callable = predict_s
         raise PlanError(f"batch_size {cfg.batch_size} is larger than the dataset ({size} training images)")
     rows = plan_rows(_Inputs(cfg, opts, size, classes, probe, predict), types)
     flags = []
-    if not any(r["fits"] for r in rows):
+    if not any(r["fits"] and not r["errors"] for r in rows):
         flags.append(f"none of the {len(rows)} types planned can run global batch {cfg.batch_size}: see the "
                      f"ERROR notes (memory: lower batch_size or raise accumulate_grad_batches)")
     if probe and probe["device"] != "cuda":
