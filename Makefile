@@ -2,12 +2,13 @@
 #   make run    set up .venv and train the embedded default (2 DDP processes on CPU, digit scans)
 #   make test   set up .venv, compile the deformable-attention op (sm_80, no GPU needed), run all tests
 #               (what .ci/run calls)
+#   make ffcv   the optional FFCV extra (apt packages when missing, as root; requirements-ffcv.txt)
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 NPROC  ?= 2
 SHELL  := /bin/bash
 
-.PHONY: setup run test clean msda image image-cpu
+.PHONY: setup run test clean msda image image-cpu ffcv
 MSDA_ARCHS ?= 8.0
 
 export JSII_SILENCE_WARNING_DEPRECATED_NODE_VERSION := 1
@@ -34,7 +35,26 @@ run: setup
 msda: setup
 	TORCH_CUDA_ARCH_LIST="$(MSDA_ARCHS)" PYTHON=$(PY) bash images/build_msda.sh
 
-test: setup msda
+# Optional FFCV extra (--use-ffcv, write-ffcv): ffcv 1.0.2 builds a C extension against these system packages.
+# apt runs only for packages dpkg does not list as installed, and needs root; then the pinned pip packages.
+FFCV_APT := pkg-config libturbojpeg0-dev libopencv-dev
+ffcv: $(VENV)/.ffcv-installed
+
+$(VENV)/.ffcv-installed: requirements-ffcv.txt $(VENV)/.installed
+	@missing=$$(for p in $(FFCV_APT); do dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q 'install ok installed' || echo $$p; done); \
+	missing=$$(echo $$missing); \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" != 0 ]; then \
+	    echo "error: the ffcv extra needs the system packages: $$missing. As root: apt-get install -y $$missing; then make ffcv" >&2; \
+	    exit 2; \
+	  fi; \
+	  echo "apt-get install $$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	fi
+	$(PY) -m pip install -q -r requirements-ffcv.txt
+	touch $@
+
+test: setup msda ffcv
 	$(PY) -m pytest -q tests
 
 # Need a Docker engine (not on the CI machine; CI runs hadolint and the same build script instead).

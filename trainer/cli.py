@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     from trainer.planning_cli import add_planning_commands  # probe, plan (issue 6)
 
     add_planning_commands(sub, _add_train_flags)
+    from trainer.data.ffcv_writer import add_write_ffcv_command  # issue 8
+
+    add_write_ffcv_command(sub)
     return parser
 
 
@@ -91,4 +94,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from trainer.planning_cli import run_command
 
         return run_command(args, _config_from_namespace)
+    if args.command == "write-ffcv":
+        from trainer.data.ffcv_writer import run_write_ffcv
+
+        return run_write_ffcv(args)
     return EXIT_USAGE

@@ -43,6 +43,7 @@ _PRECISION_ALIASES = {
 SCHEDULERS = ("onecycle", "cosine", "step")
 OPTIMIZERS = ("sgd", "adamw")
 TASKS = ("classification",)
+FFCV_ORDERS = ("random", "quasi_random")
 
 
 class ConfigError(ValueError):
@@ -72,6 +73,15 @@ class TrainConfig:
                        flag="--data-dir", aliases=("data",))
     train_split: str = _f("train", "Sub-folder of data_dir used for training.")
     val_split: str = _f("val", "Sub-folder of data_dir used for evaluation.")
+    use_ffcv: bool = _f(False, "Read FFCV .beton files (<ffcv_dir>/<train_split>.ffcv, <val_split>.ffcv) instead of "
+                        "the ImageFolder (seed 003's --use-ffcv; needs the ffcv extra: make ffcv).")
+    ffcv_dir: Optional[str] = _f(None, "Folder of the .ffcv files that python -m trainer write-ffcv makes "
+                                 "(seed 003: /data/ffcv with train.ffcv and val.ffcv).")
+    ffcv_order: str = _f("random", "FFCV traversal order: random (seed + epoch; single process or DDP) or "
+                         "quasi_random (single process only; reads page by page, for files larger than RAM "
+                         "with ffcv_os_cache off).", choices=FFCV_ORDERS)
+    ffcv_os_cache: bool = _f(True, "FFCV: read through the OS page cache, shared by all ranks of a host "
+                             "(ffcv-imagenet's in_memory=1); off = FFCV's own per-process page cache.")
     max_bad_fraction: float = _f(0.01, "Abort when more than this fraction of an epoch's files cannot be "
                                  "decoded (they are skipped and counted below it).")
     model: str = _f("resnet50", "Any torchvision classification model name (torchvision.models.list_models).")
@@ -195,6 +205,9 @@ class TrainConfig:
                               f"({self.image_size})")
         if not self.data_dir:
             raise ConfigError("data_dir: empty; give an ImageFolder root or " + BUILTIN_DIGITS)
+        if self.use_ffcv and not self.ffcv_dir:
+            raise ConfigError("ffcv_dir: required with use_ffcv (the folder holding "
+                              f"{self.train_split}.ffcv and {self.val_split}.ffcv; see python -m trainer write-ffcv)")
         return self
 
     def micro_batch_size(self, world_size: int) -> int:
@@ -229,7 +242,7 @@ NON_TRAJECTORY_FIELDS = ("checkpoint_dir", "log_dir", "auto_resume", "resume", "
                          "checkpoint_interval", "target_accuracy", "num_workers", "prefetch_factor",
                          "pin_memory", "persistent_workers", "data_dir", "eval_batch_size", "max_steps_per_epoch",
                          "device", "checkpoint_every_steps", "checkpoint_every_minutes", "spot_poll_interval_s",
-                         "stop_on_rebalance")
+                         "stop_on_rebalance", "ffcv_dir", "ffcv_os_cache")
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 ALIASES = {a: f.name for f in dataclasses.fields(TrainConfig) for a in f.metadata.get("aliases", ())}

@@ -90,7 +90,14 @@ class Trainer:
             self.log.info(line)
         self.micro = cfg.micro_batch_size(info.world_size)
         self.accum = cfg.accumulate_grad_batches
-        self.sampler = EpochSampler(len(data.train), info.rank, info.world_size, shuffle=True, seed=cfg.seed)
+        eval_bs = cfg.eval_batch_size or 2 * self.micro
+        if cfg.use_ffcv:  # FFCV's own loaders and orders (trainer/data/ffcv.py)
+            from trainer.data.ffcv import build_loaders
+
+            self.train_loader, self.val_loader = build_loaders(cfg, info, data.train, data.val, self.micro, eval_bs)
+            self.sampler, self.val_sampler = self.train_loader.order, self.val_loader.order
+        else:
+            self.sampler = EpochSampler(len(data.train), info.rank, info.world_size, shuffle=True, seed=cfg.seed)
         per_rank = len(self.sampler)
         self.steps_per_epoch = per_rank // self.micro // self.accum
         if self.steps_per_epoch == 0:
@@ -99,12 +106,12 @@ class Trainer:
                               f"{per_rank * info.world_size}")
         if cfg.max_steps_per_epoch:
             self.steps_per_epoch = min(self.steps_per_epoch, cfg.max_steps_per_epoch)
-        self.train_loader = self._loader(data.train, BatchSampler(self.sampler, self.micro, drop_last=True),
-                                         data.collate)
-        self.val_sampler = EpochSampler(len(data.val), info.rank, info.world_size, shuffle=False)
-        eval_bs = cfg.eval_batch_size or 2 * self.micro
-        self.val_loader = self._loader(data.val, BatchSampler(self.val_sampler, eval_bs, drop_last=False),
-                                       data.collate)
+        if not cfg.use_ffcv:
+            self.train_loader = self._loader(data.train, BatchSampler(self.sampler, self.micro, drop_last=True),
+                                             data.collate)
+            self.val_sampler = EpochSampler(len(data.val), info.rank, info.world_size, shuffle=False)
+            self.val_loader = self._loader(data.val, BatchSampler(self.val_sampler, eval_bs, drop_last=False),
+                                           data.collate)
 
         self.precision = resolve_precision(cfg.precision, self.device)
         set_tf32(cfg.tf32)

@@ -81,6 +81,11 @@ class ClassificationTask(Task):
 
     def build_data(self) -> TaskData:
         cfg = self.cfg
+        if cfg.use_ffcv:  # checked .ffcv files; the loop builds FFCV's loaders (trainer/data/ffcv.py)
+            from trainer.data.ffcv import open_splits
+
+            train, val, self.num_classes, report = open_splits(cfg)
+            return TaskData(train, val, collate_skip_bad, self.num_classes, report)
         root = ensure_digits() if cfg.data_dir == BUILTIN_DIGITS else cfg.data_dir
         train_scan = scan_split(root, cfg.train_split)
         val_scan = scan_split(root, cfg.val_split)
