@@ -74,18 +74,21 @@ def check_beton(path: Path) -> dict:
         raise DataError(f"FFCV file {path}: header says format version {header['version']} with "
                         f"{header['num_fields']} fields; expected version {CURRENT_VERSION} (ffcv 1.0) and 2 fields "
                         "(corrupt header or not an FFCV file)")
+    alloc_ptr, n = int(header["alloc_table_ptr"]), int(header["num_samples"])
+    if alloc_ptr > size or (size - alloc_ptr) % ALLOC_TABLE_TYPE.itemsize:
+        raise DataError(f"FFCV file {path}: {size} bytes, but its header announces {n} samples and an "
+                        f"allocation table at byte {alloc_ptr}; the file is truncated or corrupt (copy or "
+                        "convert it again)")
     try:
         reader = Reader(str(path))
-    except (AssertionError, ValueError, KeyError, IndexError, TypeError) as e:
+    except (AssertionError, ValueError, KeyError, IndexError, TypeError, OverflowError, OSError, MemoryError) as e:
         raise DataError(f"FFCV file {path}: unreadable header tables ({type(e).__name__}: {e})") from None
     types = [type(h) for h in reader.handlers.values()]
     if types != [RGBImageField, IntField]:
         raise DataError(f"FFCV file {path}: fields {dict(zip(reader.field_names, [t.__name__ for t in types]))}; "
                         "expected image: RGBImageField, label: IntField (as write-ffcv writes)")
     tables_end = HeaderType.itemsize + FieldDescType.itemsize * int(header["num_fields"]) + reader.metadata.nbytes
-    alloc_ptr, n = int(header["alloc_table_ptr"]), int(header["num_samples"])
-    if len(reader.metadata) != n or alloc_ptr < tables_end or alloc_ptr > size \
-            or (size - alloc_ptr) % ALLOC_TABLE_TYPE.itemsize or len(reader.alloc_table) < n:
+    if len(reader.metadata) != n or alloc_ptr < tables_end or len(reader.alloc_table) < n:
         raise DataError(f"FFCV file {path}: {size} bytes, but its header announces {n} samples and an "
                         f"allocation table at byte {alloc_ptr}; the file is truncated or corrupt (copy or "
                         "convert it again)")
