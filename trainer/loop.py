@@ -8,6 +8,7 @@ read back (one synchronisation) only every ``log_every_steps`` steps and at the 
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 import warnings
@@ -180,7 +181,7 @@ class Trainer:
             for g, f in zip(self.optimizer.param_groups, fresh):
                 g.update(f)
             with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+                warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
                 for _ in range(state["progress"]["global_step"]):
                     self.scheduler.step()
         else:
