@@ -39,11 +39,14 @@ FFCV_HINT = ("install the ffcv extra: `make ffcv` (as root: apt-get install -y "
 
 def require_ffcv() -> None:
     """Import ffcv or raise :class:`DataError` saying how to install it (the error ffcv raised included)."""
+    threads = torch.get_num_threads()
     try:
         import ffcv.loader  # noqa: F401  (libffcv, numba, OpenCV: the whole import chain)
     except ImportError as e:
         raise DataError(f"--use-ffcv / write-ffcv need the ffcv package, which cannot be imported ({e}); "
                         + FFCV_HINT) from None
+    finally:
+        torch.set_num_threads(threads)  # importing ffcv sets torch's intra-op threads to 1 (Compiler)
 
 
 def check_beton(path: Path) -> dict:
@@ -57,6 +60,7 @@ def check_beton(path: Path) -> dict:
             another FFCV format version, fields other than (RGBImageField image, IntField label), or a data
             region that points past the end of the file (truncated copy).
     """
+    require_ffcv()
     from ffcv.fields import IntField, RGBImageField
     from ffcv.reader import Reader
     from ffcv.types import ALLOC_TABLE_TYPE, CURRENT_VERSION, FieldDescType, HeaderType
