@@ -118,6 +118,7 @@ def test_clear_errors(case, error, pattern):
         msda.ms_deform_attn(**_bad(case))
 
 
+@pytest.mark.filterwarnings("ignore:ms_deform_attn. using the PyTorch reference")
 def test_mixed_dtypes_are_checked_strictly_but_promoted_by_the_entry_point():
     """The Function's contract is one dtype; the public entry promotes autocast's bf16 value + fp32 locations."""
     args = _bad("im2col_divide")
