@@ -67,6 +67,8 @@ def test_launch_uses_the_stacks_spot_template_and_tags_the_job(aws, capsys):
                      "--args", "--epochs 5"]) == 0
     assert "launched i-" in capsys.readouterr().out
     (inst,) = _instances(aws)
+    assert main(E + ["status", inst["InstanceId"]]) == 0
+    assert json.loads(capsys.readouterr().out)["job"] == "resnet-a"
     tags = {t["Key"]: t["Value"] for t in inst["Tags"]}
     assert tags["trainstack:job"] == "resnet-a" and tags["trainstack:image-tag"] == "abc123"
     assert tags["trainstack:args"] == "--epochs 5" and tags["trainstack:config"] == "configs/p4d_resnet50.yaml"
@@ -142,6 +144,9 @@ def test_submit_starts_a_managed_spot_execution_with_the_config_as_hyperparamete
     assert payload["data_s3_uri"] == "s3://bucket/datasets/digits/"
     assert main(E + ["status"]) == 0
     assert "digits-a-" in capsys.readouterr().out
+    assert main(E + ["status", arn]) == 0
+    detail = json.loads(capsys.readouterr().out)
+    assert detail["status"] == "RUNNING" and detail["input"]["run_name"] == "digits-a"
     assert main(E + ["stop", arn]) == 0
     assert aws.client("stepfunctions").describe_execution(executionArn=arn)["status"] == "ABORTED"
 

@@ -118,6 +118,20 @@ def list_runs(aws: Aws, outputs: Outputs, sfn=None, sm=None) -> dict[str, list[d
     return {"executions": executions, "jobs": jobs}
 
 
+def describe_execution(aws: Aws, arn: str, sfn=None) -> dict:
+    """Status, start/stop times, input and (when finished) output or error of one state-machine execution."""
+    sfn = sfn or aws.client("stepfunctions")
+    try:
+        ex = sfn.describe_execution(executionArn=arn)
+    except ClientError as e:
+        raise explain(e, f"describing execution {arn}") from None
+    out = {k: ex.get(k) for k in ("name", "status", "startDate", "stopDate", "error", "cause")}
+    for k in ("input", "output"):
+        if ex.get(k):
+            out[k] = json.loads(ex[k])
+    return out
+
+
 def describe_job(aws: Aws, name: str, sm=None) -> dict:
     """Status, secondary status, billable seconds and spot savings of one training job."""
     sm = sm or aws.client("sagemaker")

@@ -65,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--nproc-per-node", type=int, help="checked against the catalog's GPU count, never sent")
 
     s = sub.add_parser("status", help="what runs in the environment")
-    s.add_argument("target", nargs="?", help="a training job name for its details")
+    s.add_argument("target", nargs="?", help="an instance id, execution ARN or training job name for its details")
     s.add_argument("--json", action="store_true")
 
     s = sub.add_parser("logs", help="log tail of an instance or a job")
@@ -121,7 +121,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"started {arn}")
     elif cmd == "status":
         if args.target:
-            info = jobs.describe_job(aws, args.target)
+            if args.target.startswith("i-"):
+                found = [i for i in instances.list_instances(aws) if i["instance_id"] == args.target]
+                if not found:
+                    raise CliError(f"{args.target} is not a live instance of environment {aws.env}")
+                info = found[0]
+            elif args.target.startswith("arn:") and ":execution:" in args.target:
+                info = jobs.describe_execution(aws, args.target)
+            else:
+                info = jobs.describe_job(aws, args.target)
             print(json.dumps(info, indent=1, default=str))
             return 0
         state = {"instances": instances.list_instances(aws), **jobs.list_runs(aws, outputs)}
