@@ -118,13 +118,18 @@ def list_runs(aws: Aws, outputs: Outputs, sfn=None, sm=None) -> dict[str, list[d
     return {"executions": executions, "jobs": jobs}
 
 
+def _call(doing: str, fn, **kwargs):
+    """``fn(**kwargs)``, with a ClientError turned into a CliError saying what was being done."""
+    try:
+        return fn(**kwargs)
+    except ClientError as e:
+        raise explain(e, doing) from None
+
+
 def describe_execution(aws: Aws, arn: str, sfn=None) -> dict:
     """Status, start/stop times, input and (when finished) output or error of one state-machine execution."""
     sfn = sfn or aws.client("stepfunctions")
-    try:
-        ex = sfn.describe_execution(executionArn=arn)
-    except ClientError as e:
-        raise explain(e, f"describing execution {arn}") from None
+    ex = _call(f"describing execution {arn}", sfn.describe_execution, executionArn=arn)
     out = {k: ex.get(k) for k in ("name", "status", "startDate", "stopDate", "error", "cause")}
     for k in ("input", "output"):
         if ex.get(k):
@@ -135,10 +140,7 @@ def describe_execution(aws: Aws, arn: str, sfn=None) -> dict:
 def describe_job(aws: Aws, name: str, sm=None) -> dict:
     """Status, secondary status, billable seconds and spot savings of one training job."""
     sm = sm or aws.client("sagemaker")
-    try:
-        j = sm.describe_training_job(TrainingJobName=name)
-    except ClientError as e:
-        raise explain(e, f"describing job {name}") from None
+    j = _call(f"describing job {name}", sm.describe_training_job, TrainingJobName=name)
     return {k: j.get(k) for k in ("TrainingJobName", "TrainingJobStatus", "SecondaryStatus", "FailureReason",
                                   "BillableTimeInSeconds", "TrainingTimeInSeconds", "EnableManagedSpotTraining",
                                   "ResourceConfig", "CheckpointConfig", "ModelArtifacts")}
