@@ -98,9 +98,9 @@ _SERVICE = r"""# --- training container under systemd ---
 REPO="{repo}"
 JOB=$(tag trainstack:job); CONFIG=$(tag trainstack:config); IMAGE_TAG=$(tag trainstack:image-tag)
 cat > /etc/trainstack.env <<ENV_EOF
-IMAGE=$REPO:${{IMAGE_TAG:-{image_tag}}}
-JOB=${{JOB:-default}}
-CONFIG=${{CONFIG:-{config}}}
+IMAGE=$REPO:${IMAGE_TAG:-{image_tag}}
+JOB=${JOB:-default}
+CONFIG=${CONFIG:-{config}}
 ARGS="$(tag trainstack:args)"
 NPROC={nproc}
 EFA={efa}
@@ -172,11 +172,9 @@ def render(p: UserDataParams) -> str:
         parts.append(_FSX.replace("{dns}", p.fsx_dns_name).replace("{mount}", p.fsx_mount_name or ""))
     parts.append(_AGENT.replace("{agent_config}", agent.agent_config(p.env)))
     parts.append(p.idle_alarm_command)
-    service = (_SERVICE.replace("{{", "\x00").replace("}}", "\x01")
-               .replace("{repo}", p.repository_uri).replace("{image_tag}", p.default_image_tag)
+    service = (_SERVICE.replace("{repo}", p.repository_uri).replace("{image_tag}", p.default_image_tag)
                .replace("{config}", p.default_config).replace("{nproc}", str(p.nproc_per_node))
                .replace("{efa}", "1" if p.efa else "0").replace("{log_group}", p.train_log_group)
-               .replace("{ckpt}", CONTAINER_CHECKPOINTS).replace("{runs}", CONTAINER_RUNS)
-               .replace("\x00", "{").replace("\x01", "}"))
+               .replace("{ckpt}", CONTAINER_CHECKPOINTS).replace("{runs}", CONTAINER_RUNS))
     parts.append(service)
     return "".join(parts)
