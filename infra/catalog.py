@@ -31,9 +31,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Mapping, Optional
 
-MIB = 1024 ** 2
-GIB = 1024 ** 3
-
 
 class CatalogError(ValueError):
     """Unknown instance type, or a price override that is not a positive number of USD/hour."""

@@ -210,10 +210,7 @@ def from_context(get: Any) -> InfraConfig:
         values[f.name] = _coerce(f.name, raw, default if default is not None else "")
     values.setdefault("account", os.environ.get("CDK_DEFAULT_ACCOUNT"))
     values.setdefault("region", os.environ.get("CDK_DEFAULT_REGION"))
-    try:
-        cfg = InfraConfig(**values)
-    except TypeError as e:  # pragma: no cover - fields() and the dataclass cannot disagree
-        raise InfraConfigError(str(e)) from None
+    cfg = InfraConfig(**values)
     try:
         _validate(cfg)
     except catalog.CatalogError as e:

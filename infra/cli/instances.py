@@ -48,8 +48,7 @@ def on_demand_version(ec2, template_id: str) -> str:
     for v in versions:
         if v.get("VersionDescription") == ON_DEMAND_DESCRIPTION:
             return str(v["VersionNumber"])
-    default = next(v for v in versions if v.get("DefaultVersion")) if any(
-        v.get("DefaultVersion") for v in versions) else versions[0]
+    default = next((v for v in versions if v.get("DefaultVersion")), versions[0])
     data = dict(default["LaunchTemplateData"])
     data.pop("InstanceMarketOptions", None)
     made = ec2.create_launch_template_version(LaunchTemplateId=template_id, VersionDescription=ON_DEMAND_DESCRIPTION,

@@ -151,11 +151,11 @@ def run(args: argparse.Namespace) -> int:
             print(jobs.stop_run(aws, args.target))
     elif cmd == "teardown":
         found = instances.sweep(aws, outputs, apply=args.yes)
-        for runs in jobs.list_runs(aws, outputs)["executions"]:
-            if runs["status"] == "RUNNING":
-                found.setdefault("executions", []).append(runs["arn"])
+        for ex in jobs.list_runs(aws, outputs)["executions"]:
+            if ex["status"] == "RUNNING":
+                found.setdefault("executions", []).append(ex["arn"])
                 if args.yes:
-                    jobs.stop_run(aws, runs["arn"])
+                    jobs.stop_run(aws, ex["arn"])
         verb = "removed" if args.yes else "would remove (run again with --yes)"
         for key, items in found.items():
             print(f"{verb} {len(items)} {key.replace('_', ' ')}: {' '.join(items) or '-'}")

@@ -15,7 +15,7 @@ import aws_cdk as cdk
 from aws_cdk import aws_iam as iam
 from constructs import Construct
 
-from infra.constructs.nag import ack_findings, nag_arn
+from infra.constructs.nag import ack_findings, env_literals, nag_arn
 
 GITHUB_OIDC_URL = "token.actions.githubusercontent.com"
 
@@ -57,9 +57,8 @@ class GithubOidcDeployRole(Construct):
                      "ecr:CompleteLayerUpload", "ecr:PutImage", "ecr:BatchGetImage", "ecr:DescribeImages"],
             resources=[repos]))
         ack_findings(self.role, "AwsSolutions-IAM5", [
-            "Resource::*", f"Resource::arn:<AWS::Partition>:iam::{account or '<AWS::AccountId>'}:role/cdk-hnb659fds-*",
-            "Resource::" + nag_arn("ecr", "repository/trainstack-*", account if region else None,
-                                   region if account else None)],
+            "Resource::*", f"Resource::arn:<AWS::Partition>:iam::{env_literals(account, region)[0]}:role/cdk-hnb659fds-*",
+            "Resource::" + nag_arn("ecr", "repository/trainstack-*", account, region)],
             "Describe/List calls only accept '*'; terminate/cancel/delete only on resources tagged trainstack:env; "
             "the CDK bootstrap roles are the documented way to deploy with CDK; ECR push only to trainstack-* "
             "repositories.")

@@ -17,10 +17,16 @@ def ack_findings(scope: IConstruct, rule: str, findings: list[str], reason: str)
         ack(scope, f"{rule}[{f}]", reason)
 
 
+def env_literals(account: str | None, region: str | None) -> tuple[str, str]:
+    """(account, region) as cdk-nag prints them: literal in an env-aware stack (both known), else pseudo
+    parameters."""
+    return (account, region) if account and region else ("<AWS::AccountId>", "<AWS::Region>")
+
+
 def nag_arn(service: str, resource: str, account: str | None = None, region: str | None = None) -> str:
     """An ARN as cdk-nag prints it in finding ids (pseudo parameters as ``<AWS::Region>`` and so on)."""
-    return (f"arn:<AWS::Partition>:{service}:{region or '<AWS::Region>'}:{account or '<AWS::AccountId>'}:"
-            f"{resource}")
+    acct, reg = env_literals(account, region)
+    return f"arn:<AWS::Partition>:{service}:{reg}:{acct}:{resource}"
 
 
 #: The actions CDK's ``Bucket.grant_read_write`` uses, as cdk-nag reports them.

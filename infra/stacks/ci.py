@@ -17,5 +17,4 @@ class CiStack(cdk.Stack):
         super().__init__(scope, cid, **kwargs)
         self.deploy_role = GithubOidcDeployRole(self, "Github", repo=config.github_repo,
                                                 existing_provider_arn=config.github_oidc_provider_arn,
-                                                account=config.account if config.region else None,
-                                                region=config.region if config.account else None)
+                                                account=config.account, region=config.region)

@@ -137,9 +137,9 @@ class MonitoringStack(cdk.Stack):
     def _dashboard(self, cfg: InfraConfig) -> None:
         ns = agent.namespace(cfg.env)
 
-        def per_instance(metric: str, label: str) -> cw.MathExpression:
+        def per_instance(metric: str) -> cw.MathExpression:
             return cw.MathExpression(expression=f"SEARCH('{{{ns},InstanceId}} MetricName=\"{metric}\"', "
-                                                f"'Average', 60)", label=label, period=cdk.Duration.minutes(1))
+                                                f"'Average', 60)", label="", period=cdk.Duration.minutes(1))
 
         def sagemaker(metric: str) -> cw.MathExpression:
             return cw.MathExpression(
@@ -149,10 +149,10 @@ class MonitoringStack(cdk.Stack):
 
         dash = cw.Dashboard(self, "Dashboard", dashboard_name=f"{cfg.prefix}-training")
         dash.add_widgets(
-            cw.GraphWidget(title="GPU utilization (%)", left=[per_instance(agent.GPU_UTIL, "")], width=12),
-            cw.GraphWidget(title="GPU memory used (MiB)", left=[per_instance(agent.GPU_MEM_USED, "")], width=12))
+            cw.GraphWidget(title="GPU utilization (%)", left=[per_instance(agent.GPU_UTIL)], width=12),
+            cw.GraphWidget(title="GPU memory used (MiB)", left=[per_instance(agent.GPU_MEM_USED)], width=12))
         dash.add_widgets(
-            cw.GraphWidget(title="Host memory used (%)", left=[per_instance(agent.HOST_MEM, "")], width=12),
+            cw.GraphWidget(title="Host memory used (%)", left=[per_instance(agent.HOST_MEM)], width=12),
             cw.GraphWidget(title="Disk used (%)", left=[self._metric(agent.DISK, "Maximum")], width=12))
         for name in TRAINING_METRICS:
             dash.add_widgets(cw.GraphWidget(title=f"{name} (EC2 runs / SageMaker jobs)", width=24,

@@ -15,7 +15,7 @@ from constructs import Construct
 from infra import catalog
 from infra.config import InfraConfig
 from infra.constructs import user_data
-from infra.constructs.nag import S3_READ_WRITE_ACTIONS, ack_findings, nag_arn
+from infra.constructs.nag import S3_READ_WRITE_ACTIONS, ack_findings, env_literals, nag_arn
 from infra.constructs.sagemaker_job import SageMakerSpotJobs, phases_from_context
 from infra.constructs.spot_launch_template import SpotLaunchTemplate
 from infra.stacks.data import DataStack
@@ -122,13 +122,11 @@ class TrainingStack(cdk.Stack):
         return role
 
     def _nag_arn(self, service: str, resource: str) -> str:
-        return "Resource::" + nag_arn(service, resource, self.cfg.account if self.cfg.region else None,
-                                      self.cfg.region if self.cfg.account else None)
+        return "Resource::" + nag_arn(service, resource, self.cfg.account, self.cfg.region)
 
     def _bucket_objects(self) -> str:
-        c = self.cfg
-        acct, region = (c.account, c.region) if (c.account and c.region) else ("<AWS::AccountId>", "<AWS::Region>")
-        return f"Resource::arn:<AWS::Partition>:s3:::{c.bucket_name(acct, region)}/*"
+        name = self.cfg.bucket_name(*env_literals(self.cfg.account, self.cfg.region))
+        return f"Resource::arn:<AWS::Partition>:s3:::{name}/*"
 
     def _sagemaker_role(self) -> iam.Role:
         """SageMaker execution role: this env's bucket and image, its own logs and metrics."""
