@@ -18,7 +18,6 @@ model's), single process.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -28,7 +27,7 @@ import time
 
 import torch
 
-from overhead import in_memory_batches, in_memory_trainer
+from overhead import in_memory_batches, in_memory_parser, in_memory_trainer
 from trainer.interruption import SignalHandlers, StopFlag
 
 
@@ -37,12 +36,7 @@ def _trainer(args, batches, stop=None, **extra):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", required=True)
-    ap.add_argument("--model", default="resnet50")
-    ap.add_argument("--size", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=24)
+    ap = in_memory_parser(__doc__, "resnet50", 64, 8, 24)
     ap.add_argument("--every", type=int, default=6)
     ap.add_argument("--signal-after", type=int, default=4)
     args = ap.parse_args()

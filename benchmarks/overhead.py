@@ -53,13 +53,19 @@ def in_memory_trainer(data: str, model: str, size: int, batch: int, batches: lis
     return trainer
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def in_memory_parser(doc: str, model: str, size: int, batch: int, steps: int) -> argparse.ArgumentParser:
+    """The flags every in-memory benchmark shares: --data, --model, --size (px), --batch, --steps."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", required=True)
-    ap.add_argument("--model", default="resnet18")
-    ap.add_argument("--size", type=int, default=112)
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--model", default=model)
+    ap.add_argument("--size", type=int, default=size)
+    ap.add_argument("--batch", type=int, default=batch)
+    ap.add_argument("--steps", type=int, default=steps)
+    return ap
+
+
+def main() -> None:
+    ap = in_memory_parser(__doc__, "resnet18", 112, 32, 12)
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     batches, n_classes = in_memory_batches(args.data, args.size, args.batch, args.steps)
