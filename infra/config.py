@@ -30,7 +30,7 @@ def _seed001_phases() -> list[dict]:
     """Seed 001's scaling plan, phases 1-3 on the CPU instance and phase 5 on the GPU one, as job steps."""
     return [
         {"name": "cpu-smoke", "instance_type": "ml.m5.xlarge",
-         "hyperparameters": {"epochs": "1", "batch_size": "2", "workers": "2", "device": "cpu"}},
+         "hyperparameters": {"epochs": "1", "batch_size": "2", "num_workers": "2", "device": "cpu"}},
         {"name": "gpu", "instance_type": "ml.g5.xlarge", "hyperparameters": {"precision": "amp"}},
     ]
 

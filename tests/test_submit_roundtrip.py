@@ -17,6 +17,14 @@ from trainer.sm_env import hyperparameter_flags
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 
 
+def test_default_scaling_phases_are_valid_entrypoint_hyperparameters():
+    """infra's default seed-001 phases (sent as HyperParameters by the state machine) start, not exit 2."""
+    from infra.config import InfraConfig
+
+    for phase in InfraConfig().scaling_phases:
+        parse_train_config(hyperparameter_flags(phase.get("hyperparameters", {})))
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_config_survives_the_trip_through_sagemaker(path):
     hps = hyperparameters(str(path), {"seed": "7"})
