@@ -132,11 +132,11 @@ def test_interrupted_marker_decides_exit_75(tmp_path):
     ckpt.mkdir()
     stale = json.dumps({"reason": "SIGTERM", "checkpoint": "ckpt-5-m", "global_step": 5, "time_unix": 1})
     (ckpt / "interrupted.json").write_text(stale)
-    assert entrypoint.outcome(job, 1, ckpt, marker_before=stale) == 1  # left by an earlier run
+    assert entrypoint.outcome(job, 1, ckpt, marker_before=json.loads(stale)) == 1  # left by an earlier run
     assert "training exited 1" in job.failure_file.read_text()
     new = stale.replace('"time_unix": 1', '"time_unix": 2').replace("ckpt-5-m", "ckpt-9-m")
     (ckpt / "interrupted.json").write_text(new)
-    assert entrypoint.outcome(job, 1, ckpt, marker_before=stale) == 75
+    assert entrypoint.outcome(job, 1, ckpt, marker_before=json.loads(stale)) == 75
     assert "interrupted (SIGTERM) after durable checkpoint ckpt-9-m" in job.failure_file.read_text()
     assert entrypoint.outcome(job, 3, tmp_path / "none", None) == 3
     assert "NaN" in job.failure_file.read_text()

@@ -282,16 +282,21 @@ class CheckpointManager:
                   "time_unix": time.time()}
         atomic_write_bytes(self.dir / INTERRUPTED_MARKER, json.dumps(marker).encode())
 
-    def pop_interrupted(self) -> Optional[dict]:
-        """Read and remove ``interrupted.json`` left by the previous run; None if there is none."""
-        marker = self.dir / INTERRUPTED_MARKER
+    @staticmethod
+    def read_interrupted(directory: str | Path) -> Optional[dict]:
+        """``interrupted.json`` of a checkpoint directory without removing it; None if there is none, a
+        placeholder reason if it cannot be read or parsed."""
         try:
-            data = json.loads(marker.read_text())
+            return json.loads((Path(directory) / INTERRUPTED_MARKER).read_text())
         except FileNotFoundError:
             return None
         except (OSError, ValueError):
-            data = {"reason": "unknown (unreadable interrupted.json)"}
-        marker.unlink(missing_ok=True)
+            return {"reason": "unknown (unreadable interrupted.json)"}
+
+    def pop_interrupted(self) -> Optional[dict]:
+        """Read and remove ``interrupted.json`` left by the previous run; None if there is none."""
+        data = self.read_interrupted(self.dir)
+        (self.dir / INTERRUPTED_MARKER).unlink(missing_ok=True)
         return data
 
     # .. finding and validating .........................................................................

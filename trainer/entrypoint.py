@@ -30,10 +30,11 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from trainer.checkpoint import INTERRUPTED_MARKER, CheckpointManager
+from trainer.checkpoint import CheckpointManager
 from trainer.cli import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, parse_train_config
 from trainer.config import FIELDS, ConfigError
-from trainer.sm_env import JobConfigError, JobEnv, data_dir_for, hyperparameter_flags, read_job_env
+from trainer.sm_env import (DEFAULT_ROOT, ROOT_ENV, JobConfigError, JobEnv, data_dir_for, hyperparameter_flags,
+                            read_job_env)
 
 MASTER_PORT = int(os.environ.get("TRAINSTACK_MASTER_PORT", "29500"))
 
@@ -102,13 +103,6 @@ def _validate(flags: Sequence[str]):
         raise JobConfigError("trainer flags: " + (lines[-1] if lines else "invalid")) from None
 
 
-def _marker(checkpoint_dir: Path) -> Optional[str]:
-    try:
-        return (checkpoint_dir / INTERRUPTED_MARKER).read_text()
-    except OSError:
-        return None
-
-
 def export_model(checkpoint_dir: Path, model_dir: Path) -> Optional[Path]:
     """Copy the ``best`` (else ``latest``) checkpoint directory into ``model_dir`` and describe it in
     ``model.json``; returns the copy, or None when there is no checkpoint."""
@@ -162,11 +156,11 @@ def run_forwarding_signals(cmd: Sequence[str], env: dict) -> int:
     return 128 - rc if rc < 0 else rc
 
 
-def outcome(job: JobEnv, rc: int, checkpoint_dir: Path, marker_before: Optional[str]) -> int:
+def outcome(job: JobEnv, rc: int, checkpoint_dir: Path, marker_before: Optional[dict]) -> int:
     """Exit status (and failure file, model export) for a finished torchrun."""
-    marker = _marker(checkpoint_dir)
+    marker = CheckpointManager.read_interrupted(checkpoint_dir)
     if rc == EXIT_INTERRUPTED or (rc != EXIT_OK and marker is not None and marker != marker_before):
-        info = json.loads(marker) if marker else {}
+        info = marker or {}
         return fail(job, EXIT_INTERRUPTED, f"interrupted ({info.get('reason', 'signal')}) after durable checkpoint "
                     f"{info.get('checkpoint')} at step {info.get('global_step')}; rerun the job with the same "
                     "checkpoint location to resume")
@@ -189,7 +183,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         job = read_job_env()
     except JobConfigError as e:
-        root = Path(os.environ.get("TRAINSTACK_SM_ROOT", "/opt/ml"))
+        root = Path(os.environ.get(ROOT_ENV) or DEFAULT_ROOT)
         return fail(JobEnv(root=root, in_job=False, hosts=["localhost"], current_host="localhost"), EXIT_USAGE,
                     str(e))
     try:
@@ -204,7 +198,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         env.setdefault("NCCL_SOCKET_IFNAME", job.network_interface)
         env.setdefault("GLOO_SOCKET_IFNAME", job.network_interface)
     checkpoint_dir = Path(cfg.checkpoint_dir)
-    marker_before = _marker(checkpoint_dir)
+    marker_before = CheckpointManager.read_interrupted(checkpoint_dir)
     print(f"train: host {job.current_host} ({job.node_rank + 1}/{job.nnodes}): {' '.join(cmd)}", flush=True)
     rc = run_forwarding_signals(cmd, env)
     return outcome(job, rc, checkpoint_dir, marker_before)

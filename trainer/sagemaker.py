@@ -13,14 +13,19 @@ import os
 from pathlib import Path
 
 from trainer.config import FIELDS, TrainConfig
+from trainer.sm_env import DEFAULT_ROOT, ROOT_ENV
 
-SAGEMAKER_CHECKPOINT_DIR = "/opt/ml/checkpoints"
 DEFAULT_PERIODIC_MINUTES = 10.0
+
+
+def job_root() -> Path:
+    """The SageMaker root (``$TRAINSTACK_SM_ROOT``, default /opt/ml), the one trainer/sm_env.py reads."""
+    return Path(os.environ.get(ROOT_ENV) or DEFAULT_ROOT)
 
 
 def in_sagemaker() -> bool:
     """True inside a SageMaker training job container."""
-    return bool(os.environ.get("SM_TRAINING_ENV")) or Path("/opt/ml/input/config/resourceconfig.json").is_file()
+    return bool(os.environ.get("SM_TRAINING_ENV")) or (job_root() / "input/config/resourceconfig.json").is_file()
 
 
 def apply_defaults(cfg: TrainConfig) -> tuple[TrainConfig, list[str]]:
@@ -29,7 +34,7 @@ def apply_defaults(cfg: TrainConfig) -> tuple[TrainConfig, list[str]]:
         return cfg, []
     changes, notes = {}, []
     if cfg.checkpoint_dir == FIELDS["checkpoint_dir"].default:
-        changes["checkpoint_dir"] = SAGEMAKER_CHECKPOINT_DIR
+        changes["checkpoint_dir"] = str(job_root() / "checkpoints")
     if cfg.checkpoint_every_minutes == 0 and cfg.checkpoint_every_steps == 0:
         changes["checkpoint_every_minutes"] = DEFAULT_PERIODIC_MINUTES
     for k, v in changes.items():
