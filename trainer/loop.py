@@ -281,13 +281,13 @@ class Trainer:
             tdist.all_reduce(flags, op=tdist.ReduceOp.MAX, group=self._ctrl_group)
         return bool(flags[0]), bool(flags[1])
 
-    def _save_mid_epoch(self, stats: "_EpochStats", first_bad: torch.Tensor) -> Optional[Path]:
+    def _save_mid_epoch(self, stats: "_EpochStats", first_bad: torch.Tensor) -> None:
         self._sync_checks(first_bad, stats.bad, f"train epoch {self.epoch}")
-        return self.save_checkpoint(epoch_stats=stats.state_dict())
+        self.save_checkpoint(epoch_stats=stats.state_dict())
 
-    def _interrupt(self, path_hint: Optional[Path]) -> None:
+    def _interrupt(self) -> None:
         """Wait until the stop checkpoint is durable, record why, and mark the run interrupted."""
-        path = self.ckpt.wait() if self.info.is_main else path_hint
+        path = self.ckpt.wait() if self.info.is_main else None
         reason = self.stop.reason or "stop requested by another rank"
         self.interrupted = reason
         if self.info.is_main:
@@ -362,10 +362,10 @@ class Trainer:
             if stop or due:
                 st.elapsed += time.perf_counter() - t0
                 t0, images0 = time.perf_counter(), st.images
-                path = self._save_mid_epoch(st, first_bad)
+                self._save_mid_epoch(st, first_bad)
                 if stop:
                     self.log.end_epoch()
-                    self._interrupt(path)
+                    self._interrupt()
                     return None
         self.log.end_epoch()
         self._sync_checks(first_bad, st.bad, f"train epoch {self.epoch}")
@@ -442,10 +442,10 @@ class Trainer:
             self.step_in_epoch = 0
             self.history.append({"epoch": self.epoch, **row})
             self.log.epoch(self.epoch, self.global_step, row)
-            path = self.save_checkpoint(is_best=is_best)
+            self.save_checkpoint(is_best=is_best)
             last = row
             if self._control()[0]:
-                self._interrupt(path)
+                self._interrupt()
                 break
             if cfg.target_accuracy is not None and score >= cfg.target_accuracy:
                 self.log.info(f"target_accuracy {cfg.target_accuracy}% reached ({metric}={score:.2f}) "

@@ -30,7 +30,6 @@ Loader host RAM (:func:`predict_loader_ram`)
 
 from __future__ import annotations
 
-import math
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -273,8 +272,3 @@ def predict_loader_ram(micro_batch: int, image_size: int, num_workers: int, pref
         int(WORKER_OVERHEAD_BYTES if worker_overhead_bytes is None else worker_overhead_bytes),
         "measured (probe)" if measured else "3 x H x W uint8 (the loader's batch format)",
         "measured (probe)" if worker_overhead_bytes is not None else "WORKER_OVERHEAD_BYTES default (CPU-2)")
-
-
-def gib(n_bytes: float) -> float:
-    """Bytes -> GiB (2^30), rounded to 2 decimals for reports."""
-    return round(n_bytes / GIB, 2) if math.isfinite(n_bytes) else n_bytes

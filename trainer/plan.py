@@ -248,7 +248,7 @@ def make_plan(cfg: TrainConfig, opts: PlanOptions, predict: Callable = predict_s
     cat = catalog.load_price_file(opts.prices) if opts.prices else catalog.INSTANCE_TYPES
     try:
         types = [catalog.get(n, cat) for n in opts.instances] if opts.instances else \
-            [cat[n] for n in sorted(cat) if opts.platform in (None, cat[n].platform)]
+            [cat[n] for n in sorted(cat)]
     except catalog.CatalogError as e:
         raise PlanError(str(e)) from None
     if opts.platform:
@@ -301,7 +301,7 @@ def render_plan(plan: dict) -> str:
                      f"{_num(r.get('images_per_s'), '{:,.0f}')} | {_num(r.get('epoch_min'), '{:,.1f}')} | "
                      f"{_num(r.get('run_hours'))} | {r['on_demand_usd_per_hour']:.3f} | {spot} | "
                      f"{_num(r.get('run_usd_on_demand'))} | {_num(r.get('run_usd_spot'))} | {notes.strip('; ')} |")
-    lines += ["", "\\* spot price is an estimate (35 % of on-demand, infra/catalog.py). Run time excludes "
-                  "evaluation, start-up and checkpoint writes."]
+    lines += ["", f"\\* spot price is an estimate ({catalog.SPOT_FRACTION_ESTIMATE * 100:.0f} % of on-demand, "
+                  "infra/catalog.py). Run time excludes evaluation, start-up and checkpoint writes."]
     lines += [f"FLAG: {f}" for f in plan["flags"]]
     return "\n".join(lines) + "\n"

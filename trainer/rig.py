@@ -19,7 +19,7 @@ from torch import nn
 
 from trainer.components.ema import build_ema
 from trainer.components.optim import build_optimizer
-from trainer.components.precision import Precision, resolve_precision
+from trainer.components.precision import Precision, resolve_precision, set_tf32
 from trainer.config import TrainConfig
 from trainer.distributed import DistInfo
 from trainer.tasks import TASKS, Task
@@ -114,8 +114,7 @@ def build_rig(cfg: TrainConfig, device: torch.device, num_outputs: int, *, preci
         ConfigError: unknown model name (from the task).
     """
     task = TASKS[cfg.task](cfg, DistInfo(0, 0, 1, device))
-    if getattr(task, "num_classes", None) is None:
-        task.num_classes = num_outputs
+    set_tf32(cfg.tf32)  # as Trainer.__init__: the step measured is the step trained
     precision = precision or resolve_precision(cfg.precision, device)
     if model is None:
         model = task.build_model(num_outputs).to(device)

@@ -20,9 +20,8 @@ padding, so every sample is counted once).
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator
 
 import numpy as np
 import torch
