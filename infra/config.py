@@ -16,7 +16,7 @@ import re
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Mapping, Optional
 
-from infra import catalog
+import catalog
 
 DLAMI_SSM_PARAMETER = "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
 FSX_DEPLOYMENT_TYPES = ("off", "SCRATCH_2", "PERSISTENT_2")

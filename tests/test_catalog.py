@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from infra import catalog
+import catalog
 
 
 @pytest.fixture(scope="module")
@@ -90,5 +90,5 @@ def test_price_overrides(tmp_path):
 
 
 def test_catalog_imports_without_torch_or_cdk():
-    code = "import sys, infra.catalog; assert 'torch' not in sys.modules and 'aws_cdk' not in sys.modules"
+    code = "import sys, catalog; assert 'torch' not in sys.modules and 'aws_cdk' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])

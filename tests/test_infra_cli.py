@@ -204,7 +204,7 @@ def test_stop_one_instance(aws, capsys):
 
 
 def test_cost_prices_running_instances_from_the_catalog(aws, capsys):
-    from infra import catalog
+    import catalog
 
     assert main(E + ["launch", "g5.2xlarge", "--job", "j"]) == 0
     assert main(E + ["cost", "--json"]) == 0

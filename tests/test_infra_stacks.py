@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from infra import catalog
+import catalog
 from infra.config import DLAMI_SSM_PARAMETER, InfraConfigError
 from tests.infra_helpers import REPO, flatten, resources, state_machine_definitions, synth
 
@@ -364,7 +364,7 @@ def test_bad_context_names_the_key(context, key):
 
 def test_infra_never_imports_torch():
     code = ("import os, sys; os.environ['JSII_SILENCE_WARNING_DEPRECATED_NODE_VERSION']='1'; "
-            "import infra.app, infra.catalog; assert 'torch' not in sys.modules, 'infra imported torch'")
+            "import infra.app, catalog; assert 'torch' not in sys.modules, 'infra imported torch'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from conftest import tiny_overrides
-from infra import catalog
+import catalog
 from trainer.cli import main
 from trainer.config import load_config
 from trainer.plan import PlanError, PlanOptions, gpu_model_of, make_plan, render_plan

@@ -39,6 +39,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
+from trainer.errors import CheckpointError  # noqa: F401 - re-exported
 
 FORMAT_VERSION = 1
 #: Written next to the checkpoints when a run stops on request (JSON: reason, checkpoint, global_step); a
@@ -55,10 +56,6 @@ def checkpoint_name(progress: dict) -> str:
 def _order(name: str) -> tuple[int, int]:
     m = _NAME.match(name)
     return (int(m.group(1)), 0 if m.group(2) else 1) if m else (-1, -1)
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, corrupt or of an unknown format; the message names the path."""
 
 
 # --- durable file primitives ----------------------------------------------------------------------------

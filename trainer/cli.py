@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 from trainer.config import FIELDS, ConfigError, load_config
 
-EXIT_OK, EXIT_USAGE, EXIT_NONFINITE, EXIT_INTERRUPTED = 0, 2, 3, 75
+from trainer.errors import EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_OK, EXIT_USAGE  # noqa: F401
 
 
 def _add_train_flags(p: argparse.ArgumentParser) -> None:
@@ -48,20 +48,45 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
                    help="Same as --precision 32.")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``trainer`` argument parser with its sub-commands."""
+#: Sub-commands and their one-line help; a command's flags (and its module) are loaded only when it runs.
+COMMANDS = {
+    "train": "train a model (single process or under torchrun)",
+    "probe": "measure memory, speed and loader throughput on this machine",
+    "plan": "rank instance types by fit, time and cost for a config",
+    "write-ffcv": "convert ImageFolder splits into FFCV .beton files",
+}
+
+
+def _requested_command(argv: Sequence[str]) -> Optional[str]:
+    """The sub-command named in ``argv`` (its first non-option word), or None."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+def build_parser(command: Optional[str] = "train") -> argparse.ArgumentParser:
+    """The ``trainer`` argument parser; only ``command``'s flags are built (and its module imported).
+
+    Other sub-commands are listed with their help line, so ``python -m trainer --help`` imports nothing
+    heavy and ``train`` never imports the planning modules (which need torch and the instance catalog).
+    """
     parser = argparse.ArgumentParser(prog="python -m trainer", description="Trainstack trainer")
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train a model (single process or under torchrun)",
-                           description="Train a model. Flags override --config; defaults are "
-                                       "trainer/config.py's TrainConfig.")
-    _add_train_flags(train)
-    from trainer.planning_cli import add_planning_commands  # probe, plan (issue 6)
+    for name, help_line in COMMANDS.items():
+        if name == command:
+            continue
+        sub.add_parser(name, help=help_line, add_help=False)
+    if command == "train":
+        train = sub.add_parser("train", help=COMMANDS["train"],
+                               description="Train a model. Flags override --config; defaults are "
+                                           "trainer/config.py's TrainConfig.")
+        _add_train_flags(train)
+    elif command in ("probe", "plan"):
+        from trainer.planning_cli import add_planning_command
 
-    add_planning_commands(sub, _add_train_flags)
-    from trainer.data.ffcv_writer import add_write_ffcv_command  # issue 8
+        add_planning_command(sub, command, _add_train_flags)
+    elif command == "write-ffcv":
+        from trainer.data.ffcv_writer import add_write_ffcv_command
 
-    add_write_ffcv_command(sub)
+        add_write_ffcv_command(sub)
     return parser
 
 
@@ -80,7 +105,9 @@ def parse_train_config(argv: Sequence[str]):
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``python -m trainer``; returns the process exit code."""
-    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = _requested_command(argv)
+    args = build_parser(command if command in COMMANDS else None).parse_args(argv)
     if args.command == "train":
         try:
             cfg = _config_from_namespace(args)

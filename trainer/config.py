@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import yaml
+from trainer.errors import ConfigError  # noqa: F401 - re-exported
 
 #: Sentinel for the embedded default dataset (scikit-learn's bundled handwritten-digit scans).
 BUILTIN_DIGITS = "builtin:digits"
@@ -44,10 +45,6 @@ SCHEDULERS = ("onecycle", "cosine", "step")
 OPTIMIZERS = ("sgd", "adamw")
 TASKS = ("classification",)
 FFCV_ORDERS = ("random", "quasi_random")
-
-
-class ConfigError(ValueError):
-    """A config value is invalid. The message names the field, the value and what is allowed."""
 
 
 def _f(default: Any, help: str, *, flag: Optional[str] = None, choices: tuple = (), cli: bool = True,

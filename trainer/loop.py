@@ -34,13 +34,9 @@ from trainer.data.transforms import train_size_for_epoch
 from trainer.interruption import StopFlag
 from trainer.metrics import MetricsLogger
 from trainer.tasks import TASKS
+from trainer.errors import NonFiniteLossError  # noqa: F401 - re-exported
 
 _NONE = 2**62  # "no non-finite loss seen" marker for the MIN all-reduce
-
-
-class NonFiniteLossError(RuntimeError):
-    """The training loss became NaN or inf; the message names the global step. Checkpoints written before
-    that step are kept untouched."""
 
 
 class _EpochStats:

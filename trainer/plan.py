@@ -1,6 +1,6 @@
 """``python -m trainer plan``: rank the catalog's instance types for a config and a number of epochs.
 
-Per instance type (facts and prices from :mod:`infra.catalog`, the one copy):
+Per instance type (facts and prices from :mod:`catalog`, the one copy):
 
 * processes per host = the catalog's GPU count (``InstanceType.processes_per_host``); ``--nproc-per-node`` is
   checked against it (seed 000 starts 2 processes on ml.g5.2xlarge, which has 1 GPU);
@@ -31,8 +31,8 @@ from typing import Callable, Optional
 
 import torch
 
-from infra import catalog
-from infra.catalog import REFERENCE_GPU, REFERENCE_IMAGES_PER_S
+import catalog
+from catalog import REFERENCE_GPU, REFERENCE_IMAGES_PER_S
 from trainer.config import ConfigError, TrainConfig
 from trainer.memory import GIB, MIB, predict_loader_ram, predict_step_memory, target_precision
 
@@ -273,7 +273,7 @@ def make_plan(cfg: TrainConfig, opts: PlanOptions, predict: Callable = predict_s
             "accumulate_grad_batches": cfg.accumulate_grad_batches, "epochs": cfg.epochs, "precision": cfg.precision,
             "dataset_size": size, "dataset_source": size_source, "margin": opts.margin,
             "scaling_efficiency": opts.scaling_efficiency, "probe_report": opts.probe_report,
-            "prices": opts.prices or "infra/catalog.py", "flags": flags, "rows": rows}
+            "prices": opts.prices or "catalog/__init__.py", "flags": flags, "rows": rows}
 
 
 def _num(v, fmt="{:,.2f}") -> str:
@@ -302,6 +302,6 @@ def render_plan(plan: dict) -> str:
                      f"{_num(r.get('run_hours'))} | {r['on_demand_usd_per_hour']:.3f} | {spot} | "
                      f"{_num(r.get('run_usd_on_demand'))} | {_num(r.get('run_usd_spot'))} | {notes.strip('; ')} |")
     lines += ["", f"\\* spot price is an estimate ({catalog.SPOT_FRACTION_ESTIMATE * 100:.0f} % of on-demand, "
-                  "infra/catalog.py). Run time excludes evaluation, start-up and checkpoint writes."]
+                  "catalog/__init__.py). Run time excludes evaluation, start-up and checkpoint writes."]
     lines += [f"FLAG: {f}" for f in plan["flags"]]
     return "\n".join(lines) + "\n"

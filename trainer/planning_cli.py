@@ -62,20 +62,23 @@ def _add_options(p: argparse.ArgumentParser, cls) -> None:
                            help=_HELP.get(f.name, "") + f" (default: {f.default})")
 
 
-def add_planning_commands(sub, add_train_flags: Callable[[argparse.ArgumentParser], None]) -> None:
-    """Register ``probe`` and ``plan`` on the ``trainer`` sub-parsers."""
-    from trainer.plan import PlanOptions
-    from trainer.probe import ProbeOptions
+def add_planning_command(sub, command: str, add_train_flags: Callable[[argparse.ArgumentParser], None]) -> None:
+    """Register ``probe`` or ``plan`` (``command``) on the ``trainer`` sub-parsers."""
+    if command == "probe":
+        from trainer.probe import ProbeOptions
 
-    probe = sub.add_parser("probe", help="measure memory, speed and loader throughput on this machine",
+        p = sub.add_parser("probe", help="measure memory, speed and loader throughput on this machine",
                            description="Find the largest batch that fits with a margin, images/s, loader "
                                        "throughput and RAM; writes probe.json/.md/.png.")
-    add_train_flags(probe)
-    _add_options(probe, ProbeOptions)
-    plan = sub.add_parser("plan", help="rank instance types by fit, time and cost for a config",
-                          description="Rank the catalog's instance types for --config and --epochs.")
-    add_train_flags(plan)
-    _add_options(plan, PlanOptions)
+        add_train_flags(p)
+        _add_options(p, ProbeOptions)
+        return
+    from trainer.plan import PlanOptions
+
+    p = sub.add_parser("plan", help="rank instance types by fit, time and cost for a config",
+                       description="Rank the catalog's instance types for --config and --epochs.")
+    add_train_flags(p)
+    _add_options(p, PlanOptions)
 
 
 def _options(args: argparse.Namespace, cls):
@@ -84,7 +87,7 @@ def _options(args: argparse.Namespace, cls):
 
 def run_command(args: argparse.Namespace, config_from_namespace: Callable) -> int:
     """Run ``probe`` or ``plan`` from parsed arguments; returns the exit code."""
-    from infra.catalog import CatalogError
+    from catalog import CatalogError
     from trainer.config import ConfigError
     from trainer.data.imagefolder import DataError
     from trainer.plan import PlanError, PlanOptions, make_plan, render_plan

@@ -13,7 +13,7 @@ from typing import Optional
 
 from botocore.exceptions import ClientError
 
-from infra import catalog
+import catalog
 from infra.cli import instances as inst
 from infra.cli.session import Aws, explain
 

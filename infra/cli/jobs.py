@@ -16,7 +16,7 @@ from typing import Any, Optional
 import yaml
 from botocore.exceptions import ClientError
 
-from infra import catalog
+import catalog
 from infra.cli.outputs import Outputs, image_exists
 from infra.cli.session import Aws, CliError, explain
 

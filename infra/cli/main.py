@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from infra.catalog import CatalogError
+from catalog import CatalogError
 from infra.cli import costs, image, instances, jobs, logs
 from infra.cli.outputs import load as load_outputs
 from infra.cli.session import CliError, open_session

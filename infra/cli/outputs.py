@@ -7,7 +7,7 @@ from typing import Optional
 
 from botocore.exceptions import ClientError
 
-from infra import catalog
+import catalog
 from infra.cli.session import Aws, CliError, explain
 
 

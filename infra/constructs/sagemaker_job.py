@@ -25,7 +25,7 @@ from aws_cdk import aws_logs as logs
 from aws_cdk import aws_stepfunctions as sfn
 from constructs import Construct
 
-from infra.catalog import InstanceType
+from catalog import InstanceType
 
 #: SageMaker MetricDefinitions for the trainer's ``key=value`` epoch lines (README, "Outputs").
 METRIC_DEFINITIONS = [

@@ -20,7 +20,7 @@ from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_iam as iam
 from constructs import Construct
 
-from infra.catalog import InstanceType
+from catalog import InstanceType
 
 
 class SpotLaunchTemplate(Construct):

@@ -12,7 +12,7 @@ from aws_cdk import aws_iam as iam
 from aws_cdk import aws_s3 as s3
 from constructs import Construct
 
-from infra import catalog
+import catalog
 from infra.config import InfraConfig
 from infra.constructs import user_data
 from infra.constructs.nag import S3_READ_WRITE_ACTIONS, ack_findings, env_literals, nag_arn

@@ -24,14 +24,10 @@ from typing import Callable
 
 import torch
 from torch.utils.data import Dataset
+from trainer.errors import DataError  # noqa: F401 - re-exported
 
 #: Extensions scanned (lower-case). torchvision.io decodes JPEG/PNG/GIF/WEBP; PIL handles the rest.
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".gif", ".webp", ".bmp", ".tif", ".tiff", ".ppm", ".pgm")
-
-
-class DataError(RuntimeError):
-    """The dataset on disk cannot be trained on (missing split, empty class, class mismatch, too many bad
-    files). The message names the folder or file and what was expected."""
 
 
 @dataclass(frozen=True)

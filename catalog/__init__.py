@@ -1,6 +1,6 @@
 """Instance catalog: the one copy of the instance facts and prices that the stacks, the planner and the CLI read.
 
-Importable without torch and without aws_cdk (``python -c "import infra.catalog"`` needs only the standard
+Importable without torch and without aws_cdk (``python -c "import catalog"`` needs only the standard
 library). Every other module asks this one; there is no second table anywhere.
 
 Sources
@@ -224,7 +224,7 @@ def get(name: str, catalog: Optional[Mapping[str, InstanceType]] = None) -> Inst
     except KeyError:
         family = name.split(".")[-2] if "." in name else name
         near = [k for k in cat if family and family in k] or sorted(cat)
-        raise CatalogError(f"unknown instance type {name!r}; the catalog (infra/catalog.py) knows: "
+        raise CatalogError(f"unknown instance type {name!r}; the catalog (catalog/__init__.py) knows: "
                            f"{', '.join(sorted(near))}") from None
 
 

@@ -1,0 +1,55 @@
+"""The bad-input table's row type and runner, shared by ``tests/test_bad_inputs_*.py``.
+
+Each row is what a user sees: an input (a setup function that prepares files in a temporary folder and
+returns the command to run), the exit status, a fragment of the one error line, and a check of what
+survived (checkpoints, files already written). The runner asserts the contract every bad input must keep:
+the expected exit status, the fragment in the *last* non-empty line of stderr, no Python traceback
+anywhere in the output, and the row's own survival check.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Case:
+    """One row: ``setup(tmp) -> argv`` (a full command line, run with the repo on PYTHONPATH and ``tmp`` as
+    the working directory), expected ``exit`` status, ``message`` fragment of the last stderr line, and
+    ``survived(tmp)`` (asserts; may be None). ``env`` adds environment variables; ``timeout`` in seconds."""
+
+    id: str
+    setup: Callable[[Path], list[str]]
+    exit: int
+    message: str
+    survived: Optional[Callable[[Path], None]] = None
+    env: dict = field(default_factory=dict)
+    timeout: int = 300
+
+
+def trainer_cmd(*args: str) -> list[str]:
+    """``python -m trainer ARGS`` with this interpreter."""
+    return [sys.executable, "-m", "trainer", *args]
+
+
+def run_case(case: Case, tmp: Path) -> subprocess.CompletedProcess:
+    """Run ``case`` in ``tmp`` and assert the bad-input contract (see module doc); returns the process."""
+    argv = case.setup(tmp)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **case.env}
+    proc = subprocess.run(argv, cwd=tmp, env=env, capture_output=True, text=True, timeout=case.timeout)
+    out = proc.stdout + proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert "Traceback (most recent call last)" not in out, f"{case.id}: traceback\n{out[-4000:]}"
+    assert proc.returncode == case.exit, f"{case.id}: exit {proc.returncode}, expected {case.exit}\n{out[-4000:]}"
+    assert lines and case.message in lines[-1], (f"{case.id}: last stderr line {lines[-1:]!r} lacks "
+                                                 f"{case.message!r}\n{out[-4000:]}")
+    if case.survived is not None:
+        case.survived(tmp)
+    return proc
