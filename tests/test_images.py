@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fnmatch
 import os
 import shutil
 import subprocess
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
+from test_image_layout import dockerignore_patterns, excluded, parse_dockerfile
 
 SKIP_DIRS = {".git", ".venv", "node_modules", "cdk.out", "runs", "data", "__pycache__"}
 
@@ -42,25 +42,16 @@ def test_hadolint_clean(path):
     assert res.returncode == 0, res.stdout + res.stderr
 
 
-def _ignored(rel: str, patterns: list[str]) -> bool:
-    parts = rel.split("/")
-    prefixes = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
-    return any(fnmatch.fnmatch(p, pat) or fnmatch.fnmatch(p, pat.removeprefix("**/")) or
-               fnmatch.fnmatch(parts[-1], pat.removeprefix("**/")) for pat in patterns for p in prefixes)
-
-
 def test_copy_sources_are_in_the_build_context():
-    patterns = [ln.strip() for ln in (REPO / ".dockerignore").read_text().splitlines()
-                if ln.strip() and not ln.startswith("#")]
+    patterns = dockerignore_patterns()
     for pat in (".venv", ".git", "runs", "node_modules", "cdk.out", "data"):
         assert pat in patterns, f".dockerignore must exclude {pat}"
-    assert _ignored("trainer/ops/msda/_C.cpython-311-x86_64-linux-gnu.so", patterns)
-    text = (REPO / "images" / "training" / "Dockerfile").read_text()
-    sources = [ln.split()[1] for ln in text.splitlines() if ln.startswith("COPY ")]
+    assert excluded("trainer/ops/msda/_C.cpython-311-x86_64-linux-gnu.so", patterns)
+    sources = [src for src, _ in parse_dockerfile()[1]]
     assert "requirements-trainer.txt" in sources and "trainer" in sources
     for src in sources:
         assert (REPO / src).exists(), f"Dockerfile COPY {src}: not in the repository"
-        assert not _ignored(src, patterns), f"Dockerfile COPY {src}: excluded by .dockerignore"
+        assert not excluded(src, patterns), f"Dockerfile COPY {src}: excluded by .dockerignore"
 
 
 def test_scripts_are_executable_and_parse():
