@@ -27,6 +27,7 @@ $2.41 (seed 000); ml.g5.xlarge $1.408/h, not $1.21.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Mapping, Optional
@@ -266,7 +267,8 @@ def with_prices(overrides: Mapping[str, Mapping[str, float]],
         for key, value in prices.items():
             if key not in ("on_demand", "spot"):
                 raise CatalogError(f"prices[{name!r}]: unknown key {key!r}; expected 'on_demand' or 'spot'")
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value <= 0:
                 raise CatalogError(f"prices[{name!r}][{key!r}] must be a positive number of USD/hour, "
                                    f"got {value!r}")
             changes[key] = Price(float(value), "override", source)

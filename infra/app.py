@@ -7,12 +7,13 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Mapping, Optional
 
-import aws_cdk as cdk
+import aws_cdk as cdk  # the jsii Node process starts here; infra/__init__.py has silenced its Node banner
 from cdk_nag import AwsSolutionsChecks
 
-from infra.config import InfraConfig, from_context
+from infra.config import InfraConfig, InfraConfigError, from_context
 from infra.stacks.ci import CiStack
 from infra.stacks.data import DataStack
 from infra.stacks.monitoring import MonitoringStack
@@ -61,3 +62,18 @@ def build_app(context: Optional[Mapping[str, Any]] = None, outdir: Optional[str]
                                     description=f"Trainstack: GitHub OIDC deploy role for {cfg.github_repo}")
     cdk.Validations.of(app).add_plugins(AwsSolutionsChecks(app))
     return app, cfg, stacks
+
+
+def main() -> int:
+    """``cdk synth`` / ``cdk deploy``'s entry (app.py, through cdk.json): build the app from context and synth.
+
+    Returns the exit status: 0, or 2 after printing one line ``error: context KEY: got VALUE; expected ...``
+    (no traceback) when a context value is invalid. The CDK CLI then adds its own "Subprocess exited" line.
+    """
+    try:
+        app, _cfg, _stacks = build_app()
+    except InfraConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    app.synth()
+    return 0

@@ -5,12 +5,15 @@ seed 003 (400 GiB gp3 data volume at 16,000 IOPS, 200 GiB gp3 root, spot p4d.24x
 Lustre), seeds 000/001 (SageMaker ml.g5.* and ml.m5.xlarge, the CPU-then-GPU scaling phases), seed 001's
 "memory below 80 %" alarm. Imports neither torch nor aws_cdk: the CLI reads it too.
 
-Errors: :class:`InfraConfigError` names the context key, the value given and what was expected.
+Errors: :class:`InfraConfigError`, one line ``context KEY: got VALUE; expected WHAT`` (the CDK app prints it
+as ``error: ...`` and exits 2).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import math
 import os
 import re
 from dataclasses import MISSING, dataclass, field, fields
@@ -106,47 +109,79 @@ class InfraConfig:
         return catalog.with_prices(self.prices, source="cdk context 'prices'")
 
 
-_ENV_RE = re.compile(r"^[a-z][a-z0-9-]{0,19}$")  # 20 chars: bucket name <= 63, job names <= 63
+#: The environment name rule (``-c env=...``, ``python -m infra --env``): 20 characters keep the bucket name
+#: within 63 and the job names within 63.
+ENV_RE = re.compile(r"^[a-z][a-z0-9-]{0,19}$")
+ENV_RULE = "lower-case letters, digits and '-', starting with a letter, at most 20 characters"
+#: Scaling-plan phase names (they go into SageMaker job names and Step Functions state names).
+PHASE_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,15}$")
+_DOCKER_TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+_ACCOUNT_RE = re.compile(r"^[0-9]{12}$")
+_REGION_RE = re.compile(r"^[a-z]{2}(-[a-z]+)+-[0-9]$")
+_EMAIL_RE = re.compile(r"^[^@\s]+@[^@\s]+\.[^@\s]+$")
+
+
+def _bad(key: str, value: Any, expected: str) -> InfraConfigError:
+    """``context KEY: got VALUE; expected WHAT`` (one line: the CDK app prints it as ``error: ...``)."""
+    return InfraConfigError(f"context {key}: got {value!r}; expected {expected}")
 
 
 def _coerce(name: str, value: Any, default: Any) -> Any:
     """Convert a context value (strings from ``-c``, JSON types from cdk.json) to the field's type."""
-    if isinstance(value, str) and (isinstance(default, (tuple, list, dict)) or name == "prices"):
+    if isinstance(value, str) and isinstance(default, (tuple, list, dict)):
         if isinstance(default, tuple) and not value.strip().startswith("["):
             return tuple(v.strip() for v in value.split(",") if v.strip())
         try:
             value = json.loads(value)
         except json.JSONDecodeError as e:
-            raise InfraConfigError(f"context {name!r}: expected JSON, got {value!r} ({e})") from None
+            raise _bad(name, value, f"JSON ({e})") from None
     if isinstance(default, bool):
         if isinstance(value, str):
             if value.lower() not in ("true", "false"):
-                raise InfraConfigError(f"context {name!r}: expected true or false, got {value!r}")
+                raise _bad(name, value, "true or false")
             return value.lower() == "true"
         return bool(value)
-    if isinstance(default, (int, float)) and not isinstance(default, bool):
+    if isinstance(default, (int, float)):
         try:
+            if isinstance(value, bool):
+                raise TypeError(value)
             num = float(value)
         except (TypeError, ValueError):
-            raise InfraConfigError(f"context {name!r}: expected a number, got {value!r}") from None
+            raise _bad(name, value, "a number") from None
+        if not math.isfinite(num):
+            raise _bad(name, value, "a finite number")
         if isinstance(default, int):
             if num != int(num):
-                raise InfraConfigError(f"context {name!r}: expected a whole number, got {value!r}")
+                raise _bad(name, value, "a whole number")
             return int(num)
         return num
     if isinstance(default, tuple):
         if not isinstance(value, (list, tuple)):
-            raise InfraConfigError(f"context {name!r}: expected a list, got {value!r}")
+            raise _bad(name, value, "a list")
         return tuple(value)
-    return value
+    if isinstance(default, dict):
+        if not isinstance(value, Mapping):
+            raise _bad(name, value, "a JSON object")
+        return value
+    if isinstance(value, (list, dict, bool)):
+        raise _bad(name, value, "a string")
+    return str(value)
 
 
 def _validate(cfg: InfraConfig) -> None:
     def bad(key: str, expected: str) -> InfraConfigError:
-        return InfraConfigError(f"context {key!r}={getattr(cfg, key)!r}: expected {expected}")
+        return _bad(key, getattr(cfg, key), expected)
 
-    if not _ENV_RE.match(cfg.env):
-        raise bad("env", "lower-case letters, digits and '-', starting with a letter, at most 20 characters")
+    if not ENV_RE.match(cfg.env):
+        raise bad("env", ENV_RULE)
+    if cfg.account is not None and not _ACCOUNT_RE.match(cfg.account):
+        raise bad("account", "a 12-digit AWS account id")
+    if cfg.region is not None and not _REGION_RE.match(cfg.region):
+        raise bad("region", "an AWS region name like us-east-1")
+    if cfg.availability_zone is not None and not re.match(rf"^{re.escape(cfg.region or '')}[a-z0-9-]*[a-z]$",
+                                                           cfg.availability_zone):
+        region = cfg.region or "us-east-1"
+        raise bad("availability_zone", f"an AZ of region {region}, like {region}a")
     if not 1 <= cfg.data_volume_gib <= 16384:
         raise bad("data_volume_gib", "1..16384 GiB (gp3 limits)")
     if not 3000 <= cfg.data_volume_iops <= 80000 or cfg.data_volume_iops > 500 * cfg.data_volume_gib:
@@ -162,16 +197,36 @@ def _validate(cfg: InfraConfig) -> None:
         raise bad("fsx_storage_gib", "1200 or a multiple of 2400 GiB (FSx for Lustre SSD sizes)")
     if cfg.fsx == "PERSISTENT_2" and cfg.fsx_throughput_mibps_per_tib not in (125, 250, 500, 1000):
         raise bad("fsx_throughput_mibps_per_tib", "125, 250, 500 or 1000 (PERSISTENT_2)")
+    if not cfg.fsx_data_path.startswith("/"):
+        raise bad("fsx_data_path", "an absolute file-system path like /datasets")
     if cfg.nat_gateways not in (0, 1):
         raise bad("nat_gateways", "0 or 1")
-    cat = cfg.catalog()
-    for t in cfg.launch_template_types:
-        it = catalog.get(t, cat)
-        if it.platform != "ec2":
-            raise bad("launch_template_types", f"EC2 types; {t!r} is a SageMaker type")
-    for t in cfg.sagemaker_instance_types:
-        if catalog.get(t, cat).platform != "sagemaker":
-            raise bad("sagemaker_instance_types", f"ml.* types; {t!r} is not one")
+    if not 1 <= cfg.root_volume_gib <= 16384:
+        raise bad("root_volume_gib", "1..16384 GiB (gp3 limits)")
+    if cfg.ssh_cidr is not None:
+        try:
+            if "/" not in cfg.ssh_cidr or ipaddress.IPv4Network(cfg.ssh_cidr, strict=False).prefixlen == 0:
+                raise ValueError(cfg.ssh_cidr)
+        except ValueError:
+            raise bad("ssh_cidr", "an IPv4 CIDR narrower than 0.0.0.0/0 (cdk-nag AwsSolutions-EC23), like "
+                                  "203.0.113.7/32") from None
+    if not _DOCKER_TAG_RE.match(cfg.image_tag):
+        raise bad("image_tag", "a Docker tag: up to 128 letters, digits, '_', '.' or '-', not starting with '.' "
+                               "or '-'")
+    try:
+        cat = cfg.catalog()
+    except catalog.CatalogError as e:
+        raise InfraConfigError(f"context prices: {e}") from None
+    for key in ("launch_template_types", "sagemaker_instance_types"):
+        want = "ec2" if key == "launch_template_types" else "sagemaker"
+        for t in getattr(cfg, key):
+            try:
+                platform = catalog.get(t, cat).platform
+            except catalog.CatalogError as e:
+                raise InfraConfigError(f"context {key}: {e}") from None
+            if platform != want:
+                raise _bad(key, t, "EC2 types (this one is a SageMaker type)" if want == "ec2" else
+                           "SageMaker ml.* types")
     if not 0 < cfg.spot_max_price_fraction <= 1:
         raise bad("spot_max_price_fraction", "a fraction in (0, 1] of the on-demand price")
     if cfg.sagemaker_max_run_hours <= 0 or cfg.sagemaker_max_wait_hours < cfg.sagemaker_max_run_hours:
@@ -179,20 +234,37 @@ def _validate(cfg: InfraConfig) -> None:
                                               f"(max_run_hours={cfg.sagemaker_max_run_hours})")
     if cfg.sagemaker_max_wait_hours > 28 * 24:
         raise bad("sagemaker_max_wait_hours", "at most 28 days (SageMaker limit)")
+    if not 1 <= cfg.sagemaker_volume_gib <= 16384:
+        raise bad("sagemaker_volume_gib", "1..16384 GiB")
     for i, phase in enumerate(cfg.scaling_phases):
+        key = f"scaling_phases[{i}]"
         if not isinstance(phase, Mapping) or not {"name", "instance_type"} <= set(phase):
-            raise InfraConfigError(f"context 'scaling_phases'[{i}]: expected an object with 'name', "
-                                   f"'instance_type' and optional 'hyperparameters', got {phase!r}")
-        if catalog.get(phase["instance_type"], cat).platform != "sagemaker":
-            raise InfraConfigError(f"context 'scaling_phases'[{i}].instance_type={phase['instance_type']!r}: "
-                                   "expected an ml.* type")
+            raise _bad(key, phase, "an object with 'name', 'instance_type' and optional 'hyperparameters'")
+        if not isinstance(phase["name"], str) or not PHASE_RE.match(phase["name"]):
+            raise _bad(f"{key}.name", phase["name"], "1-16 lower-case letters, digits or '-'")
+        try:
+            platform = catalog.get(phase["instance_type"], cat).platform
+        except catalog.CatalogError as e:
+            raise InfraConfigError(f"context {key}.instance_type: {e}") from None
+        if platform != "sagemaker":
+            raise _bad(f"{key}.instance_type", phase["instance_type"], "an ml.* type")
+        if not isinstance(phase.get("hyperparameters") or {}, Mapping):
+            raise _bad(f"{key}.hyperparameters", phase["hyperparameters"], "an object of trainer keys and values")
     for key in ("gpu_low_util_percent", "gpu_idle_percent", "host_memory_percent", "disk_percent"):
         if not 0 < getattr(cfg, key) < 100:
             raise bad(key, "a percentage between 0 and 100")
+    for key in ("gpu_low_util_minutes", "gpu_idle_minutes"):
+        if not 1 <= getattr(cfg, key) <= 1440:
+            raise bad(key, "1..1440 minutes")
     if cfg.budget_usd <= 0:
         raise bad("budget_usd", "a positive amount of USD")
+    if cfg.alarm_email is not None and not _EMAIL_RE.match(cfg.alarm_email):
+        raise bad("alarm_email", "an e-mail address")
     if cfg.github_repo is not None and not re.match(r"^[\w.-]+/[\w.-]+$", cfg.github_repo):
         raise bad("github_repo", "'owner/name'")
+    if cfg.github_oidc_provider_arn is not None and not re.match(r"^arn:aws[\w-]*:iam::[0-9]{12}:oidc-provider/",
+                                                                 cfg.github_oidc_provider_arn):
+        raise bad("github_oidc_provider_arn", "arn:aws:iam::ACCOUNT:oidc-provider/token.actions.githubusercontent.com")
 
 
 def from_context(get: Any) -> InfraConfig:
@@ -208,11 +280,8 @@ def from_context(get: Any) -> InfraConfig:
             continue
         default = f.default if f.default_factory is MISSING else f.default_factory()
         values[f.name] = _coerce(f.name, raw, default if default is not None else "")
-    values.setdefault("account", os.environ.get("CDK_DEFAULT_ACCOUNT"))
-    values.setdefault("region", os.environ.get("CDK_DEFAULT_REGION"))
+    values.setdefault("account", os.environ.get("CDK_DEFAULT_ACCOUNT") or None)
+    values.setdefault("region", os.environ.get("CDK_DEFAULT_REGION") or None)
     cfg = InfraConfig(**values)
-    try:
-        _validate(cfg)
-    except catalog.CatalogError as e:
-        raise InfraConfigError(f"context: {e}") from None
+    _validate(cfg)
     return cfg

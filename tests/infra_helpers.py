@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("JSII_SILENCE_WARNING_DEPRECATED_NODE_VERSION", "1")
+import infra  # noqa: F401  (silences jsii's Node banner before anything imports aws_cdk)
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -129,6 +129,28 @@ def test_spot_capacity_error_suggests_fallback_and_fallback_launches_on_demand(a
         "LaunchTemplateVersions"]) == 2
 
 
+def test_network_loss_mid_command_is_exit_75_and_says_to_check_status(aws, capsys, monkeypatch):
+    from botocore.exceptions import EndpointConnectionError
+
+    from infra.cli import instances
+
+    real = aws.client("ec2")
+
+    class Ec2:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def run_instances(self, **kw):
+            raise EndpointConnectionError(endpoint_url="https://ec2.us-east-1.amazonaws.com/")
+
+    real_launch = instances.launch
+    monkeypatch.setattr(instances, "launch", lambda *a, **k: real_launch(*a, **{**k, "ec2": Ec2()}))
+    assert main(E + ["launch", "g5.2xlarge", "--job", "j"]) == 75
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "cannot reach https://ec2.us-east-1.amazonaws.com/" in err and "python -m infra status" in err
+
+
 def test_submit_starts_a_managed_spot_execution_with_the_config_as_hyperparameters(aws, capsys):
     assert main(E + ["submit", "--run-name", "digits-a", "--config", "configs/digits.yaml"]) == 2
     assert "push-image" in capsys.readouterr().err  # image 'latest' is missing
@@ -238,7 +260,8 @@ def test_clear_errors_no_credentials_no_stack_wrong_region(templates, monkeypatc
     with mock_aws():
         assert main(E + ["status"]) == 2  # nothing deployed
         err = capsys.readouterr().err
-        assert "test-DataStack does not exist" in err and "cdk deploy TrainingStack" in err
+        assert "test-DataStack does not exist" in err and "cdk deploy TrainingStack -c env=test`" in err
+        assert "<env>" not in err and len(err.strip().splitlines()) == 1
         assert main(E + ["--region", "mars-north-1", "status"]) == 2
         assert "unknown AWS region 'mars-north-1'" in capsys.readouterr().err
     monkeypatch.delenv("AWS_ACCESS_KEY_ID")

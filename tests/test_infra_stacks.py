@@ -370,11 +370,14 @@ def test_infra_never_imports_torch():
 
 @pytest.mark.skipif(not (REPO / "node_modules" / ".bin" / "cdk").exists(), reason="npm ci not run (make setup does)")
 def test_cdk_cli_synth_offline(tmp_path):
-    """`npx cdk synth` through cdk.json, as a user runs it (no AWS credentials, no network)."""
+    """`npx cdk synth` through cdk.json, as a user runs it (no AWS credentials, no network), without the
+    caller's JSII_SILENCE_* variables: the app itself keeps jsii's Node banner (printed as ``b'...'``) away."""
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("JSII_SILENCE_")}
     proc = subprocess.run(["npx", "--no-install", "cdk", "synth", "--quiet", "-c", "env=ci", "--output",
                            str(tmp_path / "cdk.out"), "--no-notices", "--no-version-reporting"],
                           cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**__import__("os").environ, "CDK_DISABLE_CLI_TELEMETRY": "true"})
+                          env={**env, "CDK_DISABLE_CLI_TELEMETRY": "true"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "b'" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     names = {p.name for p in (tmp_path / "cdk.out").glob("*.template.json")}
     assert names == {"DataStack.template.json", "MonitoringStack.template.json", "TrainingStack.template.json"}

@@ -93,11 +93,11 @@ def test_image_pushes_with_the_cli():
     (["", "", "2026-hotfix"], "hotfix"),
 ])
 def test_env_name_script_gives_valid_cdk_env_names(args, expected):
-    from infra.config import _ENV_RE
+    from infra.config import ENV_RE
 
     out = subprocess.run(["bash", str(REPO / ".github" / "scripts" / "env-name.sh"), *args], check=True,
                          capture_output=True, text=True).stdout.strip()
-    assert out == f"TRAINSTACK_ENV={expected}" and _ENV_RE.match(expected)
+    assert out == f"TRAINSTACK_ENV={expected}" and ENV_RE.match(expected)
 
 
 def test_github_oidc_role_is_scoped_to_the_repository(tmp_path):

@@ -13,6 +13,7 @@ from typing import Optional
 
 from botocore.exceptions import ClientError
 
+import catalog
 from infra.cli.outputs import Outputs
 from infra.cli.session import CAPACITY_ERRORS, Aws, CliError, explain
 
@@ -28,6 +29,18 @@ class Launched:
     instance_id: str
     market: str
     version: str
+
+
+def check_request(instance_type: str, job: str) -> None:
+    """The checks of :func:`launch` that need no AWS call: the job name, and ``instance_type`` being an EC2
+    type of the catalog. Raises CliError (or catalog.CatalogError listing the known types)."""
+    if not _JOB_RE.match(job):
+        raise CliError(f"job name {job!r}: expected 1-63 letters, digits, '.', '_' or '-'")
+    if catalog.get(instance_type).platform != "ec2":
+        ec2_type = instance_type.removeprefix("ml.")
+        raise CliError(f"{instance_type} is a SageMaker type; launch runs EC2 types",
+                       f"`python -m infra submit --machine train-{ec2_type.replace('.', '-')} ...`, "
+                       f"or launch {ec2_type}")
 
 
 def _tags(env: str, job: str, config: str, image_tag: str, args: str, keep: bool) -> list[dict]:
@@ -63,8 +76,7 @@ def launch(aws: Aws, outputs: Outputs, instance_type: str, job: str, config: str
     Raises CliError for a bad job name, a type without a launch template, or capacity/spot errors (with the
     next option) when no fallback is asked for or the fallback fails too.
     """
-    if not _JOB_RE.match(job):
-        raise CliError(f"job name {job!r}: expected 1-63 letters, digits, '.', '_' or '-'")
+    check_request(instance_type, job)
     ec2 = ec2 or aws.client("ec2")
     template_id = outputs.launch_template(instance_type)
     tags = _tags(aws.env, job, config, image_tag, args, keep)

@@ -37,11 +37,16 @@ def hyperparameters(config_path: Optional[str], overrides: dict[str, str]) -> di
     if config_path:
         p = Path(config_path)
         if not p.is_file():
-            raise CliError(f"config file {p} does not exist")
+            raise CliError(f"config file {p} " + ("is a directory; expected a YAML file" if p.is_dir() else
+                                                  "does not exist"))
         try:
-            values = yaml.safe_load(p.read_text()) or {}
+            values = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        except (OSError, UnicodeDecodeError) as e:
+            raise CliError(f"config file {p} cannot be read as UTF-8 text: {e}") from None
         except yaml.YAMLError as e:
-            raise CliError(f"config file {p} is not valid YAML: {e}") from None
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            raise CliError(f"config file {p} is not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
     for key in overrides:
         if ALIASES.get(key, key) not in FIELDS:
             raise CliError(f"--set {key}: unknown trainer config key (see `python -m trainer train --help`)")
@@ -66,6 +71,21 @@ def execution_name(run_name: str, now: Optional[dt.datetime] = None) -> str:
     return f"{run_name}-{now:%Y%m%d-%H%M%S}"
 
 
+def check_request(run_name: str, config: Optional[str], overrides: dict[str, str],
+                  data_s3_uri: Optional[str] = None, instance_count: int = 1) -> dict[str, str]:
+    """The checks of :func:`submit` that need no AWS call (the CLI runs them before opening a session).
+
+    Returns the hyperparameters. Raises CliError for a bad run name, instance count, ``--data`` URI or config.
+    """
+    if not _RUN_RE.match(run_name):
+        raise CliError(f"run name {run_name!r}: expected 1-40 letters, digits or '-' (it keys the S3 checkpoints)")
+    if instance_count < 1:
+        raise CliError(f"--instance-count {instance_count}: expected at least 1")
+    if data_s3_uri and not data_s3_uri.startswith("s3://"):
+        raise CliError(f"--data {data_s3_uri!r}: expected an s3:// URI")
+    return hyperparameters(config, overrides)
+
+
 def submit(aws: Aws, outputs: Outputs, machine: str, run_name: str, image_tag: str, config: Optional[str],
            overrides: dict[str, str], data_s3_uri: Optional[str] = None, instance_count: int = 1,
            nproc_per_node: Optional[int] = None, sfn=None, ecr=None) -> str:
@@ -75,22 +95,16 @@ def submit(aws: Aws, outputs: Outputs, machine: str, run_name: str, image_tag: s
     2 on a 1-GPU type (seed 000's mistake on ml.g5.2xlarge) is an error. Raises CliError for a bad run
     name, missing image, unknown state machine or a bad config.
     """
-    if not _RUN_RE.match(run_name):
-        raise CliError(f"run name {run_name!r}: expected 1-40 letters, digits or '-' (it keys the S3 checkpoints)")
+    hp = check_request(run_name, config, overrides, data_s3_uri, instance_count)
     arn = outputs.state_machine(machine)
     if machine.startswith("train-"):
         it = catalog.get("ml." + machine.removeprefix("train-").replace("-", ".", 1))
         issue = catalog.check_processes_per_host(it, nproc_per_node) if nproc_per_node is not None else None
         if issue:
             raise CliError(issue[1], f"drop the flag: the job runs {it.processes_per_host} (the catalog's GPU count)")
-    if instance_count < 1:
-        raise CliError(f"--instance-count {instance_count}: expected at least 1")
-    hp = hyperparameters(config, overrides)
     image_exists(aws, outputs, image_tag, ecr)
     payload = {"run_name": run_name, "image_tag": image_tag, "instance_count": instance_count, "hyperparameters": hp}
     if data_s3_uri:
-        if not data_s3_uri.startswith("s3://"):
-            raise CliError(f"--data {data_s3_uri!r}: expected an s3:// URI")
         payload["data_s3_uri"] = data_s3_uri
     sfn = sfn or aws.client("stepfunctions")
     try:

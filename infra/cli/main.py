@@ -10,8 +10,10 @@
       teardown     find (and with --yes remove) everything that still bills: instances, spot requests, volumes
       cost         what is running and what it has cost so far
 
-Resource names come from the stacks' outputs. Exit codes: 0 done, 2 usage/AWS error, 75 capacity or spot
-error (try again later or with the suggested option).
+Resource names come from the stacks' outputs. Every error is one line on stderr, ``error: WHAT; next: WHAT TO
+DO``. Exit codes: 0 done; 2 bad input or an AWS refusal that a rerun will not fix (credentials, permissions,
+stack not deployed, invalid --env); 75 transient: capacity or spot refusals, and AWS unreachable (no network,
+DNS, proxy, timeouts) -- try again later or with the suggested option.
 """
 
 from __future__ import annotations
@@ -23,18 +25,31 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from botocore.exceptions import BotoCoreError
+
 from catalog import CatalogError
 from infra.cli import costs, image, instances, jobs, logs
 from infra.cli.outputs import load as load_outputs
-from infra.cli.session import CliError, open_session
+from infra.cli.session import NETWORK_ERRORS, CliError, open_session, unreachable
+from infra.config import ENV_RE, ENV_RULE
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected a whole number >= 1")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m infra", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--env", default=os.environ.get("TRAINSTACK_ENV", "dev"), help="environment (cdk -c env=...)")
+    p.add_argument("--env", help="environment (cdk -c env=...; default: TRAINSTACK_ENV, else dev)")
     p.add_argument("--region", help="AWS region (default: AWS_REGION / profile)")
     p.add_argument("--profile", help="AWS profile")
     sub = p.add_subparsers(dest="command", required=True)
@@ -61,7 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra hyperparameter")
     s.add_argument("--image-tag", default="latest")
     s.add_argument("--data", help="s3:// URI of the train channel (default: s3://bucket/datasets/)")
-    s.add_argument("--instance-count", type=int, default=1)
+    s.add_argument("--instance-count", type=_positive_int, default=1)
     s.add_argument("--nproc-per-node", type=int, help="checked against the catalog's GPU count, never sent")
 
     s = sub.add_parser("status", help="what runs in the environment")
@@ -70,7 +85,7 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("logs", help="log tail of an instance or a job")
     s.add_argument("target")
-    s.add_argument("-n", "--lines", type=int, default=50)
+    s.add_argument("-n", "--lines", type=_positive_int, default=50)
     s.add_argument("--follow", action="store_true")
 
     s = sub.add_parser("stop", help="stop an instance, execution or job")
@@ -105,6 +120,11 @@ def _print_table(rows: list[dict], cols: list[str]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run one command: first the checks that need no AWS call, then the session, the stack outputs, the work."""
+    if args.command == "submit":
+        jobs.check_request(args.run_name, args.config, _kv(args.set), args.data, args.instance_count)
+    elif args.command == "launch":
+        instances.check_request(args.instance_type, args.job)
     aws = open_session(args.env, args.region, args.profile)
     outputs = load_outputs(aws)
     cmd = args.command
@@ -142,8 +162,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"{key}:")
             _print_table(state[key], cols)
     elif cmd == "logs":
-        for line in logs.tail(aws, outputs, args.target, args.lines, args.follow):
-            print(line)
+        try:
+            for line in logs.tail(aws, outputs, args.target, args.lines, args.follow):
+                print(line, flush=args.follow)
+        except KeyboardInterrupt:  # the way to end --follow
+            return 0
     elif cmd == "stop":
         if args.target.startswith("i-"):
             print(f"{instances.stop_instance(aws, args.target)} {args.target}")
@@ -172,17 +195,39 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _error(message: object) -> None:
+    print("error: " + " ".join(str(message).split()), file=sys.stderr)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point; returns the exit code (0, 2, or 75 for capacity/spot errors)."""
+    """Entry point; returns the exit code (0; 2 bad input or AWS refusal; 75 capacity, spot or network errors).
+
+    ``--env`` (or TRAINSTACK_ENV) is checked against the stacks' rule (infra.config.ENV_RE) before any AWS call.
+    """
     args = _parser().parse_args(argv)
+    source = "--env" if args.env is not None else "TRAINSTACK_ENV"
+    args.env = args.env if args.env is not None else os.environ.get("TRAINSTACK_ENV") or "dev"
+    if not ENV_RE.match(args.env):
+        _error(f"{source} {args.env!r}: expected {ENV_RULE} (the rule of `cdk deploy -c env=...`)")
+        return 2
     try:
         return run(args)
     except CliError as e:
-        print(f"error: {e}", file=sys.stderr)
+        _error(e)
         return e.code
     except CatalogError as e:
-        print(f"error: {e}", file=sys.stderr)
+        _error(e)
         return 2
+    except NETWORK_ERRORS as e:
+        err = unreachable(e, args.region)
+        _error(err)
+        return err.code
+    except BotoCoreError as e:  # anything else botocore raises before a request gets an answer
+        _error(f"AWS client ({type(e).__name__}): {e}")
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -46,23 +46,25 @@ class Outputs:
         return self.state_machines[key]
 
 
-def _stack_outputs(cfn, name: str) -> dict[str, str]:
+def _stack_outputs(cfn, env: str, stack_id: str) -> dict[str, str]:
+    name = f"{env}-{stack_id}"
     try:
         stacks = cfn.describe_stacks(StackName=name)["Stacks"]
     except ClientError as e:
-        raise explain(e, f"reading stack {name}") from None
+        raise explain(e, f"reading stack {name}", env=env) from None
     stack = stacks[0]
     if stack["StackStatus"] not in ("CREATE_COMPLETE", "UPDATE_COMPLETE", "UPDATE_ROLLBACK_COMPLETE"):
-        raise CliError(f"stack {name} is {stack['StackStatus']}", "wait for it, or redeploy with `npx cdk deploy`")
+        raise CliError(f"stack {name} is {stack['StackStatus']}",
+                       f"wait for it, or redeploy with `npx cdk deploy TrainingStack -c env={env}`")
     return {o["OutputKey"]: o["OutputValue"] for o in stack.get("Outputs", [])}
 
 
 def load(aws: Aws, cfn=None) -> Outputs:
     """Read the three stacks' outputs. Raises CliError when a stack is missing or not in a usable state."""
     cfn = cfn or aws.client("cloudformation")
-    data = _stack_outputs(cfn, f"{aws.env}-DataStack")
-    mon = _stack_outputs(cfn, f"{aws.env}-MonitoringStack")
-    train = _stack_outputs(cfn, f"{aws.env}-TrainingStack")
+    data = _stack_outputs(cfn, aws.env, "DataStack")
+    mon = _stack_outputs(cfn, aws.env, "MonitoringStack")
+    train = _stack_outputs(cfn, aws.env, "TrainingStack")
     lts = {}
     for name in catalog.names("ec2"):
         key = "LaunchTemplateId" + name.replace(".", "").replace("-", "")

@@ -1,16 +1,22 @@
 """boto3 session, credential and region checks, and AWS errors turned into one clear line plus the next step.
 
 Every command goes through :func:`open_session` and :func:`explain`, so "no credentials", "wrong region",
-"stack not deployed", "image missing" and capacity/spot errors read the same everywhere.
+"stack not deployed", "image missing" and capacity/spot errors read the same everywhere: one line
+``error: WHAT; next: WHAT TO DO``. :func:`unreachable` does the same for network errors (exit 75).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
 import boto3
-from botocore.exceptions import ClientError, NoCredentialsError, NoRegionError, PartialCredentialsError
+from botocore.exceptions import (BotoCoreError, ClientError, ConnectionError as BotoConnectionError,
+                                 HTTPClientError, NoCredentialsError, NoRegionError, PartialCredentialsError)
+
+#: botocore's "no answer from the endpoint" errors (refused, DNS, timeouts, TLS, proxy, dropped connections).
+NETWORK_ERRORS = (BotoConnectionError, HTTPClientError)
 
 #: EC2 errors after which another try (later, elsewhere, on-demand) may succeed.
 CAPACITY_ERRORS = {
@@ -42,7 +48,7 @@ class CliError(Exception):
         self.message, self.hint, self.code = message, hint, code
 
     def __str__(self) -> str:
-        return self.message + (f"\n  next: {self.hint}" if self.hint else "")
+        return self.message + (f"; next: {self.hint}" if self.hint else "")
 
 
 @dataclass
@@ -83,11 +89,39 @@ def open_session(env: str, region: Optional[str] = None, profile: Optional[str] 
         raise CliError("no AWS region configured", "pass --region or set AWS_REGION") from None
     except ClientError as e:
         raise explain(e, "checking credentials") from None
+    except NETWORK_ERRORS as e:
+        raise unreachable(e, region, changed=False) from None
+    except BotoCoreError as e:  # expired SSO token, credential process failing, bad config file, ...
+        raise CliError(f"AWS credentials could not be loaded: {_one_line(e)}",
+                       "refresh them (`aws sso login`) or check AWS_PROFILE / ~/.aws/config") from None
     return Aws(session, region, ident["Account"], env)
 
 
-def explain(err: ClientError, doing: str, what: str = "") -> CliError:
-    """Turn a botocore ClientError into a CliError naming what failed and the next option."""
+def _one_line(err: Exception) -> str:
+    return " ".join(str(err).split())
+
+
+def unreachable(err: Exception, region: Optional[str] = None, changed: Optional[bool] = None) -> CliError:
+    """A CliError with exit 75 (transient: rerun later) for a botocore network error ``err``.
+
+    The message names the endpoint URL botocore tried and ``region``; the hint lists what to check (network,
+    proxy variables, ``AWS_ENDPOINT_URL*`` overrides when set, ``--region``). ``changed=False`` says nothing
+    was changed yet (the failure came before any write); otherwise the hint points to ``status`` first.
+    """
+    url = getattr(err, "kwargs", {}).get("endpoint_url") or "the AWS endpoint"
+    where = url + (f" (region {region})" if region else "")
+    overrides = sorted(k for k in os.environ if k == "AWS_ENDPOINT_URL" or k.startswith("AWS_ENDPOINT_URL_"))
+    checks = ["the network connection", "HTTPS_PROXY/NO_PROXY", *overrides, "--region"]
+    then = ("then rerun (nothing was changed)" if changed is False else
+            "then run `python -m infra status` before rerunning: the request may have been applied")
+    return CliError(f"cannot reach {where}: {type(err).__name__}", f"check {', '.join(checks)}; {then}", code=75)
+
+
+def explain(err: ClientError, doing: str, what: str = "", env: Optional[str] = None) -> CliError:
+    """Turn a botocore ClientError into a CliError naming what failed and the next option.
+
+    ``env`` (the environment name) makes the "deploy it" hint a command that can be pasted as is.
+    """
     code = err.response.get("Error", {}).get("Code", "")
     msg = err.response.get("Error", {}).get("Message", str(err))
     if code in CAPACITY_ERRORS:
@@ -101,8 +135,8 @@ def explain(err: ClientError, doing: str, what: str = "") -> CliError:
         return CliError(f"{doing}: not allowed ({code}): {msg}", "use a role with this permission (the deploy "
                         "role of infra/constructs/github_oidc.py has what the CLI needs)")
     if code == "ValidationError" and "does not exist" in msg:
-        return CliError(f"{doing}: {msg}", "deploy it: `npx cdk deploy TrainingStack -c env=<env>` (or pass the "
-                        "--region it was deployed in)")
+        deploy = "npx cdk deploy TrainingStack" + (f" -c env={env}" if env else "")
+        return CliError(f"{doing}: {msg}", f"deploy it: `{deploy}` (or pass the --region it was deployed in)")
     if code in ("RepositoryNotFoundException", "ImageNotFoundException"):
         return CliError(f"{doing}: {msg}", "build and push it: `python -m infra push-image`")
     if code == "ResourceLimitExceeded":

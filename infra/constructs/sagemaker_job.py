@@ -16,7 +16,6 @@ ml.g5.2xlarge gets 1, never the 2 of seed 000.
 
 from __future__ import annotations
 
-import re
 from typing import Any, Mapping, Sequence
 
 import aws_cdk as cdk
@@ -26,6 +25,7 @@ from aws_cdk import aws_stepfunctions as sfn
 from constructs import Construct
 
 from catalog import InstanceType
+from infra.config import PHASE_RE
 
 #: SageMaker MetricDefinitions for the trainer's ``key=value`` epoch lines (README, "Outputs").
 METRIC_DEFINITIONS = [
@@ -33,7 +33,6 @@ METRIC_DEFINITIONS = [
     for name in ("train_loss", "val_loss", "val_top1", "val_top5", "ema_val_top1", "images_per_s", "epoch_time_s")
 ]
 CHECKPOINT_LOCAL_PATH = "/opt/ml/checkpoints"
-_PHASE_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,15}$")
 
 
 def training_job_state(*, phase: str, instance: InstanceType, prefix: str, image_repository_uri: str,
@@ -47,7 +46,7 @@ def training_job_state(*, phase: str, instance: InstanceType, prefix: str, image
     """
     if max_wait_s < max_run_s:
         raise ValueError(f"MaxWaitTimeInSeconds ({max_wait_s}) must be >= MaxRuntimeInSeconds ({max_run_s})")
-    if not _PHASE_RE.match(phase):
+    if not PHASE_RE.match(phase):
         raise ValueError(f"phase name {phase!r}: expected 1-16 lower-case letters, digits or '-'")
     if instance.platform != "sagemaker":
         raise ValueError(f"{instance.name} is not a SageMaker (ml.*) instance type")
