@@ -74,6 +74,9 @@ def test_flags_override_yaml(tmp_path):
     ({"epochs": 2.5}, "epochs", "integer"),
     ({"target_accuracy": 178}, "target_accuracy", "(0, 100]"),
     ({"cutmix_prob": 1.3}, "cutmix_prob", "[0, 1]"),
+    ({"image_size": 100000}, "image_size", "must be <= 8192 pixels"),
+    ({"progressive_min_size": 9000}, "progressive_min_size", "must be <= 8192 pixels"),
+    ({"val_resize_ratio": 0}, "val_resize_ratio", "(0, 1]"),
 ])
 def test_invalid_values_name_the_field(overrides, field, allowed):
     with pytest.raises(ConfigError) as e:
@@ -140,3 +143,15 @@ def test_help_lists_every_field(capsys):
     assert e.value.code == 0
     assert all("--" + name.replace("_", "-") in out for name in FIELDS if name != "data_dir")
     assert "--data-dir" in out and "--amp" in out
+
+
+@pytest.mark.parametrize("argv", [["train", "--bogus"], ["train", "--epochs", "2", "--bogus", "x"]])
+def test_unknown_flag_prints_the_sub_command_usage(argv, capsys):
+    from trainer.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err[0].startswith("usage: python -m trainer train ")
+    unknown = " ".join(argv[argv.index("--bogus"):])
+    assert err[-1] == f"python -m trainer train: error: unrecognized arguments: {unknown}"

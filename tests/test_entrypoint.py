@@ -40,7 +40,7 @@ def test_one_host_command(tmp_path):
     assert flags == ["--checkpoint-dir", str(tmp_path / "checkpoints"), "--log-dir",
                      str(tmp_path / "output/data/logs"), "--epochs", "3"]
     cmd = entrypoint.torchrun_command(job, flags, nproc=4, python="python3")
-    assert cmd == ["python3", "-m", "torch.distributed.run", "--nproc-per-node", "4", "--nnodes", "1",
+    assert cmd == ["python3", "-m", "trainer.launch", "--nproc-per-node", "4", "--nnodes", "1",
                    "--standalone", "-m", "trainer", "train", *flags]
 
 
@@ -49,7 +49,7 @@ def test_two_host_command_uses_sorted_hosts(tmp_path):
     assert (job.nnodes, job.node_rank, job.master_addr) == (2, 1, "algo-1")
     assert entrypoint.processes_per_host(job) == 8
     cmd = entrypoint.torchrun_command(job, ["--epochs", "1"], nproc=8, python="py")
-    assert cmd == ["py", "-m", "torch.distributed.run", "--nproc-per-node", "8", "--nnodes", "2", "--node-rank",
+    assert cmd == ["py", "-m", "trainer.launch", "--nproc-per-node", "8", "--nnodes", "2", "--node-rank",
                    "1", "--master-addr", "algo-1", "--master-port", "29500", "-m", "trainer", "train",
                    "--epochs", "1"]
 
@@ -140,6 +140,43 @@ def test_interrupted_marker_decides_exit_75(tmp_path):
     assert "interrupted (SIGTERM) after durable checkpoint ckpt-9-m" in job.failure_file.read_text()
     assert entrypoint.outcome(job, 3, tmp_path / "none", None) == 3
     assert "NaN" in job.failure_file.read_text()
+
+
+def test_rank_records_decide_status_and_reason(tmp_path, capsys):
+    """The lowest rank's record gives the status (2 do not retry, 3 NaN) and the one line, printed last."""
+    job = read_job_env(make_root(tmp_path), env={})
+    ckpt = tmp_path / "checkpoints"
+    records = [{"exit": 2, "error": "DataError: data split 'val': folder /d/val does not exist", "rank": 0},
+               {"exit": 2, "error": "DataError: data split 'val': folder /d/val does not exist", "rank": 1}]
+    assert entrypoint.outcome(job, 2, ckpt, None, records) == 2
+    reason = job.failure_file.read_text()
+    assert reason.startswith("DataError: data split 'val'") and "a retry fails the same way" in reason
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("train: exit 2: DataError: data split 'val': folder /d/val does not exist")
+    assert entrypoint.outcome(job, 3, ckpt, None, [{"exit": 3, "error": "loss became NaN/inf", "rank": 1}]) == 3
+    assert "loss became NaN/inf" in job.failure_file.read_text()
+    # torchrun exits 1 although the rank said 75 and no marker appeared: the record's word is taken
+    assert entrypoint.outcome(job, 1, ckpt, None, [{"exit": 75, "error": "interrupted (SIGTERM)", "rank": 0}]) == 75
+    assert "interrupted (SIGTERM)" in job.failure_file.read_text()
+    # a record never turns a successful torchrun into a failure
+    (tmp_path / "model").mkdir()
+    assert entrypoint.outcome(job, 0, ckpt, None, records) == 0
+
+
+def test_failure_records_round_trip(tmp_path):
+    from trainer import failures
+
+    env = {"RANK": "1", failures.FAILURE_DIR_ENV: str(tmp_path), failures.TORCHELASTIC_ERROR_FILE_ENV:
+           str(tmp_path / "error.json")}
+    assert failures.report(2, "ConfigError: x: bad", env=env)
+    env["RANK"] = "0"
+    assert failures.report(2, "ConfigError: y: bad", env=env)
+    (tmp_path / "rank-7.json").write_text("{not json")
+    assert failures.read_records(tmp_path) == [{"exit": 2, "error": "ConfigError: y: bad", "rank": 0},
+                                               {"exit": 2, "error": "ConfigError: x: bad", "rank": 1}]
+    elastic = json.loads((tmp_path / "error.json").read_text())
+    assert elastic["message"]["extraInfo"]["py_callstack"].startswith("error: ConfigError: y: bad (exit 2")
+    assert failures.reported_exit(elastic) == 2 and failures.reported_exit({"message": "other"}) is None
 
 
 def _sm_job(tmp_path: Path, tiny_digits: Path, **extra) -> tuple[Path, dict]:

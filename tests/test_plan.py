@@ -11,7 +11,7 @@ from conftest import tiny_overrides
 import catalog
 from trainer.cli import main
 from trainer.config import load_config
-from trainer.plan import PlanError, PlanOptions, gpu_model_of, make_plan, render_plan
+from trainer.plan import PlanError, PlanOptions, gpu_model_of, make_plan, render_plan, verdict
 
 TYPES = ("g5.2xlarge", "g5.12xlarge", "p4d.24xlarge", "ml.g5.2xlarge")
 
@@ -51,17 +51,23 @@ def test_flags_two_processes_on_one_gpu_indivisible_batch_and_fits_nowhere(cfg):
     plan = make_plan(cfg, PlanOptions(instances=("ml.g5.2xlarge", "g5.12xlarge"), nproc_per_node=2,
                                       model_memory_gib=8.0, dataset_size=1000))
     rows = _rows(plan)
-    assert rows["ml.g5.2xlarge"]["fits"]  # memory fits; the process count is the mistake, and ranks it last
+    bad = rows["ml.g5.2xlarge"]  # memory fits; the process count is the mistake: no "fits", ranked last
+    assert bad["memory_fits"] and not bad["fits"] and verdict(bad) == "ERROR"
     assert plan["rows"][-1]["instance"] == "ml.g5.2xlarge"
-    assert "--nproc-per-node 2 on ml.g5.2xlarge, which has 1 GPU(s)" in rows["ml.g5.2xlarge"]["errors"][0]
+    assert "--nproc-per-node 2 on ml.g5.2xlarge, which has 1 GPU(s)" in bad["errors"][0]
     assert "2 GPU(s) of g5.12xlarge idle" in rows["g5.12xlarge"]["warnings"][0] and rows["g5.12xlarge"]["fits"]
+    assert verdict(rows["g5.12xlarge"]) == "yes"  # a warning is not an error
+    md_rows = [line for line in render_plan(plan).splitlines() if "| ml.g5.2xlarge |" in line]
+    assert len(md_rows) == 1 and "| ERROR |" in md_rows[0] and "| yes |" not in md_rows[0]
 
     odd = load_config(None, {**cfg.to_dict(), "batch_size": 30})
     rows = _rows(make_plan(odd, PlanOptions(instances=("g5.12xlarge",), model_memory_gib=8.0, dataset_size=1000)))
     assert "not divisible by 4 processes" in rows["g5.12xlarge"]["errors"][0] and not rows["g5.12xlarge"]["fits"]
+    assert verdict(rows["g5.12xlarge"]) == "ERROR"
 
     plan = make_plan(cfg, PlanOptions(instances=TYPES, model_memory_gib=100.0, dataset_size=1000))
     assert not any(r["fits"] for r in plan["rows"]) and "none of the 4 types planned" in plan["flags"][0]
+    assert {verdict(r) for r in plan["rows"]} == {"no"}  # memory alone: "no", the note says how much
     assert all("run_hours" not in r for r in plan["rows"])  # no throughput known: no time, no cost
     assert "unknown: give --images-per-second" in plan["rows"][0]["throughput_source"]
 
@@ -110,12 +116,15 @@ def test_price_file_overrides_catalog_prices(cfg, tmp_path):
     (["--prices", "CORRUPT"], "is not valid JSON"),
     (["--platform", "gcp"], "--platform: got 'gcp'"),
     (["--margin", "1.5"], "--margin"),
+    (["--out", "A_FILE/plan.json"], "cannot create its folder"),
+    (["--out", "."], "is a folder"),
 ])
 def test_errors_exit_2_with_one_line(cfg, tmp_path, capsys, args, message):
     (tmp_path / "corrupt.json").write_text("{not json")
     (tmp_path / "other.json").write_text('{"epoch": 3}')
+    (tmp_path / "a_file").write_text("keep me")
     args = [a.replace("CORRUPT", str(tmp_path / "corrupt.json")).replace("NOT_A_PROBE", str(tmp_path / "other.json"))
-            for a in args]
+            .replace("A_FILE", str(tmp_path / "a_file")) for a in args]
     assert main(["plan", "--data-dir", cfg.data_dir, "--model", "resnet18", "--image-size", "32",
                  "--model-memory-gib", "1", *args]) == 2
     err = capsys.readouterr().err.strip()
@@ -131,5 +140,8 @@ def test_plan_cli_writes_json(cfg, tmp_path, capsys):
     assert {r["instance"] for r in plan["rows"]} == {"g5.2xlarge", "ml.g5.2xlarge"}
     stdout = capsys.readouterr().out
     assert "ERROR: --nproc-per-node 2 on ml.g5.2xlarge, which has 1 GPU(s)" in stdout and "plan took" in stdout
+    row = next(line for line in stdout.splitlines() if "| ml.g5.2xlarge |" in line)
+    assert "| ERROR |" in row and "| yes |" not in row  # never "fits: yes" beside an ERROR
+    assert not next(r for r in plan["rows"] if r["instance"] == "ml.g5.2xlarge")["fits"]
     with pytest.raises(PlanError):
         PlanOptions(throughput_gpu="TPU").validate()

@@ -5,15 +5,17 @@ Every :class:`trainer.config.TrainConfig` field is a flag (``batch_size`` -> ``-
 (precision=32), ``--use-ema``, ``--auto-resume/--no-auto-resume``, ``--resume PATH``. Flags override the
 YAML file. Works unchanged under ``torchrun --nproc-per-node N -m trainer train ...``.
 
-Exit codes: 0 done; 2 bad config/data/checkpoint (nothing trained); 3 loss became NaN/inf;
-75 interrupted (SIGTERM/SIGINT/spot notice) after a durable checkpoint: run the same command again to resume
-(75 is EX_TEMPFAIL of sysexits.h, "try again later").
+Exit codes: 0 done; 2 bad config/data/checkpoint (nothing trained) or bad usage (argparse: the sub-command's
+usage, then the error, last); 3 loss became NaN/inf; 75 interrupted (SIGTERM/SIGINT/spot notice) after a durable
+checkpoint: run the same command again to resume (75 is EX_TEMPFAIL of sysexits.h, "try again later"); 130
+aborted by a second Ctrl-C. Under torchrun an error is shown once (:mod:`trainer.failures`).
 """
 
 from __future__ import annotations
 
 import argparse
-
+import contextlib
+import io
 import sys
 from typing import Optional, Sequence
 
@@ -58,8 +60,8 @@ COMMANDS = {
 
 
 def _requested_command(argv: Sequence[str]) -> Optional[str]:
-    """The sub-command named in ``argv`` (its first non-option word), or None."""
-    return next((a for a in argv if not a.startswith("-")), None)
+    """The sub-command named in ``argv`` (the first known command, else its first non-option word), or None."""
+    return next((a for a in argv if a in COMMANDS), next((a for a in argv if not a.startswith("-")), None))
 
 
 def build_parser(command: Optional[str] = "train") -> argparse.ArgumentParser:
@@ -70,23 +72,22 @@ def build_parser(command: Optional[str] = "train") -> argparse.ArgumentParser:
     """
     parser = argparse.ArgumentParser(prog="python -m trainer", description="Trainstack trainer")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, help_line in COMMANDS.items():
-        if name == command:
-            continue
-        sub.add_parser(name, help=help_line, add_help=False)
-    if command == "train":
-        train = sub.add_parser("train", help=COMMANDS["train"],
-                               description="Train a model. Flags override --config; defaults are "
-                                           "trainer/config.py's TrainConfig.")
-        _add_train_flags(train)
-    elif command in ("probe", "plan"):
-        from trainer.planning_cli import add_planning_command
+    for name, help_line in COMMANDS.items():  # in this order, so usage and "choose from" lists stay stable
+        if name != command:
+            sub.add_parser(name, help=help_line, add_help=False)
+        elif name == "train":
+            train = sub.add_parser("train", help=help_line,
+                                   description="Train a model. Flags override --config; defaults are "
+                                               "trainer/config.py's TrainConfig.")
+            _add_train_flags(train)
+        elif name in ("probe", "plan"):
+            from trainer.planning_cli import add_planning_command
 
-        add_planning_command(sub, command, _add_train_flags)
-    elif command == "write-ffcv":
-        from trainer.data.ffcv_writer import add_write_ffcv_command
+            add_planning_command(sub, name, _add_train_flags)
+        else:
+            from trainer.data.ffcv_writer import add_write_ffcv_command
 
-        add_write_ffcv_command(sub)
+            add_write_ffcv_command(sub)
     return parser
 
 
@@ -95,25 +96,65 @@ def _config_from_namespace(ns: argparse.Namespace):
     return load_config(getattr(ns, "config", None), values)
 
 
+def _command_parser(parser: argparse.ArgumentParser, command: Optional[str]) -> argparse.ArgumentParser:
+    """The sub-command's own parser (so its usage line is the one printed), else ``parser``."""
+    for action in parser._actions:  # argparse keeps sub-parsers only here
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices.get(command, parser)
+    return parser
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """Parse ``python -m trainer`` arguments. Unknown flags are reported by the sub-command's parser (its usage
+    line, then ``unrecognized arguments: ...`` last); exits 2 (argparse) on any usage error, 0 after --help."""
+    command = _requested_command(argv)
+    parser = build_parser(command if command in COMMANDS else None)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        _command_parser(parser, getattr(args, "command", None)).error("unrecognized arguments: " + " ".join(extra))
+    return args
+
+
 def parse_train_config(argv: Sequence[str]):
     """Parse ``train`` arguments (without the sub-command) into a validated TrainConfig.
 
     Raises ConfigError for invalid values; argparse exits with code 2 for unknown flags or bad choices.
     """
-    return _config_from_namespace(build_parser().parse_args(["train", *argv]))
+    return _config_from_namespace(parse_args(["train", *argv]))
+
+
+def _parse_in_rank(argv: Sequence[str]) -> argparse.Namespace:
+    """:func:`parse_args`; under torchrun a usage error is shown once: rank 0 prints the usage, and the error
+    line reaches torchrun's report (:func:`trainer.failures.fail`) instead of being printed by every rank."""
+    import os
+
+    from trainer.failures import TORCHELASTIC_ERROR_FILE_ENV, env_rank, fail
+
+    if not os.environ.get(TORCHELASTIC_ERROR_FILE_ENV):
+        return parse_args(argv)
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return parse_args(argv)
+    except SystemExit as e:
+        if e.code in (0, None):
+            raise
+        lines = err.getvalue().rstrip().splitlines() or ["invalid arguments"]
+        if env_rank() == 0:
+            print("\n".join(lines[:-1]), file=sys.stderr, flush=True)
+        raise SystemExit(fail(EXIT_USAGE, lines[-1].replace("python -m trainer ", "", 1).replace(": error:", ":", 1)))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``python -m trainer``; returns the process exit code."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    command = _requested_command(argv)
-    args = build_parser(command if command in COMMANDS else None).parse_args(argv)
+    args = _parse_in_rank(list(sys.argv[1:] if argv is None else argv))
     if args.command == "train":
         try:
             cfg = _config_from_namespace(args)
         except ConfigError as e:
-            print(f"error: config: {e}", file=sys.stderr)
-            return EXIT_USAGE
+            from trainer.failures import fail
+
+            return fail(EXIT_USAGE, f"config: {e}")
         from trainer.train import run
 
         return run(cfg)

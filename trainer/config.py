@@ -45,6 +45,9 @@ SCHEDULERS = ("onecycle", "cosine", "step")
 OPTIMIZERS = ("sgd", "adamw")
 TASKS = ("classification",)
 FFCV_ORDERS = ("random", "quasi_random")
+#: Largest image side trained or evaluated on (pixels). One 8192 px RGB sample is 192 MiB as uint8 and 768 MiB as
+#: float32, already beyond any GPU batch; a larger value is a typo (an extra digit), refused before anything starts.
+MAX_IMAGE_SIZE = 8192
 
 
 def _f(default: Any, help: str, *, flag: Optional[str] = None, choices: tuple = (), cli: bool = True,
@@ -82,14 +85,14 @@ class TrainConfig:
     max_bad_fraction: float = _f(0.01, "Abort when more than this fraction of an epoch's files cannot be "
                                  "decoded (they are skipped and counted below it).")
     model: str = _f("resnet50", "Any torchvision classification model name (torchvision.models.list_models).")
-    image_size: int = _f(224, "Final training and evaluation resolution (pixels, square).")
+    image_size: int = _f(224, f"Final training and evaluation resolution (pixels, square; at most {MAX_IMAGE_SIZE}).")
     val_resize_ratio: float = _f(0.875, "Evaluation: resize shorter side to image_size/ratio, centre-crop "
                                  "image_size (the standard ImageNet protocol).")
     crop_scale_min: float = _f(0.08, "RandomResizedCrop's lower area bound (0.08 = ImageNet default).")
     hflip_prob: float = _f(0.5, "Probability of a horizontal flip in training (0 for digits or text).")
     progressive_resize: bool = _f(False, "Train at low resolution first, then step up to image_size "
                                   "(seed 003: 160 -> 192 -> 224 over equal thirds of the epochs).")
-    progressive_min_size: int = _f(160, "First resolution of progressive resizing (pixels).")
+    progressive_min_size: int = _f(160, "First resolution of progressive resizing (pixels; at most image_size).")
     progressive_stages: int = _f(3, "Number of equal-length resolution stages in progressive resizing.")
 
     # --- batch and loader ----------------------------------------------------------------------------
@@ -167,6 +170,10 @@ class TrainConfig:
         for name in _positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: got {getattr(self, name)!r}; must be an integer >= 1")
+        for name in ("image_size", "progressive_min_size"):
+            if getattr(self, name) > MAX_IMAGE_SIZE:
+                raise ConfigError(f"{name}: got {getattr(self, name)!r}; must be <= {MAX_IMAGE_SIZE} pixels "
+                                  "(one side of the square image)")
         for name in ("num_workers", "eval_batch_size", "max_steps_per_epoch", "checkpoint_every_steps"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: got {getattr(self, name)!r}; must be an integer >= 0")
@@ -179,12 +186,14 @@ class TrainConfig:
             v = getattr(self, name)
             if not (lo <= v < hi):
                 raise ConfigError(f"{name}: got {v!r}; must be in [{lo}, {hi})")
-        for name in ("cutmix_prob", "hflip_prob", "momentum", "val_resize_ratio"):
+        for name in ("cutmix_prob", "hflip_prob", "momentum"):
             v = getattr(self, name)
             if not (0.0 <= v <= 1.0):
                 raise ConfigError(f"{name}: got {v!r}; must be in [0, 1]")
-        if not (0.0 < self.crop_scale_min <= 1.0):
-            raise ConfigError(f"crop_scale_min: got {self.crop_scale_min!r}; must be in (0, 1]")
+        for name in ("crop_scale_min", "val_resize_ratio"):
+            v = getattr(self, name)
+            if not (0.0 < v <= 1.0):
+                raise ConfigError(f"{name}: got {v!r}; must be in (0, 1]")
         if self.spot_poll_interval_s <= 0:
             raise ConfigError(f"spot_poll_interval_s: got {self.spot_poll_interval_s}; must be > 0")
         for name in ("mixup_alpha", "cutmix_alpha", "weight_decay", "gradient_clip", "warmup_epochs",

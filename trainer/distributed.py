@@ -14,6 +14,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from trainer.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -42,23 +44,27 @@ def _env_int(name: str, default: int) -> int:
     try:
         return int(value)
     except ValueError:
-        raise RuntimeError(f"environment variable {name}={value!r}: expected an integer (set by torchrun)") from None
+        raise ConfigError(f"environment variable {name}={value!r}: expected an integer (set by torchrun)") from None
 
 
 def resolve_device(requested: str, local_rank: int) -> torch.device:
     """Pick the device: ``cuda:<local_rank>`` when CUDA is available (or asked for), else CPU.
 
     Raises:
-        RuntimeError: ``cuda`` was requested but no CUDA device is visible, or local_rank exceeds the GPUs.
+        ConfigError: ``cuda`` was requested but no CUDA device is visible, or local_rank exceeds the GPUs.
     """
     if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise RuntimeError("device: 'cuda' requested but torch.cuda.is_available() is False")
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        hint = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+        raise ConfigError(f"device: 'cuda' requested but no CUDA device is visible{hint} "
+                          f"(torch {torch.__version__}, built for CUDA {torch.version.cuda or 'none'}); "
+                          "use --device cpu or --device auto")
     n = torch.cuda.device_count()
     if local_rank >= n:
-        raise RuntimeError(f"LOCAL_RANK={local_rank} but only {n} CUDA device(s) are visible; "
-                           f"use --nproc-per-node <= {n}")
+        raise ConfigError(f"device: LOCAL_RANK={local_rank} but only {n} CUDA device(s) are visible; "
+                          f"start at most {n} process(es) per host (torchrun --nproc-per-node {n})")
     return torch.device("cuda", local_rank)
 
 
@@ -66,6 +72,9 @@ def init(requested_device: str = "auto", timeout_s: float = 1800.0) -> DistInfo:
     """Initialise the default process group if torchrun started us with WORLD_SIZE > 1.
 
     Returns the :class:`DistInfo` of this process. Safe to call when a group already exists.
+
+    Raises:
+        ConfigError: a torchrun variable is not an integer, or the device cannot be used (:func:`resolve_device`).
     """
     world_size = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0)

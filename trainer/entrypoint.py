@@ -4,17 +4,23 @@
    flags; defaults ``--checkpoint-dir <root>/checkpoints``, ``--log-dir <root>/output/data/logs`` and
    ``--data-dir`` from the data channel; appends this command's own arguments (EC2: ``train --epochs 3``).
    The flags are validated here first, so a bad hyperparameter fails in seconds with exit 2.
-2. Runs ``python -m torch.distributed.run`` with one process per GPU (one on CPU): ``--standalone`` on one
-   host; on several, ``--nnodes <hosts> --node-rank <index of current_host in sorted hosts>
-   --master-addr <first host>``. SIGTERM/SIGINT reach every rank as SIGTERM (all ranks save, exit 75).
-3. Exit status for SageMaker/EC2/systemd (``<root>/output/failure`` gets the reason whenever it is not 0):
+2. Runs torchrun (``python -m trainer.launch``: ``torch.distributed.run`` without the launcher's traceback) with
+   one process per GPU (one on CPU): ``--standalone`` on one host; on several, ``--nnodes <hosts> --node-rank
+   <index of current_host in sorted hosts> --master-addr <first host>``. SIGTERM/SIGINT reach every rank as
+   SIGTERM (all ranks save, exit 75). ``$TRAINSTACK_FAILURE_DIR`` (a temporary folder) receives each failing
+   rank's record ``{exit, error, rank}`` (:mod:`trainer.failures`).
+3. Exit status for SageMaker/EC2/systemd (``<root>/output/failure`` gets the reason whenever it is not 0, and the
+   reason is the last line printed):
 
    - 0: done; host 0 copies the ``best`` (else ``latest``) checkpoint into ``<root>/model/`` (+ model.json).
-   - 75: interrupted after a durable checkpoint. torchrun's agent exits 1 when a rank exits 75, so this is
-     decided by a new ``interrupted.json`` in the checkpoint dir. Non-zero so SageMaker never marks an
-     unfinished run Completed; 75 (EX_TEMPFAIL) so a restart policy reruns it and it resumes.
-   - 2: bad hyperparameters, channels or flags (nothing started). Otherwise torchrun's status (1 when a
-     rank failed: its error is in the log; 128+N when killed by signal N).
+   - 2 / 3: a rank's bad config, data or checkpoint (do not retry unchanged) / non-finite loss: the status and
+     the message of the lowest rank's record. 2 also for bad hyperparameters, channels or flags found here
+     before torchrun starts.
+   - 75: interrupted after a durable checkpoint (a new ``interrupted.json`` in the checkpoint dir, or a rank's
+     record). Non-zero so SageMaker never marks an unfinished run Completed; 75 (EX_TEMPFAIL) so a restart
+     policy reruns it and it resumes.
+   - otherwise torchrun's status (1 when a rank failed without a record: a bug, its traceback is in the log;
+     128+N when killed by signal N).
 """
 
 from __future__ import annotations
@@ -27,12 +33,14 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
 from trainer.checkpoint import CheckpointManager
 from trainer.cli import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, parse_train_config
 from trainer.config import FIELDS, ConfigError
+from trainer.failures import FAILURE_DIR_ENV, MEANINGS, read_records
 from trainer.sm_env import (DEFAULT_ROOT, ROOT_ENV, JobConfigError, JobEnv, data_dir_for, hyperparameter_flags,
                             read_job_env)
 
@@ -78,8 +86,8 @@ def trainer_flags(job: JobEnv, extra: Sequence[str] = ()) -> list[str]:
 
 
 def torchrun_command(job: JobEnv, flags: Sequence[str], nproc: int, python: str = sys.executable) -> list[str]:
-    """The torchrun command line for this host."""
-    cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+    """The torchrun command line for this host (:mod:`trainer.launch`, which takes torchrun's options)."""
+    cmd = [python, "-m", "trainer.launch", "--nproc-per-node", str(nproc)]
     if job.nnodes == 1:
         cmd += ["--nnodes", "1", "--standalone"]
     else:
@@ -156,17 +164,29 @@ def run_forwarding_signals(cmd: Sequence[str], env: dict) -> int:
     return 128 - rc if rc < 0 else rc
 
 
-def outcome(job: JobEnv, rc: int, checkpoint_dir: Path, marker_before: Optional[dict]) -> int:
-    """Exit status (and failure file, model export) for a finished torchrun."""
+def outcome(job: JobEnv, rc: int, checkpoint_dir: Path, marker_before: Optional[dict],
+            records: Sequence[dict] = ()) -> int:
+    """Exit status (and failure file, model export) for a finished torchrun.
+
+    ``records``: the ranks' failure records (:func:`trainer.failures.read_records`), lowest rank first; the
+    first one that is not an interruption decides a failed run's status and message.
+    """
+    failed = [r for r in records if r["exit"] != EXIT_OK] if rc != EXIT_OK else []
+    first = next((r for r in failed if r["exit"] != EXIT_INTERRUPTED), None)
+    if first is not None:
+        meaning = MEANINGS.get(first["exit"])
+        return fail(job, first["exit"], first["error"] + (f" ({meaning})" if meaning else ""))
     marker = CheckpointManager.read_interrupted(checkpoint_dir)
-    if rc == EXIT_INTERRUPTED or (rc != EXIT_OK and marker is not None and marker != marker_before):
+    new_marker = rc != EXIT_OK and marker is not None and marker != marker_before
+    if failed and not new_marker:  # interrupted, but the marker was not written: the ranks' word for it
+        return fail(job, EXIT_INTERRUPTED, f"{failed[0]['error']} ({MEANINGS[EXIT_INTERRUPTED]})")
+    if rc == EXIT_INTERRUPTED or new_marker:
         info = marker or {}
         return fail(job, EXIT_INTERRUPTED, f"interrupted ({info.get('reason', 'signal')}) after durable checkpoint "
                     f"{info.get('checkpoint')} at step {info.get('global_step')}; rerun the job with the same "
                     "checkpoint location to resume")
     if rc != EXIT_OK:
-        meaning = {EXIT_USAGE: "bad config, data or checkpoint", 3: "the loss became NaN/inf"}.get(
-            rc, "a training process failed (torchrun exits 1 for any failed rank); its error is in the log above")
+        meaning = MEANINGS.get(rc, "a training process failed; its error is in the log above")
         return fail(job, rc, f"training exited {rc}: {meaning}")
     if job.node_rank == 0:
         try:
@@ -200,8 +220,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     checkpoint_dir = Path(cfg.checkpoint_dir)
     marker_before = CheckpointManager.read_interrupted(checkpoint_dir)
     print(f"train: host {job.current_host} ({job.node_rank + 1}/{job.nnodes}): {' '.join(cmd)}", flush=True)
-    rc = run_forwarding_signals(cmd, env)
-    return outcome(job, rc, checkpoint_dir, marker_before)
+    failure_dir = tempfile.mkdtemp(prefix="trainstack-failures-")
+    env[FAILURE_DIR_ENV] = failure_dir
+    try:
+        rc = run_forwarding_signals(cmd, env)
+        records = read_records(failure_dir)
+    finally:
+        shutil.rmtree(failure_dir, ignore_errors=True)
+    return outcome(job, rc, checkpoint_dir, marker_before, records)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ Exit statuses (``python -m trainer``, the ranks under torchrun, and the image's 
 * 3 ``EXIT_NONFINITE``: the loss became NaN/inf; checkpoints before that step are intact.
 * 75 ``EXIT_INTERRUPTED``: stopped on request (SIGTERM, Ctrl-C, spot interruption notice) after a durable
   checkpoint: run the same command again to resume (EX_TEMPFAIL of sysexits.h, "try again later").
+* 130 ``EXIT_ABORTED``: aborted by a second Ctrl-C (128 + SIGINT, the shell's convention): no checkpoint for
+  the step in flight; checkpoints already durable stay, half-written ones are removed.
 
 Every error below carries a message that names the field, file, path or step and what was expected; the
 command-line layers print it as one line and return :func:`exit_code` of it.
@@ -14,7 +16,7 @@ command-line layers print it as one line and return :func:`exit_code` of it.
 
 from __future__ import annotations
 
-EXIT_OK, EXIT_USAGE, EXIT_NONFINITE, EXIT_INTERRUPTED = 0, 2, 3, 75
+EXIT_OK, EXIT_USAGE, EXIT_NONFINITE, EXIT_INTERRUPTED, EXIT_ABORTED = 0, 2, 3, 75, 130
 
 
 class ConfigError(ValueError):

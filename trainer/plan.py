@@ -7,7 +7,8 @@ Per instance type (facts and prices from :mod:`catalog`, the one copy):
 * micro-batch per GPU = ``batch_size / (processes x accumulate_grad_batches)``, which must be whole;
 * memory per GPU: measured by a CUDA probe report at that batch when one exists for the same GPU model, else
   predicted (:func:`trainer.memory.predict_step_memory`: reserved peak + DDP buckets + CUDA context), else
-  ``--model-memory-gib``; it fits when <= the catalog's ``gpu_memory_mib`` x (1 - margin);
+  ``--model-memory-gib``; ``memory_fits`` when <= the catalog's ``gpu_memory_mib`` x (1 - margin); a row
+  ``fits`` only when its memory fits and it has no error (process count, batch divisibility, GPU);
 * images/s per GPU, in order of preference: a CUDA probe report's measured images/s at its best batch, or
   ``--images-per-second`` measured on ``--throughput-gpu``, scaled by the catalog's ``relative_throughput``;
   otherwise :data:`REFERENCE_IMAGES_PER_S` (ResNet-50, A100) x relative throughput x the FLOP ratio of
@@ -178,7 +179,8 @@ def plan_rows(inp: _Inputs, types: list[catalog.InstanceType]) -> list[dict]:
         row = {"instance": it.name, "platform": it.platform, "gpus": it.gpus, "gpu_model": it.gpu_model,
                "gpu_memory_gib": round(it.gpu_memory_gib, 2), "vcpus": it.vcpus, "memory_gib": it.memory_gib,
                "on_demand_usd_per_hour": it.on_demand.usd_per_hour, "spot_usd_per_hour": it.spot.usd_per_hour,
-               "spot_is_estimate": it.spot.estimate, "errors": [], "warnings": [], "fits": False}
+               "spot_is_estimate": it.spot.estimate, "errors": [], "warnings": [], "memory_fits": False,
+               "fits": False}
         rows.append(row)
         if it.gpu is None:
             row["errors"].append("no GPU (CPU-only type)")
@@ -199,8 +201,8 @@ def plan_rows(inp: _Inputs, types: list[catalog.InstanceType]) -> list[dict]:
         have = it.gpu_memory_mib * MIB
         row["memory_per_gpu_gib"] = need / GIB
         row["headroom_pct"] = round(100 * (1 - need / have), 1)
-        row["fits"] = need <= have * (1 - opts.margin)  # memory only; other mistakes are in "errors"
-        if need > have * (1 - opts.margin):
+        row["memory_fits"] = need <= have * (1 - opts.margin)
+        if not row["memory_fits"]:
             row["errors"].append(f"needs {need / GIB:.1f} GiB per GPU, has {have / GIB:.1f} GiB minus "
                                  f"{opts.margin:.0%} margin: lower batch_size or raise accumulate_grad_batches")
         ram = predict_loader_ram(micro, cfg.image_size, cfg.num_workers, cfg.prefetch_factor)
@@ -217,7 +219,9 @@ def plan_rows(inp: _Inputs, types: list[catalog.InstanceType]) -> list[dict]:
         hours = cfg.epochs * epoch_s / 3600
         row.update(images_per_s=host, epoch_min=epoch_s / 60, run_hours=hours,
                    run_usd_on_demand=hours * it.on_demand.usd_per_hour, run_usd_spot=hours * it.spot.usd_per_hour)
-    rows.sort(key=lambda r: (bool(r["errors"]), not r["fits"], r.get("run_usd_on_demand", math.inf),
+    for r in rows:
+        r["fits"] = r["memory_fits"] and not r["errors"]
+    rows.sort(key=lambda r: (bool(r["errors"]), not r["memory_fits"], r.get("run_usd_on_demand", math.inf),
                              r["on_demand_usd_per_hour"], r["instance"]))
     for i, r in enumerate(rows, 1):
         r["rank"] = i
@@ -261,7 +265,7 @@ def make_plan(cfg: TrainConfig, opts: PlanOptions, predict: Callable = predict_s
         raise PlanError(f"batch_size {cfg.batch_size} is larger than the dataset ({size} training images)")
     rows = plan_rows(_Inputs(cfg, opts, size, classes, probe, predict), types)
     flags = []
-    if not any(r["fits"] and not r["errors"] for r in rows):
+    if not any(r["fits"] for r in rows):
         flags.append(f"none of the {len(rows)} types planned can run global batch {cfg.batch_size}: see the "
                      f"ERROR notes (memory: lower batch_size or raise accumulate_grad_batches)")
     if probe and probe["device"] != "cuda":
@@ -280,8 +284,19 @@ def _num(v, fmt="{:,.2f}") -> str:
     return fmt.format(v) if isinstance(v, (int, float)) else "-"
 
 
+def verdict(row: dict) -> str:
+    """The ``fits`` cell of a plan row: ``yes`` only without any error; ``ERROR`` when something other than
+    memory is wrong (wrong process count, indivisible batch, no GPU; the notes say what); ``no`` when only the
+    memory is too small."""
+    if row["fits"]:
+        return "yes"
+    memory_errors = 1 if "memory_per_gpu_gib" in row and not row["memory_fits"] else 0
+    return "no" if len(row["errors"]) == memory_errors else "ERROR"
+
+
 def render_plan(plan: dict) -> str:
-    """Markdown: one header line of inputs, the ranked table (seed 004's comparison, computed), the flags."""
+    """Markdown: one header line of inputs, the ranked table (seed 004's comparison, computed), the flags.
+    The ``fits`` column is :func:`verdict`: a row with an error never says ``yes``."""
     head = (f"Plan: {plan['model']}, global batch {plan['batch_size']}, "
             f"{plan['epochs']} epochs of {plan['dataset_size']:,} images ({plan['dataset_source']}), precision "
             f"{plan['precision']}, margin {plan['margin']:.0%}, prices {plan['prices']}")
@@ -297,7 +312,7 @@ def render_plan(plan: dict) -> str:
                           + [r.get("memory_source", ""), r.get("throughput_source", "")])
         spot = _num(r["spot_usd_per_hour"], "{:.3f}") + ("*" if r["spot_is_estimate"] else "")
         lines.append(f"| {r['rank']} | {r['instance']} | {gpus} | {r.get('processes_per_host', '-')} | "
-                     f"{r.get('micro_batch', '-')} | {need} | {'yes' if r['fits'] else 'no'} | "
+                     f"{r.get('micro_batch', '-')} | {need} | {verdict(r)} | "
                      f"{_num(r.get('images_per_s'), '{:,.0f}')} | {_num(r.get('epoch_min'), '{:,.1f}')} | "
                      f"{_num(r.get('run_hours'))} | {r['on_demand_usd_per_hour']:.3f} | {spot} | "
                      f"{_num(r.get('run_usd_on_demand'))} | {_num(r.get('run_usd_spot'))} | {notes.strip('; ')} |")

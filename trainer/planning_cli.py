@@ -85,13 +85,25 @@ def _options(args: argparse.Namespace, cls):
     return cls(**{k[4:]: v for k, v in vars(args).items() if k.startswith("opt_")})
 
 
+def _check_out_file(path: Path) -> None:
+    """Raise PlanError naming ``--out`` when the plan's JSON could not be written there (checked first)."""
+    from trainer.plan import PlanError
+
+    if path.is_dir():
+        raise PlanError(f"--out {path}: is a folder; give a file name such as {path / 'plan.json'}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise PlanError(f"--out {path}: cannot create its folder {path.parent} ({e.strerror or e})") from None
+
+
 def run_command(args: argparse.Namespace, config_from_namespace: Callable) -> int:
     """Run ``probe`` or ``plan`` from parsed arguments; returns the exit code."""
     from catalog import CatalogError
     from trainer.config import ConfigError
     from trainer.data.imagefolder import DataError
     from trainer.plan import PlanError, PlanOptions, make_plan, render_plan
-    from trainer.probe import ProbeOptions, default_workers, run_probe, write_probe
+    from trainer.probe import ProbeOptions, check_out_dir, default_workers, run_probe, write_probe
 
     try:
         cfg = config_from_namespace(args)
@@ -99,11 +111,15 @@ def run_command(args: argparse.Namespace, config_from_namespace: Callable) -> in
             opts = _options(args, ProbeOptions)
             if not any(k == "opt_workers" for k in vars(args)):
                 opts.workers = default_workers(cfg)
-            res = run_probe(cfg, opts.validate(), log=lambda m: print(m, flush=True))
+            opts.validate()
+            check_out_dir(opts.out_dir)  # before minutes of measuring
+            res = run_probe(cfg, opts, log=lambda m: print(m, flush=True))
             for kind, path in write_probe(res, opts.out_dir).items():
                 print(f"probe: {kind}: {path}")
             return EXIT_OK
         opts = _options(args, PlanOptions)
+        if opts.out:
+            _check_out_file(Path(opts.out))
         t0 = time.perf_counter()
         plan = make_plan(cfg, opts)
         plan["seconds"] = round(time.perf_counter() - t0, 2)

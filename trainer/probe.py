@@ -300,13 +300,41 @@ def run_probe(cfg: TrainConfig, opts: ProbeOptions, log: Callable[[str], None] =
     return res
 
 
+#: The files ``probe`` writes into its ``--out-dir``.
+OUTPUT_FILES = {"json": "probe.json", "md": "probe.md", "png": "probe.png"}
+
+
+def check_out_dir(out_dir: str | Path) -> Path:
+    """Create ``out_dir`` if needed and make sure the probe's files can be written there, before anything is
+    measured (a probe takes minutes; its results must not be lost at the end). Returns the folder.
+
+    Raises:
+        ConfigError: naming the path: it exists and is not a folder, cannot be created, is not writable, or
+            one of :data:`OUTPUT_FILES` is a folder.
+    """
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out-dir {out}: exists and is not a folder; give a folder for "
+                          f"{', '.join(OUTPUT_FILES.values())}")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--out-dir {out}: cannot create the folder ({e.strerror or e})") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out-dir {out}: folder is not writable")
+    for name in OUTPUT_FILES.values():
+        if (out / name).is_dir():
+            raise ConfigError(f"--out-dir {out}: {out / name} is a folder; the probe writes a file of that name")
+    return out
+
+
 def write_probe(res: ProbeResult, out_dir: str | Path) -> dict[str, Path]:
     """Write ``probe.json``, ``probe.md`` and ``probe.png`` into ``out_dir``; return their paths."""
     from trainer.probe_report import render_markdown, render_plot
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out / "probe.json", "md": out / "probe.md", "png": out / "probe.png"}
+    paths = {kind: out / name for kind, name in OUTPUT_FILES.items()}
     paths["json"].write_text(json.dumps(res.to_dict(), indent=2) + "\n")
     paths["md"].write_text(render_markdown(res.to_dict()))
     render_plot(res.to_dict(), paths["png"])
