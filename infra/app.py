@@ -47,7 +47,7 @@ def build_app(context: Optional[Mapping[str, Any]] = None, outdir: Optional[str]
     cdk.Tags.of(app).add("project", "trainstack")
     data = DataStack(app, "DataStack", config=cfg, env=env, stack_name=cfg.stack_name("DataStack"),
                      termination_protection=False,
-                     description=f"Trainstack {cfg.env}: S3, EBS data volume, FSx, VPC (retained on destroy)")
+                     description=f"Trainstack {cfg.env}: S3, EBS data volume, FSx, VPC (volume snapshotted on destroy)")
     monitoring = MonitoringStack(app, "MonitoringStack", config=cfg, env=env,
                                  stack_name=cfg.stack_name("MonitoringStack"),
                                  description=f"Trainstack {cfg.env}: alarms, events, logs, dashboard")

@@ -23,6 +23,9 @@ import catalog
 
 DLAMI_SSM_PARAMETER = "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
 FSX_DEPLOYMENT_TYPES = ("off", "SCRATCH_2", "PERSISTENT_2")
+#: AWS account of the Deep Learning Containers registry (``763104351884.dkr.ecr.<region>.amazonaws.com``) that
+#: the training image's base comes from; a cross-account pull needs the caller's own IAM policy to allow it.
+DLC_REGISTRY_ACCOUNT = "763104351884"
 
 
 class InfraConfigError(ValueError):
@@ -56,6 +59,9 @@ class InfraConfig:
     fsx_throughput_mibps_per_tib: int = 250  # PERSISTENT_2 only: 125, 250, 500 or 1000
     fsx_data_path: str = "/datasets"  # file-system path linked to s3://<bucket>/datasets/
     nat_gateways: int = 0  # 0: instances get public IPs (no SSH ingress); 1: private subnet + NAT (all EFA cards)
+    # pull-request environments: `cdk destroy DataStack` also empties and deletes both buckets (their objects
+    # are gone); the data volume is still snapshotted (or retained). Off: the buckets are retained.
+    ephemeral: bool = False
     # training (seeds 000, 002, 003)
     launch_template_types: tuple[str, ...] = catalog.DEFAULT_LAUNCH_TEMPLATE_TYPES
     root_volume_gib: int = 200
@@ -96,13 +102,6 @@ class InfraConfig:
     def stack_name(self, stack_id: str) -> str:
         """CloudFormation stack name for a construct id: ``pr-42-TrainingStack`` (ids stay unchanged)."""
         return f"{self.env}-{stack_id}"
-
-    def bucket_name(self, account: str, region: str) -> str:
-        """The data bucket's name (deterministic, so the training stack can scope IAM to it without an import).
-
-        ``account``/``region`` are the stack's (tokens or literals); S3 names are at most 63 characters.
-        """
-        return f"{self.prefix}-{account}-{region}"
 
     def catalog(self) -> dict[str, catalog.InstanceType]:
         """The instance catalog with this config's price overrides applied."""

@@ -48,3 +48,164 @@ def state_machine_definitions(template: dict) -> dict[str, dict]:
         props = res["Properties"]
         out[props["StateMachineName"]] = json.loads(flatten(props["DefinitionString"]))
     return out
+
+
+# ---------------------------------------------------------------- IAM: the synthesized policies against the calls made
+#: botocore signing name -> IAM action prefix, where they differ.
+IAM_PREFIX = {"monitoring": "cloudwatch"}
+#: Calls that need no permission.
+UNAUTHORIZED_OK = {"sts:GetCallerIdentity"}
+
+
+def resolve(value: Any, account: str, region: str, refs: dict | None = None, unknown: str | None = None) -> Any:
+    """A CloudFormation value with ``Fn::Join`` joined and pseudo parameters (``AWS::AccountId``, ...) and the
+    logical ids in ``refs`` replaced; lists and dicts recursively. Any other token becomes ``unknown``, or
+    raises KeyError when ``unknown`` is None."""
+    if unknown is not None:
+        try:
+            return resolve(value, account, region, refs)
+        except KeyError:
+            if isinstance(value, list):
+                return [resolve(v, account, region, refs, unknown) for v in value]
+            if isinstance(value, dict) and "Fn::Join" in value:
+                sep, parts = value["Fn::Join"]
+                return sep.join(resolve(p, account, region, refs, unknown) for p in parts)
+            if isinstance(value, dict) and (set(value) & {"Ref", "Fn::GetAtt", "Fn::ImportValue", "Fn::Select",
+                                                           "Fn::Sub", "Fn::Split"}):
+                return unknown
+            if isinstance(value, dict):
+                return {k: resolve(v, account, region, refs, unknown) for k, v in value.items()}
+            raise
+    pseudo = {"AWS::AccountId": account, "AWS::Region": region, "AWS::Partition": "aws",
+              "AWS::URLSuffix": "amazonaws.com", **(refs or {})}
+    if isinstance(value, list):
+        return [resolve(v, account, region, refs) for v in value]
+    if isinstance(value, dict):
+        if "Fn::Join" in value:
+            sep, parts = value["Fn::Join"]
+            return sep.join(resolve(p, account, region, refs) for p in parts)
+        if "Ref" in value:
+            return pseudo[value["Ref"]]
+        if set(value) & {"Fn::GetAtt", "Fn::ImportValue", "Fn::Select", "Fn::Sub", "Fn::Split"}:
+            raise KeyError(f"cannot resolve {value}")
+        return {k: resolve(v, account, region, refs) for k, v in value.items()}
+    return value
+
+
+def policy_statements(template: dict, logical_id_prefix: str, account: str, region: str,
+                      refs: dict | None = None, unknown: str | None = None) -> list[dict]:
+    """The resolved statements of every ``AWS::IAM::Policy`` whose logical id starts with ``logical_id_prefix``
+    (tokens other than pseudo parameters and ``refs`` become ``unknown``, or raise KeyError when it is None)."""
+    out = []
+    for lid, res in resources(template, "AWS::IAM::Policy").items():
+        if lid.startswith(logical_id_prefix):
+            for st in res["Properties"]["PolicyDocument"]["Statement"]:
+                out.append(resolve(st, account, region, refs, unknown))
+    assert out, f"no IAM policy {logical_id_prefix}* in the template"
+    return out
+
+
+def _glob(pattern: str, value: str) -> bool:
+    """IAM's wildcard match: ``*`` any run of characters (colons and slashes included), ``?`` one; case-sensitive."""
+    import re
+
+    rx = "".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in pattern)
+    return re.fullmatch(rx, value, re.S) is not None
+
+
+def is_allowed(statements: list[dict], action: str, resource: str | None = None) -> bool:
+    """Whether an Allow statement grants ``action`` (``service:Operation``, matched case-insensitively as IAM
+    does) on ``resource`` (an ARN; None: any resource the statement names). Conditions are not evaluated: they
+    only narrow an Allow, so this check finds missing actions and resources, never a too-strict condition."""
+    if action in UNAUTHORIZED_OK:
+        return True
+    for st in statements:
+        if st.get("Effect") != "Allow":
+            continue
+        actions = st["Action"] if isinstance(st["Action"], list) else [st["Action"]]
+        if not any(_glob(a.lower(), action.lower()) for a in actions):
+            continue
+        res = st.get("Resource", [])
+        res = res if isinstance(res, list) else [res]
+        if resource is None or any(_glob(r, resource) for r in res):
+            return True
+    return False
+
+
+def call_resource(action: str, params: dict, account: str, region: str) -> list[str | None]:
+    """The resource ARNs IAM authorizes ``action`` with these API ``params`` on (None where this helper does not
+    compute one: any resource of a matching statement is accepted)."""
+    if action == "states:StopExecution":
+        return [params["executionArn"]]
+    if action == "cloudwatch:DeleteAlarms":
+        return [f"arn:aws:cloudwatch:{region}:{account}:alarm:{n}" for n in params["AlarmNames"]]
+    if action == "cloudwatch:PutMetricAlarm":
+        return [f"arn:aws:cloudwatch:{region}:{account}:alarm:{params['AlarmName']}"]
+    if action.startswith("ecr:") and "repositoryName" in params:
+        return [f"arn:aws:ecr:{region}:{params.get('registryId') or account}:repository/{params['repositoryName']}"]
+    if action in ("ecr:GetAuthorizationToken",) or action.split(":")[1].startswith(("Describe", "List")):
+        return ["*"]
+    return [None]
+
+
+class CallRecorder:
+    """Records ``(IAM action, API params)`` of every call made through boto3 sessions created while installed
+    (``install(monkeypatch)`` wraps ``boto3.Session``)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, dict]] = []
+
+    def _hook(self, params, model, **_kwargs) -> None:
+        sm = model.service_model
+        prefix = IAM_PREFIX.get(sm.signing_name, sm.signing_name)
+        self.calls.append((f"{prefix}:{model.name}", dict(params)))
+
+    def install(self, monkeypatch, module) -> None:
+        """Make ``module.boto3.Session`` (e.g. infra.cli.session) record every call of the sessions it opens."""
+        import boto3
+
+        real = boto3.Session
+
+        def session(*args, **kwargs):
+            s = real(*args, **kwargs)
+            s.events.register("before-parameter-build.*.*", self._hook)
+            return s
+
+        monkeypatch.setattr(module.boto3, "Session", session)
+
+    def denied(self, statements: list[dict], account: str, region: str,
+               extra: list[tuple[str, str | None]] = ()) -> list[str]:
+        """``action on resource`` for every recorded call (and every ``extra`` (action, resource)) the
+        statements do not allow."""
+        out = []
+        for action, params in self.calls:
+            for res in call_resource(action, params, account, region):
+                if not is_allowed(statements, action, res):
+                    out.append(f"{action} on {res or 'its resource'}")
+        for action, res in extra:
+            if not is_allowed(statements, action, res):
+                out.append(f"{action} on {res or 'its resource'}")
+        return out
+
+
+def docker_registry_actions(argv_list: list[list[str]], account: str, region: str) -> list[tuple[str, str]]:
+    """The ECR actions a real ``docker`` performs for the recorded fake-docker command lines: ``build`` with an
+    ECR ``BASE_IMAGE`` pulls it (BatchGetImage, GetDownloadUrlForLayer on that registry's repository); ``push``
+    of an ECR image uploads (BatchCheckLayerAvailability, InitiateLayerUpload, UploadLayerPart,
+    CompleteLayerUpload, PutImage)."""
+    import re
+
+    def repo_arn(image: str) -> str | None:
+        m = re.match(r"^(\d{12})\.dkr\.ecr\.([a-z0-9-]+)\.amazonaws\.com/([^:@]+)", image)
+        return f"arn:aws:ecr:{m.group(2)}:{m.group(1)}:repository/{m.group(3)}" if m else None
+
+    out = []
+    for argv in argv_list:
+        if argv[0] == "build":
+            for a in argv:
+                if a.startswith("BASE_IMAGE=") and (arn := repo_arn(a.split("=", 1)[1])):
+                    out += [(act, arn) for act in ("ecr:BatchGetImage", "ecr:GetDownloadUrlForLayer")]
+        elif argv[0] == "push" and (arn := repo_arn(argv[-1])):
+            out += [(act, arn) for act in ("ecr:BatchCheckLayerAvailability", "ecr:InitiateLayerUpload",
+                                           "ecr:UploadLayerPart", "ecr:CompleteLayerUpload", "ecr:PutImage")]
+    return out

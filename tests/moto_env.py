@@ -26,11 +26,16 @@ AMI_PARAMETER = "/trainstack/test/ami-id"
 UNSUPPORTED = ("AWS::KMS::Key", "AWS::CDK::Metadata", "AWS::CloudWatch::Dashboard")
 
 
-def synthesize(outdir: Path) -> dict[str, dict]:
-    """The three templates for environment ``test`` (construct id -> template)."""
+ACCOUNT = "123456789012"  # moto's default account
+GITHUB_REPO = "acme/trainstack"
+
+
+def synthesize(outdir: Path, **context) -> dict[str, dict]:
+    """The templates for environment ``test`` (construct id -> template); ``context`` adds CDK context
+    (``github_repo=GITHUB_REPO`` adds the CiStack with the GitHub deploy role, which :func:`deploy` skips)."""
     from tests.infra_helpers import synth
 
-    _, _, raw = synth({"env": ENV, "ami_parameter": AMI_PARAMETER}, outdir)
+    _, _, raw = synth({"env": ENV, "ami_parameter": AMI_PARAMETER, **context}, outdir)
     return raw
 
 

@@ -129,6 +129,57 @@ def test_spot_capacity_error_suggests_fallback_and_fallback_launches_on_demand(a
         "LaunchTemplateVersions"]) == 2
 
 
+def test_on_demand_fallback_follows_a_redeploy(aws, capsys, monkeypatch):
+    """A redeploy makes a new default launch-template version (new AMI, user data, volume id): the fallback's
+    spot-free copy is made again from it, never the stale copy of the old default."""
+    from infra.cli import instances
+
+    client = _capacity_failing_client(aws)
+    real_launch = instances.launch
+    monkeypatch.setattr(instances, "launch", lambda *a, **k: real_launch(*a, **{**k, "ec2": client}))
+    ec2 = aws.client("ec2")
+    lt_id = _outputs(aws, "TrainingStack")["LaunchTemplateIdp4d24xlarge"]
+    assert main(E + ["launch", "p4d.24xlarge", "--job", "a", "--on-demand-fallback"]) == 0
+    assert "launch template version 2" in capsys.readouterr().out
+    assert main(E + ["launch", "p4d.24xlarge", "--job", "b", "--on-demand-fallback"]) == 0
+    assert "launch template version 2" in capsys.readouterr().out  # same default: the copy is reused
+    # "cdk deploy" again with another AMI: CloudFormation adds version 3 and makes it the default
+    v1 = ec2.describe_launch_template_versions(LaunchTemplateId=lt_id, Versions=["1"])["LaunchTemplateVersions"][0]
+    new_ami = ec2.describe_images(Owners=["amazon"])["Images"][1]["ImageId"]
+    assert new_ami != v1["LaunchTemplateData"]["ImageId"]
+    ec2.create_launch_template_version(LaunchTemplateId=lt_id, SourceVersion="1",
+                                       LaunchTemplateData={"ImageId": new_ami, "UserData": "bmV3"})
+    ec2.modify_launch_template(LaunchTemplateId=lt_id, DefaultVersion="3")
+    assert main(E + ["launch", "p4d.24xlarge", "--job", "c", "--on-demand-fallback"]) == 0
+    assert "launch template version 4" in capsys.readouterr().out
+    v4 = ec2.describe_launch_template_versions(LaunchTemplateId=lt_id, Versions=["4"])["LaunchTemplateVersions"][0]
+    assert v4["LaunchTemplateData"]["ImageId"] == new_ami and v4["LaunchTemplateData"]["UserData"] == "bmV3"
+    assert "InstanceMarketOptions" not in v4["LaunchTemplateData"] and "from version 3" in v4["VersionDescription"]
+    launched = [i for i in _instances(aws) if {"Key": "trainstack:job", "Value": "c"} in i["Tags"]]
+    assert launched and launched[0]["ImageId"] == new_ami
+
+
+def test_launch_refuses_a_type_the_az_does_not_offer(aws, capsys, monkeypatch):
+    from infra.cli import instances
+
+    real = aws.client("ec2")
+
+    class Ec2:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def describe_instance_type_offerings(self, **kw):  # as in an account whose us-east-1a has no p4d
+            return {"InstanceTypeOfferings": [{"InstanceType": "p4d.24xlarge", "LocationType": "availability-zone",
+                                               "Location": az} for az in ("us-east-1b", "us-east-1c")]}
+
+    real_launch = instances.launch
+    monkeypatch.setattr(instances, "launch", lambda *a, **k: real_launch(*a, **{**k, "ec2": Ec2()}))
+    assert main(E + ["launch", "p4d.24xlarge", "--job", "big"]) == 2
+    err = capsys.readouterr().err
+    assert "not offered in us-east-1a" in err and "us-east-1b, us-east-1c" in err and "availability_zone" in err
+    assert not _instances(aws)
+
+
 def test_network_loss_mid_command_is_exit_75_and_says_to_check_status(aws, capsys, monkeypatch):
     from botocore.exceptions import EndpointConnectionError
 

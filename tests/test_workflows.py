@@ -69,14 +69,14 @@ def test_deploy_targets_training_stack_per_environment():
     assert set(wf["on"]) >= {"push", "pull_request", "workflow_dispatch"}
 
 
-def test_destroy_on_pr_close_keeps_data_unless_asked():
+def test_destroy_on_pr_close_removes_data_unless_kept():
     wf = _load("destroy.yml")
     assert wf["on"]["pull_request"]["types"] == ["closed"] and "workflow_dispatch" in wf["on"]
     runs = _runs(wf)
     assert "teardown --yes" in runs
     assert "npx cdk destroy TrainingStack MonitoringStack" in runs
     data_step = next(s for s in _steps(wf) if "DataStack" in s.get("run", ""))
-    assert data_step["if"] == "${{ inputs.destroy_data }}"
+    assert "keep-data" in data_step["if"] and "!inputs.keep_data" in data_step["if"]
     # stop billing before CloudFormation deletes the roles the instances use
     order = [s.get("run", "") for s in _steps(wf)]
     assert next(i for i, r in enumerate(order) if "teardown" in r) < next(i for i, r in enumerate(order) if "destroy" in r)
@@ -116,3 +116,32 @@ def test_github_oidc_role_is_scoped_to_the_repository(tmp_path):
     assert "cdk-hnb659fds-*" in policy and "trainstack-*" in policy
     _, _, raw2 = synth({"env": "dev"}, tmp_path / "no-ci")
     assert "CiStack" not in raw2  # only when github_repo is set
+
+
+def _free_disk_step(wf: dict) -> dict:
+    return next(s for s in _steps(wf) if "MIN_FREE_GB" in s.get("run", ""))
+
+
+@pytest.mark.parametrize("free_gb, ok", [(14, False), (52, True)])
+def test_image_workflow_frees_disk_and_stops_early_when_too_little(tmp_path, free_gb, ok):
+    """The GPU base image (~28 GB unpacked) does not fit a standard hosted runner as it comes: the first step
+    frees disk and fails with a clear error (naming IMAGE_RUNNER) when still too little is free. Run here
+    under bash with stub sudo/docker/df."""
+    wf = _load("image.yml")
+    job = wf["jobs"]["image"]
+    assert "vars.IMAGE_RUNNER" in job["runs-on"]
+    steps = _steps(wf)
+    assert steps.index(_free_disk_step(wf)) < next(i for i, s in enumerate(steps) if "push-image" in s.get("run", ""))
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    log = tmp_path / "calls"
+    for name, body in (("sudo", f'echo "sudo $*" >> {log}'), ("docker", f'echo "docker $*" >> {log}'),
+                       ("df", f'echo "Avail"; echo " {free_gb}G"')):
+        (stubs / name).write_text(f"#!/bin/bash\n{body}\n")
+        (stubs / name).chmod(0o755)
+    proc = subprocess.run(["bash", "-e", "-c", _free_disk_step(wf)["run"]], capture_output=True, text=True,
+                          env={"PATH": f"{stubs}:/usr/bin:/bin", "MIN_FREE_GB": job["env"]["MIN_FREE_GB"]})
+    assert (proc.returncode == 0) == ok, proc.stdout + proc.stderr
+    assert "sudo rm -rf /usr/share/dotnet" in log.read_text() and "docker system prune" in log.read_text()
+    if not ok:
+        assert "::error::" in proc.stdout and "IMAGE_RUNNER" in proc.stdout

@@ -52,33 +52,58 @@ def _tags(env: str, job: str, config: str, image_tag: str, args: str, keep: bool
 
 
 def on_demand_version(ec2, template_id: str) -> str:
-    """A version of the launch template without spot options (created once, then reused).
+    """A version of the launch template without spot options, made from the template's *current* default.
 
     A launch template's ``InstanceMarketOptions`` cannot be removed by RunInstances, so the fallback copies the
-    default version's data without them into a new, non-default version.
+    default version's data without them into a new, non-default version described as
+    ``<ON_DEMAND_DESCRIPTION> (from version N)``. It is reused only while N is still the default: after a
+    redeploy (new default version: new AMI, user data, volume id) a fresh copy is made. Returns the version
+    number as a string. Raises botocore ClientError from EC2.
     """
-    versions = ec2.describe_launch_template_versions(LaunchTemplateId=template_id)["LaunchTemplateVersions"]
-    for v in versions:
-        if v.get("VersionDescription") == ON_DEMAND_DESCRIPTION:
+    default = ec2.describe_launch_template_versions(LaunchTemplateId=template_id, Versions=["$Default"])[
+        "LaunchTemplateVersions"][0]
+    description = f"{ON_DEMAND_DESCRIPTION} (from version {default['VersionNumber']})"
+    pages = ec2.get_paginator("describe_launch_template_versions").paginate(LaunchTemplateId=template_id)
+    for v in (v for page in pages for v in page["LaunchTemplateVersions"]):
+        if v.get("VersionDescription") == description:
             return str(v["VersionNumber"])
-    default = next((v for v in versions if v.get("DefaultVersion")), versions[0])
     data = dict(default["LaunchTemplateData"])
     data.pop("InstanceMarketOptions", None)
-    made = ec2.create_launch_template_version(LaunchTemplateId=template_id, VersionDescription=ON_DEMAND_DESCRIPTION,
+    made = ec2.create_launch_template_version(LaunchTemplateId=template_id, VersionDescription=description,
                                               LaunchTemplateData=data)
     return str(made["LaunchTemplateVersion"]["VersionNumber"])
+
+
+def check_offered(ec2, instance_type: str, az: str) -> None:
+    """Raise CliError when EC2 does not offer ``instance_type`` in ``az`` (AZ names differ per account: the
+    default ``<region>a`` may have no p4d), naming the AZs that do. A refused or failed lookup skips the check
+    (the launch then reports what EC2 says)."""
+    if not az:
+        return
+    try:
+        found = ec2.describe_instance_type_offerings(LocationType="availability-zone", Filters=[
+            {"Name": "instance-type", "Values": [instance_type]}])["InstanceTypeOfferings"]
+    except ClientError:
+        return
+    zones = sorted({o["Location"] for o in found})
+    if az not in zones:
+        raise CliError(f"{instance_type} is not offered in {az}, the AZ of this environment's data volume "
+                       f"(offered in: {', '.join(zones) or 'no AZ of this region'})",
+                       "redeploy the environment in one of those AZs (-c availability_zone=...; the data volume "
+                       "moves only through a snapshot), or launch another type")
 
 
 def launch(aws: Aws, outputs: Outputs, instance_type: str, job: str, config: str, image_tag: str,
            args: str = "", keep: bool = False, on_demand_fallback: bool = False, ec2=None) -> Launched:
     """Run one instance from the stack's launch template for ``instance_type`` (spot unless it falls back).
 
-    Raises CliError for a bad job name, a type without a launch template, or capacity/spot errors (with the
-    next option) when no fallback is asked for or the fallback fails too.
+    Raises CliError for a bad job name, a type without a launch template or not offered in the environment's
+    AZ, or capacity/spot errors (with the next option) when no fallback is asked for or the fallback fails too.
     """
     check_request(instance_type, job)
     ec2 = ec2 or aws.client("ec2")
     template_id = outputs.launch_template(instance_type)
+    check_offered(ec2, instance_type, outputs.availability_zone)
     tags = _tags(aws.env, job, config, image_tag, args, keep)
     spec = [{"ResourceType": "instance", "Tags": tags},
             {"ResourceType": "volume", "Tags": [t for t in tags if t["Key"] in ("trainstack:env", "trainstack:job")]}]
@@ -142,21 +167,32 @@ def stop_instance(aws: Aws, instance_id: str, ec2=None) -> str:
         raise explain(e, f"stopping {instance_id}") from None
 
 
-def sweep(aws: Aws, outputs: Optional[Outputs], apply: bool, ec2=None) -> dict[str, list[str]]:
+def idle_alarm_prefix(env: str) -> str:
+    """Name prefix of an environment's per-instance idle alarms (``<prefix><instance id>``), as the user data
+    creates them (infra.stacks.monitoring.idle_alarm_name)."""
+    return f"trainstack-{env}-gpu-idle-"
+
+
+def sweep(aws: Aws, outputs: Optional[Outputs], apply: bool, ec2=None, cw=None) -> dict[str, list[str]]:
     """Find (and with ``apply`` remove) what keeps billing: live instances, open spot requests and unattached
-    volumes of this environment. The data volume (``trainstack:role=data`` or the stack's volume id) is never
-    touched. Returns {"instances": [...], "spot_requests": [...], "volumes": [...]}.
+    volumes of this environment, and its per-instance idle alarms (all of them: the instances go too). The
+    data volume (``trainstack:role=data`` or the stack's volume id) is never touched.
+    Returns {"instances": [...], "spot_requests": [...], "volumes": [...], "alarms": [...]}.
+    Raises CliError when AWS refuses a call.
     """
     ec2 = ec2 or aws.client("ec2")
+    cw = cw or aws.client("cloudwatch")
     env_filter = [{"Name": "tag:trainstack:env", "Values": [aws.env]}]
     try:
         instances = [i["instance_id"] for i in list_instances(aws, ec2)]
         requests = [r["SpotInstanceRequestId"] for r in ec2.describe_spot_instance_requests(
             Filters=env_filter + [{"Name": "state", "Values": ["open", "active"]}])["SpotInstanceRequests"]]
         vols = ec2.describe_volumes(Filters=env_filter + [{"Name": "status", "Values": ["available"]}])["Volumes"]
-        data_ids = {outputs.volume_id} if outputs else set()
+        data_ids = {outputs.volume_id} if outputs and outputs.volume_id else set()
         volumes = [v["VolumeId"] for v in vols if v["VolumeId"] not in data_ids and
                    {t["Key"]: t["Value"] for t in v.get("Tags", [])}.get("trainstack:role") != "data"]
+        alarms = [a["AlarmName"] for page in cw.get_paginator("describe_alarms").paginate(
+            AlarmNamePrefix=idle_alarm_prefix(aws.env), AlarmTypes=["MetricAlarm"]) for a in page["MetricAlarms"]]
         if apply:
             if requests:
                 ec2.cancel_spot_instance_requests(SpotInstanceRequestIds=requests)
@@ -164,6 +200,8 @@ def sweep(aws: Aws, outputs: Optional[Outputs], apply: bool, ec2=None) -> dict[s
                 ec2.terminate_instances(InstanceIds=instances)
             for vid in volumes:
                 ec2.delete_volume(VolumeId=vid)
+            for start in range(0, len(alarms), 100):  # DeleteAlarms takes at most 100 names
+                cw.delete_alarms(AlarmNames=alarms[start:start + 100])
     except ClientError as e:
         raise explain(e, "sweeping the environment") from None
-    return {"instances": instances, "spot_requests": requests, "volumes": volumes}
+    return {"instances": instances, "spot_requests": requests, "volumes": volumes, "alarms": alarms}

@@ -173,3 +173,25 @@ def stop_run(aws: Aws, target: str, sfn=None, sm=None) -> str:
         return f"stopping training job {target}"
     except ClientError as e:
         raise explain(e, f"stopping {target}") from None
+
+
+def stop_running_executions(aws: Aws, outputs: Outputs, apply: bool, sfn=None) -> list[str]:
+    """ARNs of this environment's RUNNING executions (stopped with ``apply``: Step Functions then stops their
+    training jobs). The state machines are the stack's outputs, or, when the training stack's outputs are
+    unknown (a rolled-back deploy), every state machine named ``trainstack-<env>-*``. Raises CliError when
+    AWS refuses (``states:ListStateMachines``, ``states:ListExecutions``, ``states:StopExecution``)."""
+    sfn = sfn or aws.client("stepfunctions")
+    prefix = f"trainstack-{aws.env}-"
+    try:
+        arns = list(outputs.state_machines.values())
+        if not arns:
+            arns = [m["stateMachineArn"] for page in sfn.get_paginator("list_state_machines").paginate()
+                    for m in page["stateMachines"] if m["name"].startswith(prefix)]
+        running = [ex["executionArn"] for arn in arns for page in sfn.get_paginator("list_executions").paginate(
+            stateMachineArn=arn, statusFilter="RUNNING") for ex in page["executions"]]
+        if apply:
+            for arn in running:
+                sfn.stop_execution(executionArn=arn, cause="python -m infra teardown")
+    except ClientError as e:
+        raise explain(e, "stopping running executions") from None
+    return running

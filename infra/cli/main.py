@@ -126,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
     elif args.command == "launch":
         instances.check_request(args.instance_type, args.job)
     aws = open_session(args.env, args.region, args.profile)
-    outputs = load_outputs(aws)
+    # teardown must also clean up after a deploy that rolled back or a stack deleted half-way
+    outputs = load_outputs(aws, partial=args.command == "teardown")
     cmd = args.command
     if cmd == "push-image":
         print(f"pushed {image.push_image(aws, outputs, REPO, args.tag, args.base_image, args.docker)}")
@@ -174,15 +175,12 @@ def run(args: argparse.Namespace) -> int:
             print(jobs.stop_run(aws, args.target))
     elif cmd == "teardown":
         found = instances.sweep(aws, outputs, apply=args.yes)
-        for ex in jobs.list_runs(aws, outputs)["executions"]:
-            if ex["status"] == "RUNNING":
-                found.setdefault("executions", []).append(ex["arn"])
-                if args.yes:
-                    jobs.stop_run(aws, ex["arn"])
+        found["executions"] = jobs.stop_running_executions(aws, outputs, apply=args.yes)
         verb = "removed" if args.yes else "would remove (run again with --yes)"
         for key, items in found.items():
             print(f"{verb} {len(items)} {key.replace('_', ' ')}: {' '.join(items) or '-'}")
-        print(f"kept: data volume {outputs.volume_id}, bucket {outputs.bucket} (cdk destroy DataStack never runs here)")
+        print(f"kept: data volume {outputs.volume_id or '(unknown: no DataStack outputs)'}, bucket "
+              f"{outputs.bucket or '(unknown)'} (cdk destroy DataStack never runs here)")
     elif cmd == "cost":
         est = costs.estimate(aws)
         if args.json:

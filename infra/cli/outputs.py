@@ -46,25 +46,45 @@ class Outputs:
         return self.state_machines[key]
 
 
-def _stack_outputs(cfn, env: str, stack_id: str) -> dict[str, str]:
+#: Stack states whose outputs the CLI uses (a failed update rolled back to the last good template).
+USABLE_STATES = ("CREATE_COMPLETE", "UPDATE_COMPLETE", "UPDATE_ROLLBACK_COMPLETE", "IMPORT_COMPLETE",
+                 "IMPORT_ROLLBACK_COMPLETE")
+#: States ``teardown`` also accepts: whatever is left of a deploy that failed or a delete that stopped half-way
+#: may still run instances, so teardown must work on it (missing outputs are then left empty).
+TEARDOWN_STATES = USABLE_STATES + ("ROLLBACK_COMPLETE", "ROLLBACK_FAILED", "UPDATE_ROLLBACK_FAILED",
+                                   "DELETE_FAILED", "CREATE_FAILED", "UPDATE_FAILED", "IMPORT_ROLLBACK_FAILED")
+
+
+def _stack_outputs(cfn, env: str, stack_id: str, partial: bool = False) -> Optional[dict[str, str]]:
+    """Outputs of ``<env>-<stack_id>``. With ``partial``, a missing stack gives None and every state of
+    :data:`TEARDOWN_STATES` is accepted. Raises CliError for a missing stack or an unusable state."""
     name = f"{env}-{stack_id}"
     try:
         stacks = cfn.describe_stacks(StackName=name)["Stacks"]
     except ClientError as e:
+        msg = e.response.get("Error", {}).get("Message", "")
+        if partial and "does not exist" in msg:
+            return None
         raise explain(e, f"reading stack {name}", env=env) from None
     stack = stacks[0]
-    if stack["StackStatus"] not in ("CREATE_COMPLETE", "UPDATE_COMPLETE", "UPDATE_ROLLBACK_COMPLETE"):
+    if stack["StackStatus"] not in (TEARDOWN_STATES if partial else USABLE_STATES):
         raise CliError(f"stack {name} is {stack['StackStatus']}",
                        f"wait for it, or redeploy with `npx cdk deploy TrainingStack -c env={env}`")
     return {o["OutputKey"]: o["OutputValue"] for o in stack.get("Outputs", [])}
 
 
-def load(aws: Aws, cfn=None) -> Outputs:
-    """Read the three stacks' outputs. Raises CliError when a stack is missing or not in a usable state."""
+def load(aws: Aws, cfn=None, partial: bool = False) -> Outputs:
+    """Read the three stacks' outputs. Raises CliError when a stack is missing or not in a usable state.
+
+    ``partial`` (``teardown``): stacks that are missing, rolled back or failed are accepted and what they do
+    not say is left empty (``""``, no launch templates, no state machines); only an environment with none of
+    the three stacks is an error.
+    """
     cfn = cfn or aws.client("cloudformation")
-    data = _stack_outputs(cfn, aws.env, "DataStack")
-    mon = _stack_outputs(cfn, aws.env, "MonitoringStack")
-    train = _stack_outputs(cfn, aws.env, "TrainingStack")
+    found = [_stack_outputs(cfn, aws.env, cid, partial) for cid in ("DataStack", "MonitoringStack", "TrainingStack")]
+    if all(f is None for f in found):  # partial, and nothing deployed: the usual "does not exist" error
+        _stack_outputs(cfn, aws.env, "DataStack")
+    data, mon, train = (f or {} for f in found)
     lts = {}
     for name in catalog.names("ec2"):
         key = "LaunchTemplateId" + name.replace(".", "").replace("-", "")
@@ -76,6 +96,11 @@ def load(aws: Aws, cfn=None) -> Outputs:
         if key.startswith("StateMachine") and ":stateMachine:" in value:
             name = value.rsplit(":", 1)[1]
             sms[name.removeprefix(prefix)] = value
+    if partial:
+        return Outputs(env=aws.env, bucket=data.get("BucketName", ""), volume_id=data.get("DataVolumeId", ""),
+                       availability_zone=data.get("AvailabilityZone", ""),
+                       repository_uri=train.get("RepositoryUri", ""), alarm_topic_arn=mon.get("AlarmTopicArn", ""),
+                       train_log_group=mon.get("TrainLogGroup", ""), launch_templates=lts, state_machines=sms)
     try:
         return Outputs(env=aws.env, bucket=data["BucketName"], volume_id=data["DataVolumeId"],
                        availability_zone=data["AvailabilityZone"], repository_uri=train["RepositoryUri"],

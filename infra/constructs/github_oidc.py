@@ -3,8 +3,10 @@
 Trust (GitHub docs, "Configuring OpenID Connect in Amazon Web Services"): audience ``sts.amazonaws.com``,
 subject ``repo:<owner>/<name>:ref:refs/heads/*`` (branches), ``:pull_request`` (pull requests) and
 ``:environment:*``. Permissions: assume the CDK bootstrap roles (``cdk-hnb659fds-*``: deploy, file and image
-publishing, lookup), read stack outputs, push to this project's ECR repositories, and what
-``python -m infra teardown`` needs in the destroy workflow.
+publishing, lookup), read stack outputs, push to this project's ECR repositories and pull the AWS Deep Learning
+Containers base image (account 763104351884), and what ``python -m infra teardown`` needs in the destroy
+workflow (terminate, cancel, delete volumes, stop executions, delete idle alarms). tests/test_infra_iam.py
+checks the CLI's calls against this policy.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import aws_cdk as cdk
 from aws_cdk import aws_iam as iam
 from constructs import Construct
 
+from infra.config import DLC_REGISTRY_ACCOUNT
 from infra.constructs.nag import ack_findings, env_literals, nag_arn
 
 GITHUB_OIDC_URL = "token.actions.githubusercontent.com"
@@ -45,22 +48,44 @@ class GithubOidcDeployRole(Construct):
         self.role.add_to_policy(iam.PolicyStatement(actions=["sts:AssumeRole"], resources=[bootstrap_roles]))
         self.role.add_to_policy(iam.PolicyStatement(
             actions=["cloudformation:DescribeStacks", "ec2:DescribeInstances", "ec2:DescribeVolumes",
-                     "ec2:DescribeSpotInstanceRequests", "states:ListExecutions", "sagemaker:ListTrainingJobs"],
+                     "ec2:DescribeSpotInstanceRequests", "states:ListStateMachines", "states:ListExecutions",
+                     "sagemaker:ListTrainingJobs", "cloudwatch:DescribeAlarms"],
             resources=["*"]))
         self.role.add_to_policy(iam.PolicyStatement(
             actions=["ec2:TerminateInstances", "ec2:CancelSpotInstanceRequests", "ec2:DeleteVolume"],
             resources=["*"], conditions={"StringLike": {"aws:ResourceTag/trainstack:env": "*"}}))
+        # teardown: stop this project's running executions (Step Functions then stops their training jobs) and
+        # delete the per-instance idle alarms of the instances it terminates
+        executions = stack.format_arn(service="states", resource="execution", resource_name="trainstack-*",
+                                      arn_format=cdk.ArnFormat.COLON_RESOURCE_NAME)
+        self.role.add_to_policy(iam.PolicyStatement(actions=["states:StopExecution"], resources=[executions]))
+        alarms = stack.format_arn(service="cloudwatch", resource="alarm", resource_name="trainstack-*-gpu-idle-*",
+                                  arn_format=cdk.ArnFormat.COLON_RESOURCE_NAME)
+        self.role.add_to_policy(iam.PolicyStatement(actions=["cloudwatch:DeleteAlarms"], resources=[alarms]))
         repos = stack.format_arn(service="ecr", resource="repository", resource_name="trainstack-*")
         self.role.add_to_policy(iam.PolicyStatement(actions=["ecr:GetAuthorizationToken"], resources=["*"]))
         self.role.add_to_policy(iam.PolicyStatement(
             actions=["ecr:BatchCheckLayerAvailability", "ecr:InitiateLayerUpload", "ecr:UploadLayerPart",
-                     "ecr:CompleteLayerUpload", "ecr:PutImage", "ecr:BatchGetImage", "ecr:DescribeImages"],
+                     "ecr:CompleteLayerUpload", "ecr:PutImage", "ecr:BatchGetImage", "ecr:GetDownloadUrlForLayer",
+                     "ecr:DescribeImages"],
             resources=[repos]))
+        # push-image builds FROM an AWS Deep Learning Container: pulling across accounts needs this allow on
+        # the caller's side too (any region: the Dockerfile names its registry's region itself)
+        dlc = stack.format_arn(service="ecr", region="*", account=DLC_REGISTRY_ACCOUNT, resource="repository",
+                               resource_name="*")
+        self.role.add_to_policy(iam.PolicyStatement(
+            actions=["ecr:BatchGetImage", "ecr:GetDownloadUrlForLayer", "ecr:BatchCheckLayerAvailability"],
+            resources=[dlc]))
+        acct, reg = env_literals(account, region)
         ack_findings(self.role, "AwsSolutions-IAM5", [
-            "Resource::*", f"Resource::arn:<AWS::Partition>:iam::{env_literals(account, region)[0]}:role/cdk-hnb659fds-*",
-            "Resource::" + nag_arn("ecr", "repository/trainstack-*", account, region)],
+            "Resource::*", f"Resource::arn:<AWS::Partition>:iam::{acct}:role/cdk-hnb659fds-*",
+            "Resource::" + nag_arn("ecr", "repository/trainstack-*", account, region),
+            "Resource::" + nag_arn("states", "execution:trainstack-*", account, region),
+            "Resource::" + nag_arn("cloudwatch", "alarm:trainstack-*-gpu-idle-*", account, region),
+            f"Resource::arn:<AWS::Partition>:ecr:*:{DLC_REGISTRY_ACCOUNT}:repository/*"],
             "Describe/List calls only accept '*'; terminate/cancel/delete only on resources tagged trainstack:env; "
             "the CDK bootstrap roles are the documented way to deploy with CDK; ECR push only to trainstack-* "
-            "repositories.")
+            "repositories; ECR pull of the AWS Deep Learning Containers registry's public base images; stop "
+            "executions and delete idle alarms only of trainstack-* names.")
         cdk.CfnOutput(stack, "GithubDeployRoleArn", value=self.role.role_arn,
                       description="set as repository variable AWS_DEPLOY_ROLE_ARN")

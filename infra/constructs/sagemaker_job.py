@@ -9,8 +9,10 @@ Execution input (every key optional but ``run_name``)::
     {"run_name": "resnet50-a", "image_tag": "3f2c1ab", "instance_count": 1,
      "data_s3_uri": "s3://<bucket>/datasets/imagenette/", "hyperparameters": {"epochs": "5"}}
 
-``run_name`` keys the checkpoint prefix ``s3://<bucket>/checkpoints/<run_name>/``: a new execution with the same
-run name resumes from it. Processes per host are the catalog's GPU count (``TRAINSTACK_NPROC_PER_NODE``);
+``run_name`` and the phase key the checkpoint prefix ``s3://<bucket>/checkpoints/<run_name>/<phase>/``: a new
+execution with the same run name resumes each phase from its own checkpoint, and a later phase (seed 001's GPU
+phase after its CPU smoke run, with another batch size) never restores an earlier phase's checkpoint, which the
+trainer would refuse (exit 2). Processes per host are the catalog's GPU count (``TRAINSTACK_NPROC_PER_NODE``);
 ml.g5.2xlarge gets 1, never the 2 of seed 000.
 """
 
@@ -40,8 +42,9 @@ def training_job_state(*, phase: str, instance: InstanceType, prefix: str, image
                        hyperparameters_path: str = "$.args.hyperparameters") -> dict[str, Any]:
     """The Amazon States Language of one ``createTrainingJob.sync`` task with managed spot.
 
-    Job name: ``<prefix>-<phase>-<8 random hex>`` (at most 63 characters). Raises ValueError if
-    ``max_wait_s < max_run_s`` (SageMaker requires MaxWaitTimeInSeconds >= MaxRuntimeInSeconds) or the phase
+    Job name: ``<prefix>-<phase>-<8 random hex>`` (at most 63 characters). Checkpoints:
+    ``s3://<bucket_name>/checkpoints/<run_name>/<phase>/`` <-> ``/opt/ml/checkpoints``, one prefix per phase.
+    Raises ValueError if ``max_wait_s < max_run_s`` (SageMaker requires MaxWaitTimeInSeconds >= MaxRuntimeInSeconds) or the phase
     name is not 1-16 lower-case letters, digits or '-'.
     """
     if max_wait_s < max_run_s:
@@ -73,7 +76,7 @@ def training_job_state(*, phase: str, instance: InstanceType, prefix: str, image
             "StoppingCondition": {"MaxRuntimeInSeconds": max_run_s, "MaxWaitTimeInSeconds": max_wait_s},
             "EnableManagedSpotTraining": True,
             "CheckpointConfig": {
-                "S3Uri.$": f"States.Format('s3://{bucket_name}/checkpoints/{{}}/', $.args.run_name)",
+                "S3Uri.$": f"States.Format('s3://{bucket_name}/checkpoints/{{}}/{phase}/', $.args.run_name)",
                 "LocalPath": CHECKPOINT_LOCAL_PATH,
             },
             "HyperParameters.$": hyperparameters_path,
@@ -118,8 +121,10 @@ class SageMakerSpotJobs(Construct):
                 role_arn=execution_role.role_arn, bucket_name=bucket_name, volume_gib=volume_gib,
                 max_run_s=max_run_s, max_wait_s=max_wait_s, hyperparameters_path="$.hp.merged"))
             chain = chain.next(hp).next(merged).next(job)
-        log_group = logs.LogGroup(self, "Logs", retention=logs.RetentionDays.THREE_MONTHS,
-                                  removal_policy=cdk.RemovalPolicy.DESTROY)
+        # /aws/vendedlogs/ prefix: CloudWatch Logs then grants Step Functions' log delivery without adding to the
+        # account's resource policy (5,120 characters per region, exhausted after a few environments otherwise).
+        log_group = logs.LogGroup(self, "Logs", log_group_name=f"/aws/vendedlogs/states/{name}",
+                                  retention=logs.RetentionDays.THREE_MONTHS, removal_policy=cdk.RemovalPolicy.DESTROY)
         self.state_machine = sfn.StateMachine(
             self, "StateMachine", state_machine_name=name,
             definition_body=sfn.DefinitionBody.from_chainable(chain), tracing_enabled=True,

@@ -54,6 +54,10 @@ class SpotLaunchTemplate(Construct):
                 interruption_behavior=ec2.SpotInstanceInterruption.TERMINATE,
                 max_price=round(instance.on_demand.usd_per_hour * max_price_fraction, 4)),
         )
+        # Public IP without NAT (decision, cost): the default VPC has no NAT gateway (~$33/month + $0.045/GB) and
+        # no interface endpoints (ECR api+dkr, logs, monitoring, SSM x3, STS, EC2: ~$65/month idle per
+        # environment), so instances reach AWS over a public IPv4 ($0.005/h while running) with no ingress rule
+        # but from their own security group. -c nat_gateways=1 puts them in a private subnet instead.
         # Network interfaces carry the subnet (so `run-instances --launch-template` needs nothing else) and,
         # on EFA types, the EFA interface type. Security groups move into the interfaces.
         cards = instance.max_efa_interfaces if (instance.efa and private) else 1

@@ -2,21 +2,29 @@
 
 What it does at boot, in order (each step logged to /var/log/trainstack-user-data.log):
 
+0. Watchdog first: an EXIT trap. Any failing step (``set -euo pipefail``) deletes this instance's idle alarm and
+   shuts the instance down (terminates: ``InstanceInitiatedShutdownBehavior=terminate``), unless it is tagged
+   ``trainstack:keep=true`` (left up for inspection; its alarm then only notifies the SNS topic).
 1. IMDSv2 token; instance id, region, lifecycle (spot/on-demand) and the job's instance tags
-   (``trainstack:job``, ``trainstack:config``, ``trainstack:image-tag``, ``trainstack:args``; the launch
-   templates turn on instance-metadata tags).
-2. Attach the data volume by *volume id* and find it through its NVMe by-id link
+   (``trainstack:job``, ``trainstack:config``, ``trainstack:image-tag``, ``trainstack:args``,
+   ``trainstack:keep``; the launch templates turn on instance-metadata tags).
+2. This instance's own "GPU idle -> stop/terminate" alarm (``/usr/local/bin/trainstack-alarm create``), before
+   anything that can hang or fail, and the unit ``trainstack-alarm.service`` that re-creates it at every boot
+   and deletes it at every shutdown (job done, spot interruption, the alarm's own action). Missing GPU data
+   counts as idle, so a boot that hangs is stopped too.
+3. Attach the data volume by *volume id* and find it through its NVMe by-id link
    (``/dev/disk/by-id/nvme-Amazon_Elastic_Block_Store_vol...``, EC2 user guide "Amazon EBS and NVMe"), never
    by guessing ``/dev/nvme1n1`` as seed 003 does; format it only if it has no file system; mount at /data.
    A volume still held by a reclaimed spot instance is retried for up to 10 minutes.
-3. Mount FSx for Lustre at /fsx when the data stack has one.
-4. CloudWatch agent with NVIDIA GPU, memory and disk metrics (``cloudwatch_agent.agent_config``) and this
-   instance's own "GPU idle -> stop/terminate" alarm.
-5. Log in to ECR, write ``/etc/trainstack.env`` and a systemd unit running the training container with
+4. Mount FSx for Lustre at /fsx when the data stack has one. apt waits at most ``DPKG_LOCK_TIMEOUT_S`` for the
+   dpkg lock (held by unattended-upgrades on a first boot).
+5. CloudWatch agent with NVIDIA GPU, memory and disk metrics (``cloudwatch_agent.agent_config``).
+6. Log in to ECR, write ``/etc/trainstack.env`` and a systemd unit running the training container with
    the image's ``train`` entrypoint and ``TRAINSTACK_NPROC_PER_NODE=<GPUs from the catalog>``.
    ``Restart=on-failure`` with ``RestartPreventExitStatus=2 3``: a run that stopped with a durable checkpoint
-   (the entrypoint's exit 75) is restarted and resumes; a bad config (2) is not retried. On success the instance shuts itself down
-   (terminates: ``InstanceInitiatedShutdownBehavior=terminate``) unless tagged ``trainstack:keep=true``.
+   (the entrypoint's exit 75) is restarted and resumes; a bad config (2) or a non-finite loss (3) is not
+   retried. After 0, 2 or 3 ``trainstack-done`` deletes the idle alarm and shuts the instance down (terminates)
+   unless it is tagged ``trainstack:keep=true``.
 """
 
 from __future__ import annotations
@@ -38,7 +46,8 @@ class UserDataParams:
     volume_id: str
     repository_uri: str
     train_log_group: str
-    idle_alarm_command: str
+    idle_alarm_command: str  # body of `trainstack-alarm create` (monitoring.instance_idle_alarm_command)
+    idle_alarm_prefix: str  # alarm name = <prefix>-<instance id> (monitoring.idle_alarm_name)
     nproc_per_node: int
     efa: bool
     default_config: str
@@ -50,15 +59,80 @@ class UserDataParams:
 _HEAD = r"""set -euo pipefail
 exec >>/var/log/trainstack-user-data.log 2>&1
 echo "trainstack user data: start $(date -Is)"
+# Watchdog first: any failing step (set -e) ends here, deletes this instance's idle alarm and shuts the instance
+# down (terminate: InstanceInitiatedShutdownBehavior), unless it is tagged trainstack:keep=true (kept for
+# inspection; its idle alarm then only notifies).
+STEP=imds; IID=""; KEEP=""
+boot_exit() {
+  local rc=$?
+  trap - EXIT
+  [ "$rc" = 0 ] && return 0
+  echo "trainstack user data: step $STEP failed with exit $rc at $(date -Is)"
+  if [ "$KEEP" = true ]; then
+    echo "trainstack user data: trainstack:keep=true, so the instance stays up (its idle alarm only notifies)"
+    return "$rc"
+  fi
+  if [ -x /usr/local/bin/trainstack-alarm ]; then /usr/local/bin/trainstack-alarm delete || true; fi
+  shutdown -h now "trainstack: boot step $STEP failed (exit $rc)"
+  return "$rc"
+}
+trap boot_exit EXIT
 IMDS=http://169.254.169.254/latest
-TOKEN=$(curl -sS -X PUT "$IMDS/api/token" -H "X-aws-ec2-metadata-token-ttl-seconds: 21600")
-md() { curl -sSf -H "X-aws-ec2-metadata-token: $TOKEN" "$IMDS/meta-data/$1"; }
+TOKEN=$(curl -sS --retry 5 -X PUT "$IMDS/api/token" -H "X-aws-ec2-metadata-token-ttl-seconds: 21600")
+md() { curl -sSf --retry 5 -H "X-aws-ec2-metadata-token: $TOKEN" "$IMDS/meta-data/$1"; }
 tag() { curl -sf -H "X-aws-ec2-metadata-token: $TOKEN" "$IMDS/meta-data/tags/instance/$1" || true; }
 IID=$(md instance-id); REGION=$(md placement/region); LIFECYCLE=$(md instance-life-cycle)
+KEEP=$(tag trainstack:keep)
 export AWS_DEFAULT_REGION="$REGION"
 """
 
+_ALARM = r"""# --- this instance's idle alarm, before anything that can hang or fail ---
+STEP=idle-alarm
+cat > /etc/trainstack-alarm.env <<ALARM_ENV_EOF
+IID=$IID
+REGION=$REGION
+LIFECYCLE=$LIFECYCLE
+KEEP=$KEEP
+ALARM_ENV_EOF
+cat > /usr/local/bin/trainstack-alarm <<'ALARM_EOF'
+#!/bin/bash
+# trainstack-alarm create|delete: this instance's "GPU idle -> stop/terminate" alarm (notify only when kept).
+set -euo pipefail
+. /etc/trainstack-alarm.env
+create() {
+{create}
+}
+case "${1:-}" in
+  create) create ;;
+  delete) aws cloudwatch delete-alarms --region "$REGION" --alarm-names "{prefix}-$IID" ;;
+  *) echo "usage: trainstack-alarm create|delete" >&2; exit 2 ;;
+esac
+ALARM_EOF
+chmod +x /usr/local/bin/trainstack-alarm
+/usr/local/bin/trainstack-alarm create
+# Created again at every boot (a stopped instance started again), deleted at every shutdown (job done, spot
+# interruption, the alarm's own stop/terminate): it never outlives the instance's uptime.
+cat > /etc/systemd/system/trainstack-alarm.service <<'UNIT_EOF'
+[Unit]
+Description=Trainstack idle alarm of this instance (created at boot, deleted at shutdown)
+Wants=network-online.target
+After=network-online.target
+
+[Service]
+Type=oneshot
+RemainAfterExit=yes
+ExecStart=/usr/local/bin/trainstack-alarm create
+ExecStop=/usr/local/bin/trainstack-alarm delete
+
+[Install]
+WantedBy=multi-user.target
+UNIT_EOF
+systemctl daemon-reload
+systemctl enable --now trainstack-alarm.service
+"""
+
 _VOLUME = r"""# --- data volume, by id ---
+STEP=data-volume
 DEV="/dev/disk/by-id/nvme-Amazon_Elastic_Block_Store_${VOL//-/}"
 for i in $(seq 1 60); do
   HOLDER=$(aws ec2 describe-volumes --volume-ids "$VOL" --query 'Volumes[0].Attachments[0].InstanceId' --output text)
@@ -74,18 +148,26 @@ grep -q "$DEV" /etc/fstab || echo "$DEV /data ext4 defaults,noatime,nofail 0 2" 
 mkdir -p {ckpt} {runs}
 """
 
+#: apt/dpkg wait at most this long for the dpkg lock (unattended-upgrades holds it on a fresh instance's
+#: first boot), then the step fails and the watchdog shuts the instance down.
+DPKG_LOCK_TIMEOUT_S = 900
+
 _FSX = r"""# --- FSx for Lustre ---
+STEP=fsx
 if ! command -v mount.lustre >/dev/null; then
-  apt-get update -q && apt-get install -y -q "lustre-client-modules-$(uname -r)" || apt-get install -y -q lustre-client-modules-aws
+  apt-get -o DPkg::Lock::Timeout={lock} update -q
+  apt-get -o DPkg::Lock::Timeout={lock} install -y -q "lustre-client-modules-$(uname -r)" \
+    || apt-get -o DPkg::Lock::Timeout={lock} install -y -q lustre-client-modules-aws
 fi
 mkdir -p /fsx && mountpoint -q /fsx || mount -t lustre -o relatime,flock "{dns}@tcp:/{mount}" /fsx
 """
 
 _AGENT = r"""# --- CloudWatch agent (GPU, memory, disk; metrics.jsonl) ---
+STEP=cloudwatch-agent
 CWA=/opt/aws/amazon-cloudwatch-agent/bin/amazon-cloudwatch-agent-ctl
 if [ ! -x "$CWA" ]; then
   curl -sSfo /tmp/cwa.deb https://s3.amazonaws.com/amazoncloudwatch-agent/ubuntu/amd64/latest/amazon-cloudwatch-agent.deb
-  dpkg -i /tmp/cwa.deb
+  apt-get -o DPkg::Lock::Timeout={lock} install -y -q /tmp/cwa.deb
 fi
 mkdir -p /opt/aws/amazon-cloudwatch-agent/etc
 cat > /opt/aws/amazon-cloudwatch-agent/etc/trainstack.json <<'CWA_EOF'
@@ -95,6 +177,7 @@ CWA_EOF
 """
 
 _SERVICE = r"""# --- training container under systemd ---
+STEP=training-service
 REPO="{repo}"
 JOB=$(tag trainstack:job); CONFIG=$(tag trainstack:config); IMAGE_TAG=$(tag trainstack:image-tag)
 cat > /etc/trainstack.env <<ENV_EOF
@@ -132,8 +215,18 @@ exec docker run --rm --name "trainstack-$JOB" --gpus all --ipc=host --network ho
 RUN_EOF
 cat > /usr/local/bin/trainstack-done <<'DONE_EOF'
 #!/bin/bash
+# ExecStopPost: after a final result (0 done; 2/3 bad config/data or non-finite loss, never retried) delete the
+# idle alarm and shut down unless kept; after 75 (interrupted, checkpoint saved) or any other failure systemd
+# starts the job again (Restart=on-failure) and this does nothing.
 . /etc/trainstack.env
-if [ "$SERVICE_RESULT" = success ] && [ "$KEEP" != true ]; then shutdown -h +1 "trainstack: job $JOB done"; fi
+case "${EXIT_CODE:-}:${EXIT_STATUS:-}" in
+  exited:0) WHAT="done" ;;
+  exited:2|exited:3) WHAT="failed with exit $EXIT_STATUS (not retried)" ;;
+  *) exit 0 ;;
+esac
+echo "trainstack: job $JOB $WHAT"
+/usr/local/bin/trainstack-alarm delete || echo "trainstack: could not delete the idle alarm"
+if [ "$KEEP" != true ]; then shutdown -h +1 "trainstack: job $JOB $WHAT"; fi
 DONE_EOF
 chmod +x /usr/local/bin/trainstack-run /usr/local/bin/trainstack-done
 cat > /etc/systemd/system/trainstack-train.service <<'UNIT_EOF'
@@ -160,18 +253,24 @@ WantedBy=multi-user.target
 UNIT_EOF
 systemctl daemon-reload
 systemctl enable --now trainstack-train.service
+trap - EXIT
 echo "trainstack user data: done $(date -Is)"
 """
 
 
 def render(p: UserDataParams) -> str:
-    """The whole user-data script (without the ``#!/bin/bash`` line, which CDK's UserData adds)."""
-    parts = [_HEAD, f'VOL="{p.volume_id}"\n',
+    """The whole user-data script (without the ``#!/bin/bash`` line, which CDK's UserData adds).
+
+    Order: IMDS, this instance's idle alarm (the watchdog), data volume, FSx, CloudWatch agent, training
+    service; a failing step shuts the instance down and deletes the alarm (see the module docstring).
+    """
+    parts = [_HEAD, _ALARM.replace("{create}", p.idle_alarm_command.rstrip("\n"))
+             .replace("{prefix}", p.idle_alarm_prefix), f'VOL="{p.volume_id}"\n',
              _VOLUME.replace("{ckpt}", CONTAINER_CHECKPOINTS).replace("{runs}", CONTAINER_RUNS)]
     if p.fsx_dns_name:
-        parts.append(_FSX.replace("{dns}", p.fsx_dns_name).replace("{mount}", p.fsx_mount_name or ""))
-    parts.append(_AGENT.replace("{agent_config}", agent.agent_config(p.env)))
-    parts.append(p.idle_alarm_command)
+        parts.append(_FSX.replace("{dns}", p.fsx_dns_name).replace("{mount}", p.fsx_mount_name or "")
+                     .replace("{lock}", str(DPKG_LOCK_TIMEOUT_S)))
+    parts.append(_AGENT.replace("{agent_config}", agent.agent_config(p.env)).replace("{lock}", str(DPKG_LOCK_TIMEOUT_S)))
     service = (_SERVICE.replace("{repo}", p.repository_uri).replace("{image_tag}", p.default_image_tag)
                .replace("{config}", p.default_config).replace("{nproc}", str(p.nproc_per_node))
                .replace("{efa}", "1" if p.efa else "0").replace("{log_group}", p.train_log_group)

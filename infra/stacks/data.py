@@ -1,7 +1,9 @@
 """DataStack: what must outlive the compute — S3 bucket, EBS gp3 data volume, optional FSx for Lustre, network.
 
-Nothing here is deleted by ``cdk destroy``: the bucket and the FSx file system are retained, the EBS volume
-is snapshotted (or retained, context ``data_volume_removal``). Seed 003 keeps FFCV data and checkpoints on a
+On ``cdk destroy DataStack``: the buckets are retained (deleted with their objects when ``ephemeral``, the
+pull-request environments), the EBS volume is snapshotted (or retained, context ``data_volume_removal``), the
+FSx file system, the VPC and everything else are deleted. Bucket names are generated, so an environment can
+always be deployed again under the same name. Seed 003 keeps FFCV data and checkpoints on a
 400 GiB gp3 volume at 16,000 IOPS that moves between instances; an EBS volume attaches only to instances in
 its own AZ, so the VPC here has subnets in that one AZ only and every launch template places instances there.
 """
@@ -21,6 +23,11 @@ from infra.constructs.nag import ack
 LUSTRE_PORTS = ((988, 988), (1018, 1023))  # FSx for Lustre user guide, "File system access control with VPC"
 
 
+def bucket_export(cfg: InfraConfig, what: str) -> str:
+    """CloudFormation export name of the data bucket's ``arn`` or ``name`` (unique per account and region)."""
+    return f"{cfg.prefix}-data-bucket-{what}"
+
+
 class DataStack(cdk.Stack):
     """S3 (datasets/, checkpoints/, models/, artifacts/), the data volume, FSx, VPC and security groups.
 
@@ -32,17 +39,21 @@ class DataStack(cdk.Stack):
         super().__init__(scope, cid, **kwargs)
         cfg = config
 
+        # No fixed bucket names: a retained bucket would make deploying the same environment again fail.
+        # Ephemeral (pull-request) environments delete their buckets, objects included, with the stack.
+        removal = dict(removal_policy=cdk.RemovalPolicy.DESTROY, auto_delete_objects=True) if cfg.ephemeral \
+            else dict(removal_policy=cdk.RemovalPolicy.RETAIN)
         self.access_log_bucket = s3.Bucket(
             self, "AccessLogs", encryption=s3.BucketEncryption.S3_MANAGED, enforce_ssl=True, versioned=True,
             block_public_access=s3.BlockPublicAccess.BLOCK_ALL, object_ownership=s3.ObjectOwnership.BUCKET_OWNER_ENFORCED,
-            removal_policy=cdk.RemovalPolicy.RETAIN,
+            **removal,
             lifecycle_rules=[s3.LifecycleRule(expiration=cdk.Duration.days(365),
                                               noncurrent_version_expiration=cdk.Duration.days(30))])
         ack(self.access_log_bucket, "AwsSolutions-S1",
             "This is the access-log bucket itself; logging it into itself would loop.")
         self.bucket = s3.Bucket(
-            self, "Bucket", bucket_name=cfg.bucket_name(self.account, self.region), encryption=s3.BucketEncryption.S3_MANAGED, enforce_ssl=True, versioned=True,
-            block_public_access=s3.BlockPublicAccess.BLOCK_ALL, removal_policy=cdk.RemovalPolicy.RETAIN,
+            self, "Bucket", encryption=s3.BucketEncryption.S3_MANAGED, enforce_ssl=True, versioned=True,
+            block_public_access=s3.BlockPublicAccess.BLOCK_ALL, **removal,
             server_access_logs_bucket=self.access_log_bucket, server_access_logs_prefix="bucket/",
             lifecycle_rules=[s3.LifecycleRule(id="old-versions", noncurrent_version_expiration=cdk.Duration.days(30),
                                               abort_incomplete_multipart_upload_after=cdk.Duration.days(7))])
@@ -62,10 +73,17 @@ class DataStack(cdk.Stack):
         self.instance_subnets = self.vpc.select_subnets(
             subnet_group_name="private" if cfg.nat_gateways else "public").subnets
 
+        # Explicit egress (allow_all_outbound=False): with allow-all, CDK drops every explicit egress rule, and
+        # EFA needs the self-referencing one (EFA user guide: all inbound and outbound traffic to and from the
+        # security group itself). HTTPS reaches the AWS APIs, ECR and S3 (no interface endpoints), HTTP the
+        # Ubuntu package mirrors (FSx client, CloudWatch agent dependencies).
         self.instance_sg = ec2.SecurityGroup(
-            self, "InstanceSg", vpc=self.vpc, allow_all_outbound=True,
+            self, "InstanceSg", vpc=self.vpc, allow_all_outbound=False,
             description="Training instances: no ingress but from each other (NCCL/EFA need all traffic)")
         self.instance_sg.add_ingress_rule(self.instance_sg, ec2.Port.all_traffic(), "NCCL/EFA between instances")
+        self.instance_sg.add_egress_rule(self.instance_sg, ec2.Port.all_traffic(), "NCCL/EFA between instances")
+        self.instance_sg.add_egress_rule(ec2.Peer.any_ipv4(), ec2.Port.tcp(443), "AWS APIs, ECR, S3 (HTTPS)")
+        self.instance_sg.add_egress_rule(ec2.Peer.any_ipv4(), ec2.Port.tcp(80), "Ubuntu package mirrors")
         if cfg.ssh_cidr:
             self.instance_sg.add_ingress_rule(ec2.Peer.ipv4(cfg.ssh_cidr), ec2.Port.tcp(22), "SSH (context ssh_cidr)")
 
@@ -81,6 +99,10 @@ class DataStack(cdk.Stack):
         if cfg.fsx != "off":
             self.file_system = self._fsx(cfg)
 
+        # Exported under fixed names (the generated bucket name travels through them) so that the training
+        # stack's IAM findings name the import stably: see TrainingStack._bucket_objects.
+        self.export_value(self.bucket.bucket_arn, name=bucket_export(cfg, "arn"))
+        self.export_value(self.bucket.bucket_name, name=bucket_export(cfg, "name"))
         for name, value, desc in [
             ("BucketName", self.bucket.bucket_name, "datasets/, checkpoints/, models/, artifacts/"),
             ("DataVolumeId", self.volume.volume_id, "EBS gp3 data volume (mounted at /data)"),
@@ -112,8 +134,11 @@ class DataStack(cdk.Stack):
         fs = fsx.LustreFileSystem(
             self, "Lustre", vpc=self.vpc, vpc_subnet=self.instance_subnets[0], security_group=sg,
             storage_capacity_gib=cfg.fsx_storage_gib, lustre_configuration=lustre,
-            file_system_type_version=fsx.FileSystemTypeVersion.V_2_15 if persistent else None,
-            removal_policy=cdk.RemovalPolicy.RETAIN)
+            file_system_type_version=fsx.FileSystemTypeVersion.V_2_15,
+            # Deleted with the stack: a retained file system keeps its subnet and security group, so the stack
+            # (VPC) could never be deleted. It is a cache of s3://bucket/datasets/ (PERSISTENT_2 exports new and
+            # changed files automatically; SCRATCH_2 results must be exported or written to /data or S3).
+            removal_policy=cdk.RemovalPolicy.DESTROY)
         if persistent:
             fsx.CfnDataRepositoryAssociation(
                 self, "DataRepositoryAssociation", file_system_id=fs.file_system_id,

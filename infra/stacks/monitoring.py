@@ -36,20 +36,24 @@ def idle_alarm_name(cfg: InfraConfig) -> str:
 
 
 def instance_idle_alarm_command(cfg: InfraConfig, topic_arn: str) -> str:
-    """Shell command (for user data) creating this instance's "GPU idle -> stop" alarm.
+    """Shell commands (for user data) creating this instance's "GPU idle -> stop" alarm.
 
-    Expects ``$IID`` (instance id), ``$REGION`` and ``$LIFECYCLE`` (IMDS ``instance-life-cycle``) in the
-    shell. One-time spot instances cannot be stopped, so they are terminated; data lives on EBS/S3.
+    Expects ``$IID`` (instance id), ``$REGION``, ``$LIFECYCLE`` (IMDS ``instance-life-cycle``) and ``$KEEP``
+    (the ``trainstack:keep`` tag) in the shell. One-time spot instances cannot be stopped, so they are
+    terminated; data lives on EBS/S3. A kept instance (``KEEP=true``) gets an alarm that only notifies the
+    topic: it is never stopped or terminated by it.
     """
     minutes = cfg.gpu_idle_minutes
     return (
-        'ACTION=stop; [ "$LIFECYCLE" = spot ] && ACTION=terminate\n'
+        'ACTIONS=("arn:aws:automate:$REGION:ec2:stop" ' + shlex.quote(topic_arn) + ")\n"
+        'if [ "$LIFECYCLE" = spot ]; then ACTIONS[0]="arn:aws:automate:$REGION:ec2:terminate"; fi\n'
+        'if [ "${KEEP:-}" = true ]; then ACTIONS=(' + shlex.quote(topic_arn) + "); fi\n"
         f'aws cloudwatch put-metric-alarm --region "$REGION" --alarm-name "{idle_alarm_name(cfg)}-$IID" '
         f'--namespace {shlex.quote(agent.namespace(cfg.env))} --metric-name {agent.GPU_UTIL} '
         '--dimensions Name=InstanceId,Value="$IID" --statistic Average --period 60 '
         f'--evaluation-periods {minutes} --datapoints-to-alarm {minutes} --threshold {cfg.gpu_idle_percent} '
         '--comparison-operator LessThanThreshold --treat-missing-data breaching '
-        '--alarm-actions "arn:aws:automate:$REGION:ec2:$ACTION" ' + shlex.quote(topic_arn) + "\n"
+        '--alarm-actions "${ACTIONS[@]}"\n'
     )
 
 
@@ -68,6 +72,9 @@ class MonitoringStack(cdk.Stack):
         if cfg.alarm_email:
             self.topic.add_subscription(subs.EmailSubscription(cfg.alarm_email))
 
+        # Not KMS-encrypted with a key of ours (decision): CloudWatch Logs encrypts every log group at rest with
+        # service-owned keys; the training logs hold loss lines and paths, no secrets. A customer key would cost
+        # $1/month per environment plus requests and a key policy for logs.<region>.amazonaws.com.
         self.train_log_group = logs.LogGroup(
             self, "TrainLogs", log_group_name=agent.log_group_name(cfg.env, agent.TRAIN_LOG_GROUP),
             retention=logs.RetentionDays.THREE_MONTHS, removal_policy=cdk.RemovalPolicy.DESTROY)

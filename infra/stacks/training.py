@@ -15,10 +15,10 @@ from constructs import Construct
 import catalog
 from infra.config import InfraConfig
 from infra.constructs import user_data
-from infra.constructs.nag import S3_READ_WRITE_ACTIONS, ack_findings, env_literals, nag_arn
+from infra.constructs.nag import S3_READ_WRITE_ACTIONS, ack_findings, nag_arn
 from infra.constructs.sagemaker_job import SageMakerSpotJobs, phases_from_context
 from infra.constructs.spot_launch_template import SpotLaunchTemplate
-from infra.stacks.data import DataStack
+from infra.stacks.data import DataStack, bucket_export
 from infra.stacks.monitoring import MonitoringStack, idle_alarm_name, instance_idle_alarm_command
 
 
@@ -31,10 +31,16 @@ class TrainingStack(cdk.Stack):
         super().__init__(scope, cid, **kwargs)
         cfg = self.cfg = config
         cat = cfg.catalog()
-        # By name, from this stack's own account/region: IAM scoped to it needs no cross-stack import.
-        self.bucket = s3.Bucket.from_bucket_name(self, "DataBucket", cfg.bucket_name(self.account, self.region))
+        # The data stack's bucket (generated name), imported by its fixed export names.
+        self.bucket = s3.Bucket.from_bucket_attributes(
+            self, "DataBucket", bucket_arn=cdk.Fn.import_value(bucket_export(cfg, "arn")),
+            bucket_name=cdk.Fn.import_value(bucket_export(cfg, "name")))
+        # Commit tags are immutable, so a job restarting after exit 75 pulls the image it started with; `latest`
+        # (push-image moves it on every push) is the one mutable tag: pin a commit tag for long runs.
         self.repository = ecr.Repository(
-            self, "Repository", repository_name=cfg.prefix, image_scan_on_push=True, image_tag_mutability=ecr.TagMutability.MUTABLE,
+            self, "Repository", repository_name=cfg.prefix, image_scan_on_push=True,
+            image_tag_mutability=ecr.TagMutability.IMMUTABLE_WITH_EXCLUSION,
+            image_tag_mutability_exclusion_filters=[ecr.ImageTagMutabilityExclusionFilter.wildcard("latest")],
             removal_policy=cdk.RemovalPolicy.DESTROY, empty_on_delete=True,
             lifecycle_rules=[ecr.LifecycleRule(description="untagged images go after 7 days", rule_priority=1,
                                                tag_status=ecr.TagStatus.UNTAGGED, max_image_age=cdk.Duration.days(7)),
@@ -49,6 +55,7 @@ class TrainingStack(cdk.Stack):
                 env=cfg.env, volume_id=data.volume.volume_id, repository_uri=self.repository.repository_uri,
                 train_log_group=monitoring.train_log_group.log_group_name,
                 idle_alarm_command=instance_idle_alarm_command(cfg, monitoring.topic.topic_arn),
+                idle_alarm_prefix=idle_alarm_name(cfg),
                 nproc_per_node=it.processes_per_host, efa=it.efa, default_config=cfg.train_config,
                 default_image_tag=cfg.image_tag,
                 fsx_dns_name=data.file_system.dns_name if data.file_system else None,
@@ -125,8 +132,8 @@ class TrainingStack(cdk.Stack):
         return "Resource::" + nag_arn(service, resource, self.cfg.account, self.cfg.region)
 
     def _bucket_objects(self) -> str:
-        name = self.cfg.bucket_name(*env_literals(self.cfg.account, self.cfg.region))
-        return f"Resource::arn:<AWS::Partition>:s3:::{name}/*"
+        """The data bucket's objects as cdk-nag names them in a finding (an import from the data stack)."""
+        return f"Resource::{bucket_export(self.cfg, 'arn')}/*"
 
     def _sagemaker_role(self) -> iam.Role:
         """SageMaker execution role: this env's bucket and image, its own logs and metrics."""
