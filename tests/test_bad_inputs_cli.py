@@ -218,6 +218,12 @@ def _stand_in(monkeypatch, tmp_path, fit=None, init=None):
         def close(self):
             return None
 
+        def final_checkpoint(self):
+            return self.ckpt.last_durable[0]
+
+        def abort(self):
+            return self.final_checkpoint()
+
     monkeypatch.setattr(loop, "Trainer", StandIn)
 
 
@@ -242,7 +248,8 @@ def test_second_ctrl_c_exits_130_and_cleans_up(tmp_path, monkeypatch, capsys):
     _stand_in(monkeypatch, tmp_path, fit=second_ctrl_c)
     assert train.run(_cfg(tmp_path)) == 130
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert err[-1] == "aborted by a second Ctrl-C; no checkpoint written for the current step"
+    assert err[-1] == ("aborted by a second Ctrl-C; no checkpoint written for the current step; last durable "
+                       f"checkpoint: {ck / 'ckpt-9'}")
     assert not list(ck.glob(".tmp-ckpt-*")) and (ck / "ckpt-5").is_dir()  # durable checkpoints stay
 
 

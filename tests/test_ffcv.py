@@ -89,7 +89,7 @@ def test_ffcv_mid_epoch_resume_is_bit_exact(betons, ffcv_reference, tmp_path):
     assert (ck / (ck / "latest").read_text().strip()).name.endswith("-m")  # a mid-epoch checkpoint
     p = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
-    assert "checkpoint: continuing at epoch 0 step " in p.stdout
+    assert "checkpoint: continuing in epoch 1 of 2 at step " in p.stdout
     _assert_same_state(ffcv_reference[1], _final_state(tmp_path))
 
 

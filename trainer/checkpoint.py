@@ -21,10 +21,18 @@ the same format. Loading uses ``torch.load(weights_only=True)``.
 Writes are asynchronous: :meth:`CheckpointManager.save` copies the state to host memory (the only part that
 stalls training) and a background thread serialises, hashes, writes and renames; :meth:`wait` blocks until
 the last checkpoint is durable. A new save waits for the previous one first.
+
+Write failures (full disk, file size limit, I/O error): the writer removes its ``.tmp-ckpt-*`` folder, leaves
+``latest`` on the previous checkpoint and keeps a :class:`CheckpointError` naming the checkpoint and the OS
+error; :attr:`CheckpointManager.failed` is a plain attribute read, so the training loop polls it at every
+optimizer step (no device synchronisation) and stops at the next one. torch's C++ writer reports a failed
+write as an opaque ``RuntimeError`` (``unexpected pos ...``, ``basic_ios::clear``); :func:`atomic_torch_save`
+turns it back into the ``OSError`` behind it (:func:`explain_write_failure`).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -46,6 +54,14 @@ FORMAT_VERSION = 1
 #: launcher that only sees torchrun's exit status can read it. Removed when the next run starts.
 INTERRUPTED_MARKER = "interrupted.json"
 _NAME = re.compile(r"^ckpt-(\d{9})(-m)?$")
+_TMP_FILE = re.compile(r"^\.(.+)\.tmp-\d+$")  # atomic_* temporary name -> the file it becomes
+_STALE_POINTER_TMP = re.compile(r"^\.(latest|best|interrupted\.json)\.tmp-\d+$")
+#: Bytes :func:`explain_write_failure` tries to append to find the OS error behind a failed torch.save.
+_PROBE_BYTES = 1 << 20
+
+
+class _Aborted(Exception):
+    """The checkpoint being written was abandoned (:meth:`CheckpointManager.abort`)."""
 
 
 def checkpoint_name(progress: dict) -> str:
@@ -77,11 +93,15 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` via temp file + fsync + rename (readers see the old or the new file)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
 
 
@@ -90,16 +110,72 @@ def atomic_torch_save(obj: Any, path: Path) -> dict:
 
     Saving to a path lets torch's C++ writer stream the tensors to disk; saving into ``io.BytesIO`` first
     held the GIL for the whole copy and stalled the training thread while a checkpoint was written.
+
+    Raises:
+        OSError: the write failed (also when torch reports it as a ``RuntimeError``: see
+            :func:`explain_write_failure`). The temporary file is removed.
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    torch.save(obj, tmp)
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    meta = {"bytes": tmp.stat().st_size, "sha256": sha256_file(tmp)}
-    os.replace(tmp, path)
+    try:
+        try:
+            torch.save(obj, tmp)
+        except RuntimeError as e:
+            cause = explain_write_failure(tmp, _tensor_bytes(obj))
+            if cause is None:
+                raise
+            raise cause from e
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        meta = {"bytes": tmp.stat().st_size, "sha256": sha256_file(tmp)}
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
     return meta
+
+
+def explain_write_failure(path: Path, needed: int) -> Optional[OSError]:
+    """The ``OSError`` behind a write to ``path`` that torch's C++ writer reported only as a ``RuntimeError``.
+
+    Appends up to 1 MiB to ``path`` (which the caller deletes afterwards) and fsyncs it: a full disk, a file
+    size limit (``RLIMIT_FSIZE``, with SIGXFSZ ignored), a quota or an I/O error fail again there with their
+    errno. If that write succeeds, ``statvfs`` is asked whether ``needed`` bytes would still fit (ENOSPC if
+    not). Returns None when neither finds a cause (the ``RuntimeError`` was not about the disk).
+    """
+    try:
+        with open(path, "ab") as f:
+            f.write(bytes(min(_PROBE_BYTES, max(needed, 1))))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        return OSError(e.errno, e.strerror, str(path))
+    try:
+        st = os.statvfs(Path(path).parent)
+    except OSError:
+        return None
+    if st.f_bavail * st.f_frsize < needed:
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    return None
+
+
+def _tensor_bytes(obj: Any) -> int:
+    """Bytes of all tensor data in a state tree (what :func:`torch.save` has to write, at least)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+def describe_os_error(e: BaseException) -> str:
+    """``"No space left on device (ENOSPC)"`` for an ``OSError``, ``"Type: message"`` for anything else."""
+    if isinstance(e, OSError) and e.errno:
+        return f"{e.strerror or os.strerror(e.errno)} ({errno.errorcode.get(e.errno, e.errno)})"
+    return f"{type(e).__name__}: {e}"
 
 
 def snapshot(obj: Any) -> Any:
@@ -169,18 +245,53 @@ class CheckpointManager:
         keep_every_epochs: epoch-end checkpoints with ``epoch % keep_every_epochs == 0`` are kept;
             ``latest`` and ``best`` are always kept; every other checkpoint is deleted once a newer one is
             durable.
+
+    Raises:
+        CheckpointError: (rank 0) the folder cannot be created or a file cannot be written in it (read-only
+            file system, no permission, a file in the way): checked here, before any training.
     """
 
     def __init__(self, directory: str | Path, rank: int = 0, world_size: int = 1, keep_every_epochs: int = 1):
         self.dir = Path(directory)
         self.rank, self.world_size, self.keep_every = rank, world_size, keep_every_epochs
         self._writer: Optional[threading.Thread] = None
+        self._written = threading.Event()  # set when the writer's work is over (see join)
         self._error: Optional[BaseException] = None
+        self._abort = threading.Event()
         self.last_durable: Optional[tuple[Path, float]] = None  # (path, time.monotonic() when durable)
         if rank == 0:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            self._check_writable()
             for stale in self.dir.glob(".tmp-ckpt-*"):  # a write killed mid-way (SIGKILL, power loss)
                 shutil.rmtree(stale, ignore_errors=True)
+            for stale in self.dir.iterdir():
+                if _STALE_POINTER_TMP.match(stale.name):
+                    stale.unlink(missing_ok=True)
+
+    def _check_writable(self) -> None:
+        """Create the folder and write, fsync and delete a probe file in it; CheckpointError if that fails."""
+        if self.dir.exists() and not self.dir.is_dir():
+            raise CheckpointError(f"checkpoint_dir: {self.dir} exists and is not a folder; "
+                                  f"choose a folder for checkpoints")
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CheckpointError(f"checkpoint_dir: cannot create {self.dir}: {describe_os_error(e)}"
+                                  + (f" at {e.filename}" if e.filename and str(e.filename) != str(self.dir)
+                                     else "") + "; choose a writable folder") from None
+        probe = self.dir / f".write-probe-{os.getpid()}"
+        try:
+            with open(probe, "wb") as f:
+                f.write(b"trainstack")
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            raise CheckpointError(f"checkpoint_dir: cannot write in {self.dir}: {describe_os_error(e)}; "
+                                  f"choose a writable folder") from None
+        finally:
+            try:
+                probe.unlink(missing_ok=True)
+            except OSError:
+                pass
 
     # .. saving ..........................................................................................
     def save(self, state: dict, progress: dict, *, rank_state: Optional[dict] = None, is_best: bool = False,
@@ -208,6 +319,8 @@ class CheckpointManager:
         if self.rank != 0:
             return None
         self.wait()
+        self._abort.clear()
+        self._written.clear()
         full = snapshot({**state, "progress": dict(progress), "format_version": FORMAT_VERSION})
         self._writer = threading.Thread(target=self._write_guarded, name="checkpoint-writer", daemon=True,
                                         args=(full, {"ranks": gathered}, dict(progress), is_best))
@@ -217,21 +330,76 @@ class CheckpointManager:
         return self.dir / checkpoint_name(progress)
 
     def wait(self) -> Optional[Path]:
-        """Block until the last checkpoint write finished; re-raise its error. Returns its path (rank 0)."""
-        if self._writer is not None:
-            self._writer.join()
-            self._writer = None
+        """Block until the last checkpoint write finished; re-raise its error (a :class:`CheckpointError`
+        naming the checkpoint and the OS error). Returns the last durable checkpoint's path (rank 0)."""
+        self.join()
         if self._error is not None:
             err, self._error = self._error, None
             raise err
         return self.last_durable[0] if self.last_durable else None
 
+    def join(self) -> None:
+        """Block until the background write (if any) finished, without raising its error.
+
+        Waits on an event the writer sets when done, not only on ``Thread.join``: in Python 3.11 a join
+        interrupted by Ctrl-C marks the thread stopped while it still runs, and a later join returns at once.
+        """
+        if self._writer is not None:
+            self._written.wait()
+            self._writer.join()
+            self._writer = None
+
+    @property
+    def failed(self) -> bool:
+        """True when a background write failed and :meth:`wait` has not raised it yet. A plain attribute
+        read (no lock, no device work): cheap enough to poll at every optimizer step."""
+        return self._error is not None
+
+    def abort(self) -> None:
+        """Abandon the checkpoint being written (a second Ctrl-C): the writer stops before its next file or
+        rename, this waits for it, and every ``.tmp-ckpt-*`` folder is removed. Checkpoints that were
+        already complete (renamed into place) stay. Safe to call more than once and on any rank."""
+        self._abort.set()
+        self.join()
+        self._error = None
+        if self.rank == 0 and self.dir.is_dir():
+            for tmp in self.dir.glob(".tmp-ckpt-*"):
+                shutil.rmtree(tmp, ignore_errors=True)
+
     def _write_guarded(self, state: dict, rng: dict, progress: dict, is_best: bool) -> None:
+        name = checkpoint_name(progress)
         try:
             path = self._write(state, rng, progress, is_best)
             self.last_durable = (path, time.monotonic())
+        except _Aborted:
+            shutil.rmtree(self.dir / f".tmp-{name}", ignore_errors=True)
         except BaseException as e:  # noqa: BLE001 - handed to the training thread by wait()
-            self._error = e
+            shutil.rmtree(self.dir / f".tmp-{name}", ignore_errors=True)
+            self._error = self._write_error(name, progress, e) if isinstance(e, OSError) else e
+        finally:
+            self._written.set()
+
+    def _write_error(self, name: str, progress: dict, e: OSError) -> CheckpointError:
+        """One line: which checkpoint, the OS error, what is still on disk and what to do."""
+        where = " writing " + _TMP_FILE.sub(r"\1", Path(e.filename).name) if e.filename else ""
+        latest = self.pointer("latest")
+        kept = (f"the previous checkpoint {self.dir / latest} is intact and 'latest' still points to it"
+                if latest else "no earlier checkpoint exists in this folder")
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            todo = f"free space in {self.dir} (or choose another checkpoint_dir)"
+        elif e.errno == errno.EFBIG:
+            todo = "raise the file size limit (ulimit -f) or choose another checkpoint_dir"
+        else:
+            todo = f"fix {self.dir} (or choose another checkpoint_dir)"
+        err = CheckpointError(f"{self.dir / name}: cannot write this checkpoint (global step "
+                              f"{progress.get('global_step')}): {describe_os_error(e)}{where}; {kept}. "
+                              f"To go on, {todo} and run the same command again")
+        err.__cause__ = e
+        return err
+
+    def _check_abort(self) -> None:
+        if self._abort.is_set():
+            raise _Aborted()
 
     def _write(self, state: dict, rng: dict, progress: dict, is_best: bool) -> Path:
         name = checkpoint_name(progress)
@@ -240,10 +408,12 @@ class CheckpointManager:
         tmp.mkdir(parents=True)
         files = {}
         for fname, obj in (("state.pt", state), ("ranks.pt", rng)):
+            self._check_abort()
             files[fname] = atomic_torch_save(obj, tmp / fname)
         manifest = {"format_version": FORMAT_VERSION, "name": name, "progress": progress,
                     "world_size": self.world_size, "created_unix": time.time(), "files": files}
         atomic_write_bytes(tmp / "manifest.json", json.dumps(manifest, indent=2).encode())
+        self._check_abort()
         old = None
         if final.exists():  # same step written again (a rerun after a crash before `latest` moved)
             old = self.dir / f".tmp-old-{name}"

@@ -4,7 +4,11 @@ Sources (any of them sets :class:`StopFlag`; nothing else happens in a signal ha
 
 * ``SIGTERM`` — SageMaker stop and managed-spot reclaim, EC2 shutdown (systemd sends it to every process of
   the unit), ``docker stop``. Repeats are ignored.
-* ``SIGINT`` — Ctrl-C. A second Ctrl-C restores the default handler and raises ``KeyboardInterrupt``.
+* ``SIGINT`` — Ctrl-C. The first one prints (global rank 0) "SIGINT: stopping at the next step; Ctrl-C again to
+  abort without saving" on stderr and stops like SIGTERM (durable checkpoint, exit 75). The second raises
+  ``KeyboardInterrupt`` in the main thread and ignores any further SIGINT: the trainer abandons the checkpoint
+  being written (:meth:`trainer.loop.Trainer.abort`, which removes its ``.tmp-ckpt-*`` folder; complete
+  checkpoints stay) and ``trainer.train`` prints one line and exits 130 (128 + SIGINT).
 * EC2 spot interruption notice over IMDSv2 (AWS docs, "Spot Instance interruption notices"):
   ``PUT /latest/api/token`` (header ``X-aws-ec2-metadata-token-ttl-seconds``), then every 5 s
   ``GET /latest/meta-data/spot/instance-action`` with ``X-aws-ec2-metadata-token``: 404 = nothing scheduled,
@@ -52,16 +56,24 @@ class StopFlag:
         return self._event.is_set()
 
 
-class SignalHandlers:
-    """Install SIGTERM/SIGINT handlers that only set ``flag``; :meth:`restore` puts the old ones back.
+#: Printed (stderr, global rank 0) at the first Ctrl-C.
+FIRST_SIGINT_MESSAGE = "SIGINT: stopping at the next step; Ctrl-C again to abort without saving"
 
-    Must be created in the main thread (Python's rule for ``signal.signal``).
+
+class SignalHandlers:
+    """Install SIGTERM/SIGINT handlers that set ``flag``; :meth:`restore` puts the old ones back.
+
+    The first SIGINT also prints :data:`FIRST_SIGINT_MESSAGE` when ``announce`` (default: global rank 0, from
+    torchrun's ``RANK``); the second raises ``KeyboardInterrupt`` and SIGINT is ignored from then on, so the
+    clean-up that follows cannot be interrupted half-way. Must be created in the main thread (Python's rule
+    for ``signal.signal``).
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self, flag: StopFlag):
+    def __init__(self, flag: StopFlag, announce: Optional[bool] = None):
         self.flag = flag
+        self.announce = announce if announce is not None else os.environ.get("RANK", "0") in ("", "0")
         self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
         self._sigints = 0
 
@@ -69,8 +81,15 @@ class SignalHandlers:
         if signum == signal.SIGINT:
             self._sigints += 1
             if self._sigints > 1:
-                signal.signal(signal.SIGINT, signal.default_int_handler)
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
                 raise KeyboardInterrupt
+            if self.announce:
+                # os.write, not print: a handler that prints while the main thread is inside print() on the
+                # same stream raises "reentrant call".
+                try:
+                    os.write(2, (FIRST_SIGINT_MESSAGE + "\n").encode())
+                except OSError:
+                    pass
         self.flag.request(signal.Signals(signum).name)
 
     def restore(self) -> None:

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Optional
+
+from trainer.errors import ConfigError
 
 
 def format_kv(values: dict) -> str:
@@ -35,7 +38,11 @@ class MetricsLogger:
     """Writes metrics on rank 0; every method is a no-op on other ranks.
 
     Files under ``log_dir``: ``metrics.jsonl`` (one JSON object per epoch and per logged step, with
-    ``"kind": "epoch" | "step"``), ``tb/`` TensorBoard events, ``curves.png`` at the end.
+    ``"kind": "epoch" | "step"``), ``tb/`` TensorBoard events, ``curves.png`` at the end. A resumed run calls
+    :meth:`resume_at` so that every step appears once in both.
+
+    Raises:
+        ConfigError: ``log_dir`` cannot be created or written (rank 0).
     """
 
     def __init__(self, log_dir: str | Path, enabled: bool, total_steps_hint: int = 0):
@@ -45,12 +52,55 @@ class MetricsLogger:
         self._bar = None
         self._tb = None
         self._jsonl = None
+        self._purge_step: Optional[int] = None
         if enabled:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            self._jsonl = open(self.dir / "metrics.jsonl", "a", buffering=1)
+            try:
+                self.dir.mkdir(parents=True, exist_ok=True)
+                self._jsonl = open(self.dir / "metrics.jsonl", "a", buffering=1)
+            except OSError as e:
+                raise ConfigError(f"log_dir: cannot write {e.filename or self.dir}: {e.strerror}; choose a "
+                                  f"writable folder") from None
+
+    def resume_at(self, global_step: int) -> int:
+        """A run resumed after optimizer step ``global_step``: drop the rows a previous run logged beyond it
+        (it was stopped or killed after its last checkpoint; the steps are trained again), so every step and
+        epoch appears once in ``metrics.jsonl``; TensorBoard discards them too (``purge_step``). Unreadable
+        lines (a write cut short by SIGKILL) are dropped. The file is rewritten atomically. Returns the
+        number of rows dropped."""
+        if not self.enabled:
+            return 0
+        path = self.dir / "metrics.jsonl"
+        self._jsonl.close()
+        kept, dropped = [], 0
+        with open(path) as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                    keep = int(row.get("step", 0)) <= global_step
+                except (ValueError, TypeError, AttributeError):
+                    keep = False
+                if keep:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+                else:
+                    dropped += 1
+        if dropped:
+            tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+            with open(tmp, "w") as f:
+                f.writelines(kept)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        self._jsonl = open(path, "a", buffering=1)
+        self._purge_step = global_step + 1
+        return dropped
+
+    def _writer(self):
+        """The TensorBoard writer, created on first use (after :meth:`resume_at`, with its purge step)."""
+        if self._tb is None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(self.dir / "tb"))
+            self._tb = SummaryWriter(str(self.dir / "tb"), purge_step=self._purge_step)
+        return self._tb
 
     def info(self, msg: str) -> None:
         """Print a message line (through tqdm when a bar is active so it does not break the bar)."""
@@ -63,7 +113,7 @@ class MetricsLogger:
 
     # .. per-step progress ................................................................................
     def start_epoch(self, epoch: int, steps: int, initial: int = 0) -> None:
-        """Open a tqdm bar for ``steps`` optimizer steps when stderr is a terminal."""
+        """Open a tqdm bar for ``steps`` optimizer steps when stderr is a terminal (``epoch``: 1-based)."""
         if self.enabled and self.tty:
             from tqdm import tqdm
 
@@ -102,14 +152,14 @@ class MetricsLogger:
         self._jsonl.write(json.dumps(row) + "\n")
         for k, v in values.items():
             if isinstance(v, (int, float)) and k != "epoch" and math.isfinite(v):
-                self._tb.add_scalar(f"{kind}/{k}", v, global_step)
+                self._writer().add_scalar(f"{kind}/{k}", v, global_step)
 
     def close(self) -> Optional[Path]:
         """Flush files, draw ``curves.png`` from ``metrics.jsonl`` and return its path (rank 0)."""
         if not self.enabled:
             return None
         self.end_epoch()
-        self._tb.close()
+        self._writer().close()
         self._jsonl.close()
         return plot_curves(self.dir / "metrics.jsonl", self.dir / "curves.png")
 
@@ -117,14 +167,17 @@ class MetricsLogger:
 def plot_curves(jsonl: Path, out: Path) -> Optional[Path]:
     """PNG with loss (train/val) and accuracy (train/val/EMA val top-1, val top-5) against epoch.
 
-    Uses only the last run's rows after a restart (rows are keyed by epoch; later rows win).
-    Returns None when there is no epoch row yet.
+    Uses only the last run's rows after a restart (rows are keyed by epoch; later rows win); unreadable
+    lines are skipped. Returns None when there is no epoch row yet.
     """
     rows: dict[int, dict] = {}
     with open(jsonl) as f:
         for line in f:
-            r = json.loads(line)
-            if r.get("kind") == "epoch":
+            try:
+                r = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(r, dict) and r.get("kind") == "epoch" and "epoch" in r:
                 rows[r["epoch"]] = r
     if not rows:
         return None

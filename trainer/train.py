@@ -25,21 +25,21 @@ def _summary(trainer, last: dict, plot: Optional[Path]) -> None:
               flush=True)
     else:
         print("done: nothing left to train", flush=True)
-    durable = getattr(trainer.ckpt, "last_durable", None)  # written by this run and complete on disk
-    latest = trainer.ckpt.pointer("latest")  # else: what this run resumed from
-    path = durable[0] if durable else (trainer.ckpt.dir / latest if latest else None)
+    path = trainer.final_checkpoint()  # made durable by this run, else the one it resumed from
     print(f"checkpoint: {path if path else '-'}", flush=True)
     print(f"metrics: {trainer.log.dir / 'metrics.jsonl'}  tensorboard: {trainer.log.dir / 'tb'}", flush=True)
     print(f"plot: {plot if plot else '-'}", flush=True)
 
 
-def _aborted(checkpoint_dir: str, is_main: bool) -> int:
-    """A second Ctrl-C: say so, remove half-written checkpoint folders (rank 0), return 130."""
+def _aborted(checkpoint_dir: str, is_main: bool, trainer=None) -> int:
+    """A second Ctrl-C: abandon the checkpoint being written, say so naming the last durable one, remove
+    half-written checkpoint folders (rank 0), return 130."""
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a third Ctrl-C must not interrupt the clean-up
     try:
+        durable = trainer.abort() if trainer is not None else None
         if is_main:
-            print("aborted by a second Ctrl-C; no checkpoint written for the current step", file=sys.stderr,
-                  flush=True)
+            print("aborted by a second Ctrl-C; no checkpoint written for the current step; last durable "
+                  f"checkpoint: {durable if durable else 'none'}", file=sys.stderr, flush=True)
             for tmp in Path(checkpoint_dir).glob(".tmp-ckpt-*"):
                 shutil.rmtree(tmp, ignore_errors=True)
     finally:
@@ -83,7 +83,7 @@ def run(cfg: TrainConfig) -> int:
             return EXIT_INTERRUPTED
         return EXIT_OK
     except KeyboardInterrupt:
-        return _aborted(cfg.checkpoint_dir, info.is_main if info else failures.env_rank() == 0)
+        return _aborted(cfg.checkpoint_dir, info.is_main if info else failures.env_rank() == 0, trainer)
     except Exception as e:  # noqa: BLE001 - mapped by exit_code; anything unknown is re-raised
         code = exit_code(e)
         if code == 1:

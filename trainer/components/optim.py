@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-
+import math
 
 import torch
 from torch import nn
-from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, OneCycleLR, SequentialLR, StepLR
+from torch.optim.lr_scheduler import CosineAnnealingLR, LambdaLR, LinearLR, SequentialLR, StepLR
 
 from trainer.config import TrainConfig
 
@@ -33,19 +33,45 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.momentum, 0.999))
 
 
-def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer, steps_per_epoch: int):
-    """Per-optimizer-step LR schedule over ``cfg.epochs * steps_per_epoch`` steps.
+#: OneCycle's start and end as fractions of ``lr`` (torch's OneCycleLR defaults: div_factor=25,
+#: final_div_factor=1e4).
+ONECYCLE_START, ONECYCLE_END = 1.0 / 25.0, 1.0 / 25.0 / 1e4
 
-    * ``onecycle``: ``OneCycleLR(max_lr=lr, pct_start=warmup_epochs/epochs)`` (cosine anneal, starts at lr/25).
+
+def _cos_between(start: float, end: float, pct: float) -> float:
+    """Cosine interpolation from ``start`` (pct=0) to ``end`` (pct=1)."""
+    return end + (start - end) / 2.0 * (math.cos(math.pi * pct) + 1.0)
+
+
+def one_cycle_factor(step: int, warm: int, total: int) -> float:
+    """The 1cycle policy (Smith 2018) as a multiple of ``lr`` at optimizer step ``step`` (0-based).
+
+    Cosine warm-up from ``ONECYCLE_START`` to 1 over ``warm`` steps, then cosine annealing to
+    ``ONECYCLE_END`` at step ``total``. Defined for every ``0 <= warm <= total`` (``warm=0``: start at
+    ``lr``; ``warm=total``: warm-up only), always in ``[ONECYCLE_END, 1]``. torch's OneCycleLR divides by
+    zero when the warm-up rounds to 0 or 1 step, hence this closed form.
+    """
+    if step < warm:
+        return _cos_between(ONECYCLE_START, 1.0, step / warm)
+    if total <= warm:
+        return 1.0
+    return _cos_between(1.0, ONECYCLE_END, min((step - warm) / (total - warm), 1.0))
+
+
+def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer, steps_per_epoch: int):
+    """Per-optimizer-step LR schedule over ``cfg.epochs * steps_per_epoch`` steps (stepped once after every
+    optimizer step). Warm-up lasts ``round(warmup_epochs * steps_per_epoch)`` steps, at most all of them.
+
+    * ``onecycle``: :func:`one_cycle_factor` (cosine from lr/25 up to lr, then down to lr/25e4).
     * ``cosine``: linear warmup from lr/100 for ``warmup_epochs``, then cosine to 0.
     * ``step``: linear warmup, then x ``step_gamma`` every ``step_size_epochs``.
+
+    Every total/warm-up combination works (including a single step), and the LR never exceeds ``lr``.
     """
     total = cfg.epochs * steps_per_epoch
-    warm = int(round(cfg.warmup_epochs * steps_per_epoch))
+    warm = min(int(round(cfg.warmup_epochs * steps_per_epoch)), total)
     if cfg.scheduler == "onecycle":
-        pct = min(max(warm / total, 1.0 / total), 0.99)
-        return OneCycleLR(optimizer, max_lr=[g["lr"] for g in optimizer.param_groups], total_steps=total,
-                          pct_start=pct, anneal_strategy="cos", cycle_momentum=False)
+        return LambdaLR(optimizer, lambda step: one_cycle_factor(step, warm, total))
     if cfg.scheduler == "cosine":
         main = CosineAnnealingLR(optimizer, T_max=max(total - warm, 1), eta_min=0.0)
     else:
@@ -67,6 +93,3 @@ def linear_scaling_warning(cfg: TrainConfig, tolerance: float = 1.05) -> str | N
                 f"{cfg.batch_size} (0.1 x {cfg.batch_size}/256 = {linear:g}; Goyal et al. 2017). Seed 003 "
                 f"diverged to NaN this way; lower lr, lengthen warmup_epochs or set gradient_clip.")
     return None
-
-
-

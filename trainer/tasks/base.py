@@ -28,6 +28,11 @@ class TaskData:
 
     ``train``/``val`` accept ``(epoch, index)`` keys; ``collate`` builds the batch dict; ``num_outputs`` is
     what the model head needs (classes); ``report`` holds log lines (census, ignored files...).
+
+    ``label_space`` says what the model's outputs mean, as plain JSON-like values (e.g. classification:
+    ``{"classes": ["ants", "bees"]}``; detection: its category names; segmentation: its class ids). The loop
+    stores it in every checkpoint and refuses to resume one whose label space differs (also with
+    ``force_resume``), naming the difference. Empty: the task does not describe it; nothing is checked.
     """
 
     train: Dataset
@@ -35,6 +40,7 @@ class TaskData:
     collate: Callable[[list], dict]
     num_outputs: int
     report: list[str] = field(default_factory=list)
+    label_space: dict = field(default_factory=dict)
 
 
 class Task(ABC):
@@ -47,6 +53,11 @@ class Task(ABC):
 
     def __init__(self, cfg: TrainConfig, dist: DistInfo):
         self.cfg, self.dist = cfg, dist
+
+    def check_config(self) -> None:
+        """Raise ``ConfigError`` for a config this task cannot train, before any data is read (e.g. a model
+        that needs a fixed input size). Called by the loop before :meth:`build_data`; the default accepts all.
+        """
 
     @abstractmethod
     def build_data(self) -> TaskData:
