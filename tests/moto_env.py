@@ -15,10 +15,12 @@ What moto cannot do, and what this harness does about it (the tests say so where
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
 from pathlib import Path
+from typing import Iterator
 
 ENV = "test"
 REGION = "us-east-1"
@@ -80,3 +82,17 @@ def fake_credentials(monkeypatch) -> None:
     monkeypatch.setenv("AWS_DEFAULT_REGION", REGION)
     monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
+
+
+@contextlib.contextmanager
+def deployed(templates: dict[str, dict], monkeypatch) -> Iterator:
+    """Fake credentials, moto active, every template deployed (all stacks CREATE_COMPLETE); yields a boto3
+    Session in :data:`REGION`. Everything is undone on exit."""
+    import boto3
+    from moto import mock_aws
+
+    fake_credentials(monkeypatch)
+    with mock_aws():
+        status = deploy(templates)
+        assert set(status.values()) == {"CREATE_COMPLETE"}, status
+        yield boto3.Session(region_name=REGION)

@@ -31,11 +31,8 @@ def templates(tmp_path_factory):
 
 @pytest.fixture
 def aws(templates, monkeypatch):
-    moto_env.fake_credentials(monkeypatch)
-    with mock_aws():
-        status = moto_env.deploy(templates)
-        assert set(status.values()) == {"CREATE_COMPLETE"}
-        yield boto3.Session(region_name=moto_env.REGION)
+    with moto_env.deployed(templates, monkeypatch) as session:
+        yield session
 
 
 def _outputs(aws, stack: str) -> dict:

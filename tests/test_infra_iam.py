@@ -16,9 +16,7 @@ import json
 import stat
 import sys
 
-import boto3
 import pytest
-from moto import mock_aws
 
 from infra.cli import session as cli_session
 from infra.cli.main import main
@@ -42,11 +40,8 @@ def deploy_role(templates):
 
 @pytest.fixture
 def aws(templates, monkeypatch):
-    moto_env.fake_credentials(monkeypatch)
-    with mock_aws():
-        status = moto_env.deploy(templates)
-        assert set(status.values()) == {"CREATE_COMPLETE"}
-        yield boto3.Session(region_name=REGION)
+    with moto_env.deployed(templates, monkeypatch) as session:
+        yield session
 
 
 def _outputs(aws, stack: str) -> dict:
