@@ -1,6 +1,6 @@
 # Trainstack: two commands on a fresh machine (Python 3.11 + venv):
 #   make run    set up .venv and train the embedded default (2 DDP processes on CPU, digit scans)
-#   make test   set up .venv, compile the deformable-attention op (sm_80, no GPU needed), run all tests
+#   make test   set up .venv, compile the deformable-attention op (sm_80, no GPU needed), ruff, run all tests
 #               (what .ci/run calls)
 #   make ffcv   the optional FFCV extra (apt packages when missing, as root; requirements-ffcv.txt)
 VENV   ?= .venv
@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 NPROC  ?= 2
 SHELL  := /bin/bash
 
-.PHONY: setup run test clean msda image image-cpu ffcv
+.PHONY: setup run test clean msda image image-cpu ffcv lint format
 MSDA_ARCHS ?= 8.0
 
 export JSII_SILENCE_WARNING_DEPRECATED_NODE_VERSION := 1
@@ -49,12 +49,21 @@ $(VENV)/.ffcv-installed: requirements-ffcv.txt $(VENV)/.installed
 	    exit 2; \
 	  fi; \
 	  echo "apt-get install $$missing"; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	  apt-get -o DPkg::Lock::Timeout=600 update -qq && DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq $$missing >/dev/null; \
 	fi
 	$(PY) -m pip install -q -r requirements-ffcv.txt
 	touch $@
 
-test: setup msda ffcv
+# ruff.toml: formatter and linter with a fixed line length; `make format` rewrites, `make lint` only checks.
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: setup
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+test: setup msda ffcv lint
 	$(PY) -m pytest -q tests
 
 # Need a Docker engine (not on the CI machine; CI runs hadolint and the same build script instead).

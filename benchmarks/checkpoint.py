@@ -26,9 +26,9 @@ import threading
 import time
 
 import torch
-
 from overhead import in_memory_batches, in_memory_parser, in_memory_trainer
-from trainer.interruption import SignalHandlers, StopFlag
+
+from trainer.engine.interruption import SignalHandlers, StopFlag
 
 
 def _trainer(args, batches, stop=None, **extra):
@@ -51,6 +51,7 @@ def main() -> None:
     def timed_save(*a, **k):
         saved.append(len(times))
         return orig_save(*a, **k)
+
     t.save_checkpoint = timed_save
     orig_control = t._control
     last = [time.perf_counter()]
@@ -60,6 +61,7 @@ def main() -> None:
         times.append(now - last[0])
         last[0] = now
         return orig_control()
+
     t._control = stamp
     last[0] = time.perf_counter()
     t.train_epoch()
@@ -91,23 +93,34 @@ def main() -> None:
         if count[0] == args.signal_after:
             threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGTERM)).start()
         return orig2()
+
     t2._control = ctl
     t2.train_epoch()
     handlers.restore()
     durable = t2.ckpt.last_durable[1] - stop.requested_at
-    print(json.dumps({
-        "model": args.model, "batch": args.batch, "size": args.size, "threads": torch.get_num_threads(),
-        "state_mb_weights_momentum_ema": round(state_bytes / 2**20, 1),
-        "checkpoint_files_mb": round(ck_size / 2**20 / max(len(t.ckpt.list()), 1), 1),
-        "step_s_median_no_checkpoint": round(statistics.median(plain), 3),
-        "step_s_median_with_checkpoint_snapshot": round(statistics.median(with_save), 3),
-        "step_s_median_step_after_checkpoint": round(statistics.median(after), 3) if after else None,
-        "stall_s_median": round(statistics.median(with_save) - statistics.median(plain), 3),
-        "epoch_s_with_periodic": round(total_with, 3), "epoch_s_without": round(total_without, 3),
-        "checkpoints_in_epoch": len(saved),
-        "cost_per_checkpoint_s": round((total_with - total_without) / max(len(saved), 1), 3),
-        "sigterm_to_durable_s": round(durable, 3),
-        "interrupted": t2.interrupted}, indent=1))
+    print(
+        json.dumps(
+            {
+                "model": args.model,
+                "batch": args.batch,
+                "size": args.size,
+                "threads": torch.get_num_threads(),
+                "state_mb_weights_momentum_ema": round(state_bytes / 2**20, 1),
+                "checkpoint_files_mb": round(ck_size / 2**20 / max(len(t.ckpt.list()), 1), 1),
+                "step_s_median_no_checkpoint": round(statistics.median(plain), 3),
+                "step_s_median_with_checkpoint_snapshot": round(statistics.median(with_save), 3),
+                "step_s_median_step_after_checkpoint": round(statistics.median(after), 3) if after else None,
+                "stall_s_median": round(statistics.median(with_save) - statistics.median(plain), 3),
+                "epoch_s_with_periodic": round(total_with, 3),
+                "epoch_s_without": round(total_without, 3),
+                "checkpoints_in_epoch": len(saved),
+                "cost_per_checkpoint_s": round((total_with - total_without) / max(len(saved), 1), 3),
+                "sigterm_to_durable_s": round(durable, 3),
+                "interrupted": t2.interrupted,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Loader speed: the trainer's FFCV path against its ImageFolder path, side by side in one process.
 
-Both are the trainer's own training loaders (``trainer.data.ffcv.build_loaders`` and the ImageFolder
+Both are the trainer's own training loaders (``trainer.data.formats.ffcv.build_loaders`` and the ImageFolder
 DataLoader the loop builds): random-resized crop to ``--size`` (scale 0.08-1), flip, uint8 batches,
 normalised by ``normalize_on_device`` on the CPU consumer (what a CPU run pays; on a GPU host it runs on the
 device). Same batch, same worker count (DataLoader processes vs FFCV/numba threads), rounds alternate so
@@ -26,13 +26,13 @@ import torch
 from torch.utils.data import BatchSampler
 
 from trainer.config import load_config
-from trainer.data.ffcv import BetonSplit, build_loaders
-from trainer.data.imagefolder import ImageFolderDataset, collate_skip_bad, scan_split
+from trainer.data.formats.ffcv import BetonSplit, build_loaders
+from trainer.data.formats.imagefolder import ImageFolderDataset, collate_skip_bad, scan_split
 from trainer.data.loading import build_loader
 from trainer.data.sampler import EpochSampler
 from trainer.data.transforms import normalize_on_device
-from trainer.distributed import DistInfo
-from trainer.tasks.classification import _TrainTransformForEpoch
+from trainer.engine.distributed import DistInfo
+from trainer.tasks.classification.task import _TrainTransformForEpoch
 
 CPU = torch.device("cpu")
 
@@ -40,16 +40,23 @@ CPU = torch.device("cpu")
 def _imagefolder(cfg, batch):
     scan = scan_split(cfg.data_dir, "train")
     sampler = EpochSampler(len(scan.samples), shuffle=True, seed=cfg.seed)
-    loader = build_loader(ImageFolderDataset(scan, _TrainTransformForEpoch(cfg), seed=cfg.seed),
-                          BatchSampler(sampler, batch, drop_last=True), collate_skip_bad,
-                          num_workers=cfg.num_workers, prefetch_factor=2, pin_memory=False, persistent_workers=True)
+    loader = build_loader(
+        ImageFolderDataset(scan, _TrainTransformForEpoch(cfg), seed=cfg.seed),
+        BatchSampler(sampler, batch, drop_last=True),
+        collate_skip_bad,
+        num_workers=cfg.num_workers,
+        prefetch_factor=2,
+        pin_memory=False,
+        persistent_workers=True,
+    )
     return sampler, loader
 
 
 def _ffcv(cfg, batch):
     d = Path(cfg.ffcv_dir)
-    train, _ = build_loaders(cfg, DistInfo(0, 0, 1, CPU), BetonSplit(d / "train.ffcv"), BetonSplit(d / "val.ffcv"),
-                             batch, batch)
+    train, _ = build_loaders(
+        cfg, DistInfo(0, 0, 1, CPU), BetonSplit(d / "train.ffcv"), BetonSplit(d / "val.ffcv"), batch, batch
+    )
     return train.order, train
 
 
@@ -78,11 +85,36 @@ def main() -> None:
     tmp = tempfile.TemporaryDirectory(prefix="ffcv-bench-")
     ffcv_dir = args.ffcv_dir or tmp.name
     if not args.ffcv_dir:
-        subprocess.run([sys.executable, "-m", "trainer", "write-ffcv", "--data-dir", args.data, "--ffcv-dir",
-                        ffcv_dir, "--max-resolution", str(args.max_resolution), "--num-workers", str(args.workers)],
-                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    cfg = load_config(None, dict(data_dir=args.data, ffcv_dir=ffcv_dir, image_size=args.size, hflip_prob=0.5,
-                                 num_workers=args.workers, device="cpu"))
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "trainer",
+                "write-ffcv",
+                "--data-dir",
+                args.data,
+                "--ffcv-dir",
+                ffcv_dir,
+                "--max-resolution",
+                str(args.max_resolution),
+                "--num-workers",
+                str(args.workers),
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+    cfg = load_config(
+        None,
+        dict(
+            data_dir=args.data,
+            ffcv_dir=ffcv_dir,
+            image_size=args.size,
+            hflip_prob=0.5,
+            num_workers=args.workers,
+            device="cpu",
+        ),
+    )
     runs = {"imagefolder": _imagefolder(cfg, args.batch), "ffcv": _ffcv(cfg, args.batch)}
     torch.set_num_threads(1)  # the consumer's normalisation; FFCV's Loader resets it to --workers
     rates: dict = {k: [] for k in runs}
@@ -95,14 +127,23 @@ def main() -> None:
             firsts[name].append(first)
             steady[name].append(after_first)
     med = {k: statistics.median(v) for k, v in rates.items()}
-    print(json.dumps({"size": args.size, "workers": args.workers, "batch": args.batch, "rounds": args.rounds,
-                      "images_per_epoch": len(runs["imagefolder"][0]) // args.batch * args.batch,
-                      "images_per_s_median": {k: round(v, 1) for k, v in med.items()},
-                      "all_rounds": {k: [round(x, 1) for x in v] for k, v in rates.items()},
-                      "after_first_batch_images_per_s_median": {k: round(statistics.median(v), 1)
-                                                                 for k, v in steady.items()},
-                      "first_batch_s_median": {k: round(statistics.median(v), 2) for k, v in firsts.items()},
-                      "ffcv_over_imagefolder": round(med["ffcv"] / med["imagefolder"], 2)}, indent=1))
+    print(
+        json.dumps(
+            {
+                "size": args.size,
+                "workers": args.workers,
+                "batch": args.batch,
+                "rounds": args.rounds,
+                "images_per_epoch": len(runs["imagefolder"][0]) // args.batch * args.batch,
+                "images_per_s_median": {k: round(v, 1) for k, v in med.items()},
+                "all_rounds": {k: [round(x, 1) for x in v] for k, v in rates.items()},
+                "after_first_batch_images_per_s_median": {k: round(statistics.median(v), 1) for k, v in steady.items()},
+                "first_batch_s_median": {k: round(statistics.median(v), 2) for k, v in firsts.items()},
+                "ffcv_over_imagefolder": round(med["ffcv"] / med["imagefolder"], 2),
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from torch.utils.data import BatchSampler, DataLoader
 from torchvision import datasets
 from torchvision import transforms as T
 
-from trainer.data.imagefolder import ImageFolderDataset, collate_skip_bad, scan_split
+from trainer.data.formats.imagefolder import ImageFolderDataset, collate_skip_bad, scan_split
 from trainer.data.sampler import EpochSampler
 from trainer.data.transforms import IMAGENET_MEAN, IMAGENET_STD, normalize_on_device, train_transform
 
@@ -30,8 +30,13 @@ def _ours(root, size, workers, batch, consumer_normalize):
     scan = scan_split(root, "train")
     ds = ImageFolderDataset(scan, lambda e, s=size: train_transform(s, 0.08, 0.5), seed=0)
     sampler = EpochSampler(len(ds), shuffle=True, seed=0)
-    loader = DataLoader(ds, batch_sampler=BatchSampler(sampler, batch, drop_last=False), num_workers=workers,
-                        collate_fn=collate_skip_bad, prefetch_factor=2 if workers else None)
+    loader = DataLoader(
+        ds,
+        batch_sampler=BatchSampler(sampler, batch, drop_last=False),
+        num_workers=workers,
+        collate_fn=collate_skip_bad,
+        prefetch_factor=2 if workers else None,
+    )
     cpu = torch.device("cpu")
 
     def run():
@@ -40,21 +45,28 @@ def _ours(root, size, workers, batch, consumer_normalize):
             x = normalize_on_device(b["image"], cpu, channels_last=False) if consumer_normalize else b["image"]
             n += x.shape[0]
         return n
+
     return run
 
 
 def _pil(root, size, workers, batch):
-    tf = T.Compose([T.RandomResizedCrop(size, scale=(0.08, 1.0)), T.RandomHorizontalFlip(), T.ToTensor(),
-                    T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+    tf = T.Compose(
+        [
+            T.RandomResizedCrop(size, scale=(0.08, 1.0)),
+            T.RandomHorizontalFlip(),
+            T.ToTensor(),
+            T.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+        ]
+    )
     ds = datasets.ImageFolder(f"{root}/train", transform=tf)
-    loader = DataLoader(ds, batch_size=batch, shuffle=True, num_workers=workers,
-                        prefetch_factor=2 if workers else None)
+    loader = DataLoader(ds, batch_size=batch, shuffle=True, num_workers=workers, prefetch_factor=2 if workers else None)
 
     def run():
         n = 0
         for x, _ in loader:
             n += x.shape[0]
         return n
+
     return run
 
 
@@ -65,26 +77,42 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--consumer-normalize", action="store_true",
-                    help="also normalise each batch on the CPU in the consumer (what a CPU-only run pays; on "
-                         "a GPU host this happens on the device)")
+    ap.add_argument(
+        "--consumer-normalize",
+        action="store_true",
+        help="also normalise each batch on the CPU in the consumer (what a CPU-only run pays; on "
+        "a GPU host this happens on the device)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
-    runs = {"trainstack": _ours(args.data, args.size, args.workers, args.batch, args.consumer_normalize),
-            "torchvision_pil": _pil(args.data, args.size, args.workers, args.batch)}
+    runs = {
+        "trainstack": _ours(args.data, args.size, args.workers, args.batch, args.consumer_normalize),
+        "torchvision_pil": _pil(args.data, args.size, args.workers, args.batch),
+    }
     rates: dict = {k: [] for k in runs}
-    for r in range(args.rounds):
+    for _r in range(args.rounds):
         for name, fn in runs.items():
             t0 = time.perf_counter()
             n = fn()
             rates[name].append(n / (time.perf_counter() - t0))
     med = {k: statistics.median(v) for k, v in rates.items()}
     per_worker = max(args.workers, 1)
-    print(json.dumps({"size": args.size, "workers": args.workers, "consumer_normalize": args.consumer_normalize, "batch": args.batch, "rounds": args.rounds,
-                      "images_per_s": {k: round(v, 1) for k, v in med.items()},
-                      "images_per_s_per_worker": {k: round(v / per_worker, 1) for k, v in med.items()},
-                      "all_rounds": {k: [round(x, 1) for x in v] for k, v in rates.items()},
-                      "speedup": round(med["trainstack"] / med["torchvision_pil"], 2)}, indent=1))
+    print(
+        json.dumps(
+            {
+                "size": args.size,
+                "workers": args.workers,
+                "consumer_normalize": args.consumer_normalize,
+                "batch": args.batch,
+                "rounds": args.rounds,
+                "images_per_s": {k: round(v, 1) for k, v in med.items()},
+                "images_per_s_per_worker": {k: round(v / per_worker, 1) for k, v in med.items()},
+                "all_rounds": {k: [round(x, 1) for x in v] for k, v in rates.items()},
+                "speedup": round(med["trainstack"] / med["torchvision_pil"], 2),
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

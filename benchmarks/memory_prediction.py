@@ -1,10 +1,10 @@
-"""Predicted vs measured peak memory of the trainer's step (trainer/memory.py vs the real thing). Goal: +-10 %.
+"""Predicted vs measured peak memory of the trainer's step (trainer/planning/memory.py vs the real thing). Goal: +-10 %.
 
 GPU (the default cases: ResNet-50 at batch 64, 128, 256 and ConvNeXt-Tiny at 64, 128; 224 px, bf16 autocast,
 SGD momentum, channels_last): the prediction runs on the CPU under FakeTensorMode; the measurement runs the same
 step on the GPU (warm-up step, ``reset_peak_memory_stats``, one step and one evaluation forward at 2 x batch,
 ``max_memory_allocated`` / ``max_memory_reserved``). Also prints the CUDA context measured on this GPU
-(``mem_get_info`` used minus ``memory_reserved``), the figure ``trainer.memory.CUDA_CONTEXT_BYTES`` documents.
+(``mem_get_info`` used minus ``memory_reserved``), the figure ``trainer.planning.memory.CUDA_CONTEXT_BYTES`` documents.
 
     PYTHONPATH=. python benchmarks/memory_prediction.py --device cuda
 
@@ -22,11 +22,11 @@ import time
 
 import torch
 
-from trainer.components.precision import resolve_precision
 from trainer.config import load_config
-from trainer.memory import MIB, predict_step_memory
-from trainer.probe import cpu_step_peak_bytes
-from trainer.rig import build_rig
+from trainer.engine.precision import resolve_precision
+from trainer.engine.step import build_single_rank_step
+from trainer.planning.memory import MIB, predict_step_memory
+from trainer.planning.probe import cpu_step_peak_bytes
 
 DEFAULT_CASES = "resnet50:64,128,256;convnext_tiny:64,128"
 
@@ -34,22 +34,25 @@ DEFAULT_CASES = "resnet50:64,128,256;convnext_tiny:64,128"
 def measure(cfg, batch: int, size: int, device: torch.device) -> tuple[int, int, int]:
     """(peak allocated, peak reserved, context) bytes of one step (+ eval forward on CUDA) at ``batch``."""
     torch.manual_seed(0)
-    rig = build_rig(cfg, device, 1000)
-    x, y = rig.synthetic_batch(batch, size)
-    rig.step(x, y)
+    rig = build_single_rank_step(cfg, device, 1000)
+    x = rig.example_batch(batch, size)
+    rig.step(x)
     if device.type == "cpu":
-        return cpu_step_peak_bytes(rig, x, y), 0, 0
+        return cpu_step_peak_bytes(rig, x), 0, 0
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    rig.step(x, y)
-    del x, y
-    xe, _ = rig.synthetic_batch(2 * batch, size, False)
+    rig.step(x)
+    del x
+    xe = rig.example_batch(2 * batch, size, train=False)
     rig.eval_forward(xe)
     del xe
     torch.cuda.synchronize()
     free, total = torch.cuda.mem_get_info()
-    out = (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved(),
-           total - free - torch.cuda.memory_reserved())
+    out = (
+        torch.cuda.max_memory_allocated(),
+        torch.cuda.max_memory_reserved(),
+        total - free - torch.cuda.memory_reserved(),
+    )
     del rig
     gc.collect()
     torch.cuda.empty_cache()
@@ -64,31 +67,45 @@ def main() -> None:
     p.add_argument("--precision", default="bf16-mixed", help="trainer precision: bf16-mixed | 16-mixed | 32")
     a = p.parse_args()
     device = torch.device(a.device)
-    print(f"| model | px | batch | precision | predicted allocated (MiB) | measured allocated (MiB) | error | "
-          f"predicted reserved (MiB) | measured reserved (MiB) | error | predict s |")
+    print(
+        "| model | px | batch | precision | predicted allocated (MiB) | measured allocated (MiB) | error | "
+        "predicted reserved (MiB) | measured reserved (MiB) | error | predict s |"
+    )
     print("| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     contexts = []
     for case in a.cases.split(";"):
         model, batches = case.split(":")
-        cfg = load_config(None, {"model": model, "precision": a.precision, "image_size": a.image_size,
-                                 "device": a.device})
+        cfg = load_config(
+            None, {"model": model, "precision": a.precision, "image_size": a.image_size, "device": a.device}
+        )
         prec = resolve_precision(cfg.precision, device)
         for b in (int(x) for x in batches.split(",")):
             t0 = time.perf_counter()
-            pred = predict_step_memory(cfg, b, num_outputs=1000, precision=prec, context_bytes=0,
-                                       eval_batch=2 * b if device.type == "cuda" else 1)
+            pred = predict_step_memory(
+                cfg,
+                b,
+                num_outputs=1000,
+                precision=prec,
+                context_bytes=0,
+                eval_batch=2 * b if device.type == "cuda" else 1,
+            )
             secs = time.perf_counter() - t0
             alloc, reserved, ctx = measure(cfg, b, a.image_size, device)
             contexts.append(ctx)
             err_a = 100 * (pred.allocated_peak_bytes / alloc - 1)
             err_r = f"{100 * (pred.reserved_peak_bytes / reserved - 1):+.1f} %" if reserved else "-"
-            print(f"| {model} | {a.image_size} | {b} | {prec.name} | {pred.allocated_peak_bytes / MIB:,.0f} | "
-                  f"{alloc / MIB:,.0f} | {err_a:+.1f} % | {pred.reserved_peak_bytes / MIB:,.0f} | "
-                  f"{f'{reserved / MIB:,.0f}' if reserved else '-'} | {err_r} | {secs:.1f} |", flush=True)
+            print(
+                f"| {model} | {a.image_size} | {b} | {prec.name} | {pred.allocated_peak_bytes / MIB:,.0f} | "
+                f"{alloc / MIB:,.0f} | {err_a:+.1f} % | {pred.reserved_peak_bytes / MIB:,.0f} | "
+                f"{f'{reserved / MIB:,.0f}' if reserved else '-'} | {err_r} | {secs:.1f} |",
+                flush=True,
+            )
     if device.type == "cuda":
-        print(f"\nCUDA context + library handles on {torch.cuda.get_device_name()}: "
-              f"{max(contexts) / MIB:,.0f} MiB (mem_get_info used - memory_reserved; trainer/memory.py "
-              f"documents CUDA_CONTEXT_BYTES = 600 MiB)")
+        print(
+            f"\nCUDA context + library handles on {torch.cuda.get_device_name()}: "
+            f"{max(contexts) / MIB:,.0f} MiB (mem_get_info used - memory_reserved; trainer/planning/memory.py "
+            f"documents CUDA_CONTEXT_BYTES = 600 MiB)"
+        )
 
 
 if __name__ == "__main__":

@@ -33,8 +33,11 @@ def cases(small: bool) -> list[tuple[str, int, tuple, int]]:
     levels = SMALL_LEVELS if small else LEVELS
     s = sum(h * w for h, w in levels)
     dec = (100, 120) if small else (900, 1100)
-    return [(f"encoder Lq=S={s}", 2, levels, s), (f"decoder Lq={dec[0]}", 2, levels, dec[0]),
-            (f"decoder Lq={dec[1]}", 2, levels, dec[1])]
+    return [
+        (f"encoder Lq=S={s}", 2, levels, s),
+        (f"decoder Lq={dec[0]}", 2, levels, dec[0]),
+        (f"decoder Lq={dec[1]}", 2, levels, dec[1]),
+    ]
 
 
 def make(n, levels, lq, dtype, device, m=8, d=32, p=4):
@@ -116,10 +119,14 @@ def main(argv=None) -> int:
         sys.exit(f"benchmarks/msda.py: --dtypes: unknown {unknown}; choose from {sorted(DTYPES)}")
     warnings.simplefilter("ignore", RuntimeWarning)
     device_name = torch.cuda.get_device_name() if a.device == "cuda" else "CPU"
-    print(f"multi-scale deformable attention, {device_name}, torch {torch.__version__}, M=8 D=32 L=4 P=4, "
-          f"median of {a.iters}\n")
-    print("| case | dtype | impl | fwd ms | fwd+bwd ms | peak MiB (fwd+bwd) | fwd speed-up | fwd+bwd speed-up "
-          "| max abs diff vs reference |")
+    print(
+        f"multi-scale deformable attention, {device_name}, torch {torch.__version__}, M=8 D=32 L=4 P=4, "
+        f"median of {a.iters}\n"
+    )
+    print(
+        "| case | dtype | impl | fwd ms | fwd+bwd ms | peak MiB (fwd+bwd) | fwd speed-up | fwd+bwd speed-up "
+        "| max abs diff vs reference |"
+    )
     print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, n, levels, lq in cases(a.small):
         for dt in dtypes:
@@ -129,8 +136,11 @@ def main(argv=None) -> int:
             for impl, r in results.items():
                 diff = (r["out"].float() - ref["out"].float()).abs().max().item()
                 peak = "-" if r["peak"] is None else f"{r['peak']:.0f}"
-                print(f"| {name} | {dt} | {impl} | {r['fwd']:.2f} | {r['both']:.2f} | {peak} | "
-                      f"{ref['fwd'] / r['fwd']:.1f}x | {ref['both'] / r['both']:.1f}x | {diff:.2e} |", flush=True)
+                print(
+                    f"| {name} | {dt} | {impl} | {r['fwd']:.2f} | {r['both']:.2f} | {peak} | "
+                    f"{ref['fwd'] / r['fwd']:.1f}x | {ref['both'] / r['both']:.1f}x | {diff:.2e} |",
+                    flush=True,
+                )
     return 0
 
 

@@ -21,11 +21,11 @@ import torch
 import torch.nn.functional as F
 
 from trainer.config import load_config
-from trainer.data.imagefolder import decode_file, scan_split
+from trainer.data.formats.imagefolder import decode_file, scan_split
 from trainer.data.transforms import normalize_on_device, val_transform
-from trainer.distributed import DistInfo
-from trainer.loop import Trainer
-from trainer.tasks.classification import build_classifier
+from trainer.engine.distributed import DistInfo
+from trainer.engine.trainer import Trainer
+from trainer.tasks.classification.task import build_classifier
 
 
 def in_memory_batches(root, size, batch, steps):
@@ -37,17 +37,35 @@ def in_memory_batches(root, size, batch, steps):
         imgs.append(tf(decode_file(path)))
         labels.append(label)
     x, y = torch.stack(imgs), torch.tensor(labels)
-    return [{"image": x[i * batch:(i + 1) * batch], "label": y[i * batch:(i + 1) * batch], "bad": []}
-            for i in range(steps)], len(scan.classes)
+    return [
+        {"image": x[i * batch : (i + 1) * batch], "label": y[i * batch : (i + 1) * batch], "bad": []}
+        for i in range(steps)
+    ], len(scan.classes)
 
 
 def in_memory_trainer(data: str, model: str, size: int, batch: int, batches: list, stop=None, **extra) -> Trainer:
     """A single-process CPU Trainer (fp32, logs and checkpoints in a temporary folder) whose loader is
     replaced by ``batches``."""
     tmp = tempfile.mkdtemp()
-    cfg = load_config(None, dict(data_dir=data, model=model, image_size=size, batch_size=batch, epochs=1000,
-                                 lr=0.01, precision="32", num_workers=0, log_every_steps=10**9, auto_resume=False,
-                                 checkpoint_dir=f"{tmp}/ck", log_dir=f"{tmp}/logs", device="cpu", **extra))
+    cfg = load_config(
+        None,
+        dict(
+            data_dir=data,
+            model=model,
+            image_size=size,
+            batch_size=batch,
+            epochs=1000,
+            lr=0.01,
+            precision="32",
+            num_workers=0,
+            log_every_steps=10**9,
+            auto_resume=False,
+            checkpoint_dir=f"{tmp}/ck",
+            log_dir=f"{tmp}/logs",
+            device="cpu",
+            **extra,
+        ),
+    )
     trainer = Trainer(cfg, DistInfo(0, 0, 1, torch.device("cpu")), stop)
     trainer.train_loader, trainer.steps_per_epoch = batches, len(batches)
     return trainer
@@ -70,8 +88,16 @@ def main() -> None:
     args = ap.parse_args()
     batches, n_classes = in_memory_batches(args.data, args.size, args.batch, args.steps)
     cpu = torch.device("cpu")
-    trainer = in_memory_trainer(args.data, args.model, args.size, args.batch, batches, scheduler="cosine",
-                                channels_last=False, no_decay_norm_bias=False)
+    trainer = in_memory_trainer(
+        args.data,
+        args.model,
+        args.size,
+        args.batch,
+        batches,
+        scheduler="cosine",
+        channels_last=False,
+        no_decay_norm_bias=False,
+    )
     cfg = trainer.cfg
 
     torch.manual_seed(0)
@@ -102,11 +128,21 @@ def main() -> None:
             n = fn()
             rates[name].append(n / (time.perf_counter() - t0))
     med = {k: statistics.median(v) for k, v in rates.items()}
-    print(json.dumps({"model": args.model, "size": args.size, "batch": args.batch, "steps": args.steps,
-                      "threads": torch.get_num_threads(),
-                      "images_per_s": {k: round(v, 2) for k, v in med.items()},
-                      "all_rounds": {k: [round(x, 2) for x in v] for k, v in rates.items()},
-                      "ratio_trainer_over_minimal": round(med["trainer"] / med["minimal"], 4)}, indent=1))
+    print(
+        json.dumps(
+            {
+                "model": args.model,
+                "size": args.size,
+                "batch": args.batch,
+                "steps": args.steps,
+                "threads": torch.get_num_threads(),
+                "images_per_s": {k: round(v, 2) for k, v in med.items()},
+                "all_rounds": {k: [round(x, 2) for x in v] for k, v in rates.items()},
+                "ratio_trainer_over_minimal": round(med["trainer"] / med["minimal"], 4),
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

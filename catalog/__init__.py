@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Optional
 
 
 class CatalogError(ValueError):
@@ -225,8 +226,9 @@ def get(name: str, catalog: Optional[Mapping[str, InstanceType]] = None) -> Inst
     except KeyError:
         family = name.split(".")[-2] if "." in name else name
         near = [k for k in cat if family and family in k] or sorted(cat)
-        raise CatalogError(f"unknown instance type {name!r}; the catalog (catalog/__init__.py) knows: "
-                           f"{', '.join(sorted(near))}") from None
+        raise CatalogError(
+            f"unknown instance type {name!r}; the catalog (catalog/__init__.py) knows: {', '.join(sorted(near))}"
+        ) from None
 
 
 def check_processes_per_host(it: InstanceType, nproc: int) -> Optional[tuple[str, str]]:
@@ -237,8 +239,10 @@ def check_processes_per_host(it: InstanceType, nproc: int) -> Optional[tuple[str
     """
     want = it.processes_per_host
     if nproc > want:
-        return "error", (f"--nproc-per-node {nproc} on {it.name}, which has {it.gpus} GPU(s): the extra ranks "
-                         f"find no GPU of their own; use {want}")
+        return "error", (
+            f"--nproc-per-node {nproc} on {it.name}, which has {it.gpus} GPU(s): the extra ranks "
+            f"find no GPU of their own; use {want}"
+        )
     if nproc < want:
         return "warning", f"--nproc-per-node {nproc} leaves {want - nproc} GPU(s) of {it.name} idle; use {want}"
     return None
@@ -249,9 +253,11 @@ def names(platform: Optional[str] = None) -> list[str]:
     return sorted(n for n, t in INSTANCE_TYPES.items() if platform is None or t.platform == platform)
 
 
-def with_prices(overrides: Mapping[str, Mapping[str, float]],
-                catalog: Optional[Mapping[str, InstanceType]] = None,
-                source: str = "override") -> dict[str, InstanceType]:
+def with_prices(
+    overrides: Mapping[str, Mapping[str, float]],
+    catalog: Optional[Mapping[str, InstanceType]] = None,
+    source: str = "override",
+) -> dict[str, InstanceType]:
     """Return a copy of the catalog with some prices replaced.
 
     ``overrides`` maps an instance name to ``{"on_demand": USD/h, "spot": USD/h}`` (either key optional), as
@@ -267,10 +273,8 @@ def with_prices(overrides: Mapping[str, Mapping[str, float]],
         for key, value in prices.items():
             if key not in ("on_demand", "spot"):
                 raise CatalogError(f"prices[{name!r}]: unknown key {key!r}; expected 'on_demand' or 'spot'")
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                    or value <= 0:
-                raise CatalogError(f"prices[{name!r}][{key!r}] must be a positive number of USD/hour, "
-                                   f"got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise CatalogError(f"prices[{name!r}][{key!r}] must be a positive number of USD/hour, got {value!r}")
             changes[key] = Price(float(value), "override", source)
         cat[name] = replace(it, **changes)
     return cat
@@ -291,4 +295,3 @@ def load_price_file(path: str | Path) -> dict[str, InstanceType]:
     if not isinstance(data, dict):
         raise CatalogError(f"price file {p}: expected an object mapping instance type -> prices")
     return with_prices(data, source=str(p))
-

@@ -8,7 +8,8 @@
 from __future__ import annotations
 
 import sys
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any, Optional
 
 import aws_cdk as cdk  # the jsii Node process starts here; infra/__init__.py has silenced its Node banner
 from cdk_nag import AwsSolutionsChecks
@@ -19,7 +20,6 @@ from infra.stacks.data import DataStack
 from infra.stacks.monitoring import MonitoringStack
 from infra.stacks.training import TrainingStack
 
-
 #: CDK feature flags this app relies on (set before any construct is created).
 FEATURE_FLAGS = {
     # grant S3 server-access-log delivery by bucket policy, not the legacy LogDeliveryWrite ACL (cfn-lint W3045)
@@ -29,8 +29,9 @@ FEATURE_FLAGS = {
 }
 
 
-def build_app(context: Optional[Mapping[str, Any]] = None, outdir: Optional[str] = None,
-              app: Optional[cdk.App] = None) -> tuple[cdk.App, InfraConfig, dict[str, cdk.Stack]]:
+def build_app(
+    context: Optional[Mapping[str, Any]] = None, outdir: Optional[str] = None, app: Optional[cdk.App] = None
+) -> tuple[cdk.App, InfraConfig, dict[str, cdk.Stack]]:
     """Create (or fill) an App; returns it, the validated config and the stacks by construct id.
 
     ``context`` is used by tests; ``cdk`` itself passes ``-c`` values through the App.
@@ -45,21 +46,45 @@ def build_app(context: Optional[Mapping[str, Any]] = None, outdir: Optional[str]
     env = cdk.Environment(account=cfg.account, region=cfg.region) if cfg.account and cfg.region else None
     cdk.Tags.of(app).add("trainstack:env", cfg.env)
     cdk.Tags.of(app).add("project", "trainstack")
-    data = DataStack(app, "DataStack", config=cfg, env=env, stack_name=cfg.stack_name("DataStack"),
-                     termination_protection=False,
-                     description=f"Trainstack {cfg.env}: S3, EBS data volume, FSx, VPC (volume snapshotted on destroy)")
-    monitoring = MonitoringStack(app, "MonitoringStack", config=cfg, env=env,
-                                 stack_name=cfg.stack_name("MonitoringStack"),
-                                 description=f"Trainstack {cfg.env}: alarms, events, logs, dashboard")
-    training = TrainingStack(app, "TrainingStack", config=cfg, data=data, monitoring=monitoring, env=env,
-                             stack_name=cfg.stack_name("TrainingStack"),
-                             description=f"Trainstack {cfg.env}: ECR, roles, spot launch templates, SageMaker jobs")
+    data = DataStack(
+        app,
+        "DataStack",
+        config=cfg,
+        env=env,
+        stack_name=cfg.stack_name("DataStack"),
+        termination_protection=False,
+        description=f"Trainstack {cfg.env}: S3, EBS data volume, FSx, VPC (volume snapshotted on destroy)",
+    )
+    monitoring = MonitoringStack(
+        app,
+        "MonitoringStack",
+        config=cfg,
+        env=env,
+        stack_name=cfg.stack_name("MonitoringStack"),
+        description=f"Trainstack {cfg.env}: alarms, events, logs, dashboard",
+    )
+    training = TrainingStack(
+        app,
+        "TrainingStack",
+        config=cfg,
+        data=data,
+        monitoring=monitoring,
+        env=env,
+        stack_name=cfg.stack_name("TrainingStack"),
+        description=f"Trainstack {cfg.env}: ECR, roles, spot launch templates, SageMaker jobs",
+    )
     training.add_stack_dependency(monitoring)
     training.add_stack_dependency(data)
     stacks = {"DataStack": data, "MonitoringStack": monitoring, "TrainingStack": training}
     if cfg.github_repo:
-        stacks["CiStack"] = CiStack(app, "CiStack", config=cfg, env=env, stack_name="trainstack-ci",
-                                    description=f"Trainstack: GitHub OIDC deploy role for {cfg.github_repo}")
+        stacks["CiStack"] = CiStack(
+            app,
+            "CiStack",
+            config=cfg,
+            env=env,
+            stack_name="trainstack-ci",
+            description=f"Trainstack: GitHub OIDC deploy role for {cfg.github_repo}",
+        )
     cdk.Validations.of(app).add_plugins(AwsSolutionsChecks(app))
     return app, cfg, stacks
 

@@ -16,8 +16,9 @@ import json
 import math
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
 import catalog
 
@@ -35,8 +36,11 @@ class InfraConfigError(ValueError):
 def _seed001_phases() -> list[dict]:
     """Seed 001's scaling plan, phases 1-3 on the CPU instance and phase 5 on the GPU one, as job steps."""
     return [
-        {"name": "cpu-smoke", "instance_type": "ml.m5.xlarge",
-         "hyperparameters": {"epochs": "1", "batch_size": "2", "num_workers": "2", "device": "cpu"}},
+        {
+            "name": "cpu-smoke",
+            "instance_type": "ml.m5.xlarge",
+            "hyperparameters": {"epochs": "1", "batch_size": "2", "num_workers": "2", "device": "cpu"},
+        },
         {"name": "gpu", "instance_type": "ml.g5.xlarge", "hyperparameters": {"precision": "amp"}},
     ]
 
@@ -177,16 +181,19 @@ def _validate(cfg: InfraConfig) -> None:
         raise bad("account", "a 12-digit AWS account id")
     if cfg.region is not None and not _REGION_RE.match(cfg.region):
         raise bad("region", "an AWS region name like us-east-1")
-    if cfg.availability_zone is not None and not re.match(rf"^{re.escape(cfg.region or '')}[a-z0-9-]*[a-z]$",
-                                                           cfg.availability_zone):
+    if cfg.availability_zone is not None and not re.match(
+        rf"^{re.escape(cfg.region or '')}[a-z0-9-]*[a-z]$", cfg.availability_zone
+    ):
         region = cfg.region or "us-east-1"
         raise bad("availability_zone", f"an AZ of region {region}, like {region}a")
     if not 1 <= cfg.data_volume_gib <= 16384:
         raise bad("data_volume_gib", "1..16384 GiB (gp3 limits)")
     if not 3000 <= cfg.data_volume_iops <= 80000 or cfg.data_volume_iops > 500 * cfg.data_volume_gib:
         raise bad("data_volume_iops", "3000..80000 and at most 500 IOPS per GiB (gp3 limits)")
-    if not 125 <= cfg.data_volume_throughput_mibps <= 2000 \
-            or cfg.data_volume_throughput_mibps > cfg.data_volume_iops / 4:
+    if (
+        not 125 <= cfg.data_volume_throughput_mibps <= 2000
+        or cfg.data_volume_throughput_mibps > cfg.data_volume_iops / 4
+    ):
         raise bad("data_volume_throughput_mibps", "125..2000 MiB/s and at most IOPS/4 (gp3 limits)")
     if cfg.data_volume_removal not in ("snapshot", "retain"):
         raise bad("data_volume_removal", "'snapshot' or 'retain' (the data volume is never deleted)")
@@ -207,11 +214,11 @@ def _validate(cfg: InfraConfig) -> None:
             if "/" not in cfg.ssh_cidr or ipaddress.IPv4Network(cfg.ssh_cidr, strict=False).prefixlen == 0:
                 raise ValueError(cfg.ssh_cidr)
         except ValueError:
-            raise bad("ssh_cidr", "an IPv4 CIDR narrower than 0.0.0.0/0 (cdk-nag AwsSolutions-EC23), like "
-                                  "203.0.113.7/32") from None
+            raise bad(
+                "ssh_cidr", "an IPv4 CIDR narrower than 0.0.0.0/0 (cdk-nag AwsSolutions-EC23), like 203.0.113.7/32"
+            ) from None
     if not _DOCKER_TAG_RE.match(cfg.image_tag):
-        raise bad("image_tag", "a Docker tag: up to 128 letters, digits, '_', '.' or '-', not starting with '.' "
-                               "or '-'")
+        raise bad("image_tag", "a Docker tag: up to 128 letters, digits, '_', '.' or '-', not starting with '.' or '-'")
     try:
         cat = cfg.catalog()
     except catalog.CatalogError as e:
@@ -224,13 +231,16 @@ def _validate(cfg: InfraConfig) -> None:
             except catalog.CatalogError as e:
                 raise InfraConfigError(f"context {key}: {e}") from None
             if platform != want:
-                raise _bad(key, t, "EC2 types (this one is a SageMaker type)" if want == "ec2" else
-                           "SageMaker ml.* types")
+                raise _bad(
+                    key, t, "EC2 types (this one is a SageMaker type)" if want == "ec2" else "SageMaker ml.* types"
+                )
     if not 0 < cfg.spot_max_price_fraction <= 1:
         raise bad("spot_max_price_fraction", "a fraction in (0, 1] of the on-demand price")
     if cfg.sagemaker_max_run_hours <= 0 or cfg.sagemaker_max_wait_hours < cfg.sagemaker_max_run_hours:
-        raise bad("sagemaker_max_wait_hours", "MaxWaitTimeInSeconds >= MaxRuntimeInSeconds > 0 "
-                                              f"(max_run_hours={cfg.sagemaker_max_run_hours})")
+        raise bad(
+            "sagemaker_max_wait_hours",
+            f"MaxWaitTimeInSeconds >= MaxRuntimeInSeconds > 0 (max_run_hours={cfg.sagemaker_max_run_hours})",
+        )
     if cfg.sagemaker_max_wait_hours > 28 * 24:
         raise bad("sagemaker_max_wait_hours", "at most 28 days (SageMaker limit)")
     if not 1 <= cfg.sagemaker_volume_gib <= 16384:
@@ -261,8 +271,9 @@ def _validate(cfg: InfraConfig) -> None:
         raise bad("alarm_email", "an e-mail address")
     if cfg.github_repo is not None and not re.match(r"^[\w.-]+/[\w.-]+$", cfg.github_repo):
         raise bad("github_repo", "'owner/name'")
-    if cfg.github_oidc_provider_arn is not None and not re.match(r"^arn:aws[\w-]*:iam::[0-9]{12}:oidc-provider/",
-                                                                 cfg.github_oidc_provider_arn):
+    if cfg.github_oidc_provider_arn is not None and not re.match(
+        r"^arn:aws[\w-]*:iam::[0-9]{12}:oidc-provider/", cfg.github_oidc_provider_arn
+    ):
         raise bad("github_oidc_provider_arn", "arn:aws:iam::ACCOUNT:oidc-provider/token.actions.githubusercontent.com")
 
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -48,8 +49,9 @@ def run_case(case: Case, tmp: Path) -> subprocess.CompletedProcess:
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert "Traceback (most recent call last)" not in out, f"{case.id}: traceback\n{out[-4000:]}"
     assert proc.returncode == case.exit, f"{case.id}: exit {proc.returncode}, expected {case.exit}\n{out[-4000:]}"
-    assert lines and case.message in lines[-1], (f"{case.id}: last stderr line {lines[-1:]!r} lacks "
-                                                 f"{case.message!r}\n{out[-4000:]}")
+    assert lines and case.message in lines[-1], (
+        f"{case.id}: last stderr line {lines[-1:]!r} lacks {case.message!r}\n{out[-4000:]}"
+    )
     if case.survived is not None:
         case.survived(tmp)
     return proc

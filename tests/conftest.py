@@ -52,20 +52,81 @@ def tiny_digits(tmp_path_factory) -> Path:
 def tiny_overrides(data_dir: Path, tmp: Path, **extra) -> dict:
     """Config overrides for a seconds-long CPU run on :func:`tiny_digits`: SGD at lr 0.0125 for the global batch
     of 32, i.e. the linear-scaling rule (0.1 x 32/256) exactly, so no test trains on a divergence-prone recipe."""
-    base = dict(data_dir=str(data_dir), model="resnet18", image_size=32, crop_scale_min=0.5, hflip_prob=0.0,
-                batch_size=32, epochs=2, lr=0.0125, warmup_epochs=0.5, scheduler="onecycle", num_workers=0,
-                checkpoint_dir=str(tmp / "ckpt"), log_dir=str(tmp / "logs"), log_every_steps=2, device="cpu")
+    base = dict(
+        data_dir=str(data_dir),
+        model="resnet18",
+        image_size=32,
+        crop_scale_min=0.5,
+        hflip_prob=0.0,
+        batch_size=32,
+        epochs=2,
+        lr=0.0125,
+        warmup_epochs=0.5,
+        scheduler="onecycle",
+        num_workers=0,
+        checkpoint_dir=str(tmp / "ckpt"),
+        log_dir=str(tmp / "logs"),
+        log_every_steps=2,
+        device="cpu",
+    )
     base.update(extra)
     return base
 
 
-def run_trainer(args: list[str], cwd: Path = REPO, torchrun_nproc: int = 0, timeout: int = 600,
-                env: dict | None = None) -> subprocess.CompletedProcess:
+def run_trainer(
+    args: list[str], cwd: Path = REPO, torchrun_nproc: int = 0, timeout: int = 600, env: dict | None = None
+) -> subprocess.CompletedProcess:
     """Run ``python -m trainer train ARGS`` (or under torchrun) and return the completed process."""
     if torchrun_nproc:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(torchrun_nproc),
-               "--standalone", "-m", "trainer", "train", *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(torchrun_nproc),
+            "--standalone",
+            "-m",
+            "trainer",
+            "train",
+            *args,
+        ]
     else:
         cmd = [sys.executable, "-m", "trainer", "train", *args]
     full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     return subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+#: The markers' one home (pytest.ini declares them): ``slow`` for tests that train, start torchrun, build the op
+#: or synthesize the CDK app (by module, or by the fixtures that do so); ``multiprocess`` for tests that start
+#: several processes; ``gpu`` for the CUDA-only modules. ``pytest -m "not slow"`` runs the quick part in ~2 min.
+SLOW_MODULES = {
+    "test_loop",
+    "test_ddp",
+    "test_ffcv",
+    "test_interruption",
+    "test_probe",
+    "test_memory",
+    "test_image_layout",
+    "test_entrypoint",
+    "test_submit_roundtrip",
+    "test_msda_build",
+    "test_msda_benchmark",
+    "test_engine_seams",
+    "test_bad_inputs_engine",
+}
+SLOW_FIXTURES = {"tiny_digits", "templates", "pr_env", "default_env", "default", "full", "executions", "moto_server"}
+MULTIPROCESS_MODULES = {"test_ddp", "test_ffcv", "test_interruption"}
+MULTIPROCESS_FIXTURES = {"moto_server"}
+GPU_MODULES = {"test_msda_cuda"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        stem = item.path.stem
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if stem in SLOW_MODULES or fixtures & SLOW_FIXTURES:
+            item.add_marker(pytest.mark.slow)
+        if stem in MULTIPROCESS_MODULES or fixtures & MULTIPROCESS_FIXTURES:
+            item.add_marker(pytest.mark.multiprocess)
+        if stem in GPU_MODULES:
+            item.add_marker(pytest.mark.gpu)

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import torch
 
-from trainer import distributed as dist
 from trainer.cli import parse_train_config
-from trainer.loop import Trainer
+from trainer.engine import distributed as dist
+from trainer.engine.trainer import Trainer
 
 if __name__ == "__main__":
     out = Path(sys.argv[1])

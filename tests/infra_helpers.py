@@ -70,14 +70,20 @@ def resolve(value: Any, account: str, region: str, refs: dict | None = None, unk
             if isinstance(value, dict) and "Fn::Join" in value:
                 sep, parts = value["Fn::Join"]
                 return sep.join(resolve(p, account, region, refs, unknown) for p in parts)
-            if isinstance(value, dict) and (set(value) & {"Ref", "Fn::GetAtt", "Fn::ImportValue", "Fn::Select",
-                                                           "Fn::Sub", "Fn::Split"}):
+            if isinstance(value, dict) and (
+                set(value) & {"Ref", "Fn::GetAtt", "Fn::ImportValue", "Fn::Select", "Fn::Sub", "Fn::Split"}
+            ):
                 return unknown
             if isinstance(value, dict):
                 return {k: resolve(v, account, region, refs, unknown) for k, v in value.items()}
             raise
-    pseudo = {"AWS::AccountId": account, "AWS::Region": region, "AWS::Partition": "aws",
-              "AWS::URLSuffix": "amazonaws.com", **(refs or {})}
+    pseudo = {
+        "AWS::AccountId": account,
+        "AWS::Region": region,
+        "AWS::Partition": "aws",
+        "AWS::URLSuffix": "amazonaws.com",
+        **(refs or {}),
+    }
     if isinstance(value, list):
         return [resolve(v, account, region, refs) for v in value]
     if isinstance(value, dict):
@@ -92,8 +98,14 @@ def resolve(value: Any, account: str, region: str, refs: dict | None = None, unk
     return value
 
 
-def policy_statements(template: dict, logical_id_prefix: str, account: str, region: str,
-                      refs: dict | None = None, unknown: str | None = None) -> list[dict]:
+def policy_statements(
+    template: dict,
+    logical_id_prefix: str,
+    account: str,
+    region: str,
+    refs: dict | None = None,
+    unknown: str | None = None,
+) -> list[dict]:
     """The resolved statements of every ``AWS::IAM::Policy`` whose logical id starts with ``logical_id_prefix``
     (tokens other than pseudo parameters and ``refs`` become ``unknown``, or raise KeyError when it is None)."""
     out = []
@@ -173,8 +185,9 @@ class CallRecorder:
 
         monkeypatch.setattr(module.boto3, "Session", session)
 
-    def denied(self, statements: list[dict], account: str, region: str,
-               extra: list[tuple[str, str | None]] = ()) -> list[str]:
+    def denied(
+        self, statements: list[dict], account: str, region: str, extra: list[tuple[str, str | None]] = ()
+    ) -> list[str]:
         """``action on resource`` for every recorded call (and every ``extra`` (action, resource)) the
         statements do not allow."""
         out = []
@@ -206,6 +219,14 @@ def docker_registry_actions(argv_list: list[list[str]], account: str, region: st
                 if a.startswith("BASE_IMAGE=") and (arn := repo_arn(a.split("=", 1)[1])):
                     out += [(act, arn) for act in ("ecr:BatchGetImage", "ecr:GetDownloadUrlForLayer")]
         elif argv[0] == "push" and (arn := repo_arn(argv[-1])):
-            out += [(act, arn) for act in ("ecr:BatchCheckLayerAvailability", "ecr:InitiateLayerUpload",
-                                           "ecr:UploadLayerPart", "ecr:CompleteLayerUpload", "ecr:PutImage")]
+            out += [
+                (act, arn)
+                for act in (
+                    "ecr:BatchCheckLayerAvailability",
+                    "ecr:InitiateLayerUpload",
+                    "ecr:UploadLayerPart",
+                    "ecr:CompleteLayerUpload",
+                    "ecr:PutImage",
+                )
+            ]
     return out

@@ -19,8 +19,8 @@ import contextlib
 import copy
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 ENV = "test"
 REGION = "us-east-1"
@@ -67,8 +67,11 @@ def deploy(templates: dict[str, dict]) -> dict[str, str]:
     cfn = boto3.client("cloudformation", region_name=REGION)
     status = {}
     for cid in ("DataStack", "MonitoringStack", "TrainingStack"):
-        cfn.create_stack(StackName=f"{ENV}-{cid}", TemplateBody=json.dumps(_strip_unsupported(templates[cid])),
-                         Capabilities=["CAPABILITY_IAM", "CAPABILITY_NAMED_IAM"])
+        cfn.create_stack(
+            StackName=f"{ENV}-{cid}",
+            TemplateBody=json.dumps(_strip_unsupported(templates[cid])),
+            Capabilities=["CAPABILITY_IAM", "CAPABILITY_NAMED_IAM"],
+        )
         status[cid] = cfn.describe_stacks(StackName=f"{ENV}-{cid}")["Stacks"][0]["StackStatus"]
     return status
 

@@ -10,8 +10,18 @@ import torch
 DINO_LEVELS = ((100, 167), (50, 84), (25, 42), (13, 21))
 
 
-def make_inputs(n=2, lq=5, m=2, d=3, levels=((4, 5), (2, 3), (1, 1)), p=2, dtype=torch.float64, device="cpu",
-                loc_range=(-0.1, 1.1), seed=0):
+def make_inputs(
+    n=2,
+    lq=5,
+    m=2,
+    d=3,
+    levels=((4, 5), (2, 3), (1, 1)),
+    p=2,
+    dtype=torch.float64,
+    device="cpu",
+    loc_range=(-0.1, 1.1),
+    seed=0,
+):
     """Random inputs in the op's layout; locations partly outside [0, 1] to exercise zero padding."""
     g = torch.Generator().manual_seed(seed)
     shapes = torch.tensor(levels, dtype=torch.int64)
@@ -55,7 +65,7 @@ def naive_msda(value, shapes, loc, attn):
     start = 0
     for lvl in range(n_levels):
         h, w = (int(v) for v in shapes[lvl])
-        grid = value[:, start:start + h * w].reshape(n, h, w, m, d)
+        grid = value[:, start : start + h * w].reshape(n, h, w, m, d)
         start += h * w
         for b in range(n):
             for q in range(lq):

@@ -10,7 +10,7 @@ import sys
 import threading
 from pathlib import Path
 
-import trainer.checkpoint as ckpt
+import trainer.engine.checkpoint as ckpt
 from trainer.cli import main
 
 STALL_AT = int(os.environ.get("STALL_AT_STEP", "-1"))

@@ -19,14 +19,31 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image
-
 from bad_input_table import REPO, Case, run_case, trainer_cmd
 from conftest import run_trainer
+from PIL import Image
 
 TRAIN = REPO / "images" / "training" / "train"
-TINY = ["--model", "resnet18", "--image-size", "32", "--batch-size", "8", "--num-workers", "0", "--device", "cpu",
-        "--epochs", "1", "--max-steps-per-epoch", "2", "--checkpoint-dir", "ck", "--log-dir", "logs"]
+TINY = [
+    "--model",
+    "resnet18",
+    "--image-size",
+    "32",
+    "--batch-size",
+    "8",
+    "--num-workers",
+    "0",
+    "--device",
+    "cpu",
+    "--epochs",
+    "1",
+    "--max-steps-per-epoch",
+    "2",
+    "--checkpoint-dir",
+    "ck",
+    "--log-dir",
+    "logs",
+]
 VAL_MISSING = "data split 'val': folder"
 
 
@@ -53,8 +70,9 @@ def _sm_root(tmp: Path, hps: dict) -> Path:
     """A fake SageMaker /opt/ml under ``tmp/opt_ml`` with one 'training' channel -> ``tmp/data``."""
     root = tmp / "opt_ml"
     (root / "input" / "config").mkdir(parents=True)
-    (root / "input" / "config" / "resourceconfig.json").write_text(json.dumps(
-        {"current_host": "algo-1", "hosts": ["algo-1"]}))
+    (root / "input" / "config" / "resourceconfig.json").write_text(
+        json.dumps({"current_host": "algo-1", "hosts": ["algo-1"]})
+    )
     (root / "input" / "config" / "hyperparameters.json").write_text(json.dumps(hps))
     (root / "input" / "data").mkdir()
     (root / "input" / "data" / "training").symlink_to(tmp / "data", target_is_directory=True)
@@ -63,8 +81,17 @@ def _sm_root(tmp: Path, hps: dict) -> Path:
 
 def _entrypoint_val_missing(tmp: Path) -> list[str]:
     images(tmp / "data", splits=("train",))
-    _sm_root(tmp, {"model": "resnet18", "image_size": "32", "batch_size": "8", "num_workers": "0",
-                   "device": "cpu", "epochs": "1"})
+    _sm_root(
+        tmp,
+        {
+            "model": "resnet18",
+            "image_size": "32",
+            "batch_size": "8",
+            "num_workers": "0",
+            "device": "cpu",
+            "epochs": "1",
+        },
+    )
     return [sys.executable, str(TRAIN)]
 
 
@@ -79,6 +106,7 @@ def _entrypoint_failure_file(tmp: Path) -> None:
 def _usage(command: str):
     def check(proc: subprocess.CompletedProcess) -> None:
         assert proc.stderr.startswith(f"usage: python -m trainer {command} "), proc.stderr[:300]
+
     return check
 
 
@@ -86,6 +114,7 @@ def _once(fragment: str):
     def check(proc: subprocess.CompletedProcess) -> None:
         out = proc.stdout + proc.stderr
         assert out.count(fragment) == 1, out[-4000:]
+
     return check
 
 
@@ -95,47 +124,121 @@ def _nothing_measured(proc: subprocess.CompletedProcess) -> None:
 
 CASES = [
     # --- the command line ---------------------------------------------------------------------------------
-    Case("train-unknown-flag", lambda t: trainer_cmd("train", "--bogus"), 2,
-         "python -m trainer train: error: unrecognized arguments: --bogus"),
-    Case("probe-unknown-flag", lambda t: trainer_cmd("probe", "--bogus"), 2,
-         "python -m trainer probe: error: unrecognized arguments: --bogus"),
-    Case("plan-unknown-flag", lambda t: trainer_cmd("plan", "--epochs", "3", "--bogus", "7"), 2,
-         "python -m trainer plan: error: unrecognized arguments: --bogus 7"),
-    Case("write-ffcv-unknown-flag", lambda t: trainer_cmd("write-ffcv", "--data-dir", "d", "--ffcv-dir", "f",
-                                                          "--bogus"), 2,
-         "python -m trainer write-ffcv: error: unrecognized arguments: --bogus"),
-    Case("unknown-command", lambda t: trainer_cmd("bogus"), 2,
-         "argument command: invalid choice: 'bogus' (choose from"),
+    Case(
+        "train-unknown-flag",
+        lambda t: trainer_cmd("train", "--bogus"),
+        2,
+        "python -m trainer train: error: unrecognized arguments: --bogus",
+    ),
+    Case(
+        "probe-unknown-flag",
+        lambda t: trainer_cmd("probe", "--bogus"),
+        2,
+        "python -m trainer probe: error: unrecognized arguments: --bogus",
+    ),
+    Case(
+        "plan-unknown-flag",
+        lambda t: trainer_cmd("plan", "--epochs", "3", "--bogus", "7"),
+        2,
+        "python -m trainer plan: error: unrecognized arguments: --bogus 7",
+    ),
+    Case(
+        "write-ffcv-unknown-flag",
+        lambda t: trainer_cmd("write-ffcv", "--data-dir", "d", "--ffcv-dir", "f", "--bogus"),
+        2,
+        "python -m trainer write-ffcv: error: unrecognized arguments: --bogus",
+    ),
+    Case(
+        "unknown-command", lambda t: trainer_cmd("bogus"), 2, "argument command: invalid choice: 'bogus' (choose from"
+    ),
     Case("no-command", lambda t: trainer_cmd(), 2, "the following arguments are required: command"),
     # --- config values --------------------------------------------------------------------------------------
-    Case("image-size-100000", lambda t: trainer_cmd("train", *TINY, "--image-size", "100000"), 2,
-         "error: config: image_size: got 100000; must be <= 8192 pixels", _nothing_trained),
-    Case("progressive-min-size-100000", lambda t: trainer_cmd("train", "--progressive-min-size", "100000"), 2,
-         "error: config: progressive_min_size: got 100000; must be <= 8192 pixels", _nothing_trained),
-    Case("config-file-not-yaml", lambda t: [(t / "c.yaml").write_text("lr: [1\n"), trainer_cmd(
-        "train", "--config", "c.yaml")][1], 2, "error: config: config file c.yaml: not valid YAML (while parsing"),
-    Case("device-cuda-without-gpu", lambda t: trainer_cmd("train", "--data-dir", "data", *TINY, "--device", "cuda"), 2,
-         "error: ConfigError: device: 'cuda' requested but no CUDA device is visible", _nothing_trained,
-         env={"CUDA_VISIBLE_DEVICES": ""}),
+    Case(
+        "image-size-100000",
+        lambda t: trainer_cmd("train", *TINY, "--image-size", "100000"),
+        2,
+        "error: config: image_size: got 100000; must be <= 8192 pixels",
+        _nothing_trained,
+    ),
+    Case(
+        "progressive-min-size-100000",
+        lambda t: trainer_cmd("train", "--progressive-min-size", "100000"),
+        2,
+        "error: config: progressive_min_size: got 100000; must be <= 8192 pixels",
+        _nothing_trained,
+    ),
+    Case(
+        "config-file-not-yaml",
+        lambda t: [(t / "c.yaml").write_text("lr: [1\n"), trainer_cmd("train", "--config", "c.yaml")][1],
+        2,
+        "error: config: config file c.yaml: not valid YAML (while parsing",
+    ),
+    Case(
+        "device-cuda-without-gpu",
+        lambda t: trainer_cmd("train", "--data-dir", "data", *TINY, "--device", "cuda"),
+        2,
+        "error: ConfigError: device: 'cuda' requested but no CUDA device is visible",
+        _nothing_trained,
+        env={"CUDA_VISIBLE_DEVICES": ""},
+    ),
     # --- errors met inside the training process (one line, exit 2, by trainer.errors.exit_code) ------------
-    Case("val-split-missing", lambda t: trainer_cmd("train", "--data-dir", str(images(t / "data", ("train",))),
-                                                    *TINY), 2,
-         f"error: DataError: {VAL_MISSING}", _nothing_trained),
-    Case("resume-from-missing-checkpoint", lambda t: trainer_cmd("train", "--data-dir", str(images(t / "data")),
-                                                                 "--resume", "nope", *TINY), 2,
-         "error: CheckpointError: nope: no manifest.json", _nothing_trained),
+    Case(
+        "val-split-missing",
+        lambda t: trainer_cmd("train", "--data-dir", str(images(t / "data", ("train",))), *TINY),
+        2,
+        f"error: DataError: {VAL_MISSING}",
+        _nothing_trained,
+    ),
+    Case(
+        "resume-from-missing-checkpoint",
+        lambda t: trainer_cmd("train", "--data-dir", str(images(t / "data")), "--resume", "nope", *TINY),
+        2,
+        "error: CheckpointError: nope: no manifest.json",
+        _nothing_trained,
+    ),
     # --- the image's entrypoint: a rank's data error reaches the exit status and the failure file -----------
-    Case("entrypoint-rank-data-error", _entrypoint_val_missing, 2, f"train: exit 2: DataError: {VAL_MISSING}",
-         _entrypoint_failure_file, env={"TRAINSTACK_SM_ROOT": "opt_ml", "TRAINSTACK_NPROC_PER_NODE": "2"},
-         timeout=600),
+    Case(
+        "entrypoint-rank-data-error",
+        _entrypoint_val_missing,
+        2,
+        f"train: exit 2: DataError: {VAL_MISSING}",
+        _entrypoint_failure_file,
+        env={"TRAINSTACK_SM_ROOT": "opt_ml", "TRAINSTACK_NPROC_PER_NODE": "2"},
+        timeout=600,
+    ),
     # --- probe and plan: outputs checked before any work -----------------------------------------------------
-    Case("probe-out-dir-is-a-file", lambda t: [(t / "results").write_text("earlier results\n"), trainer_cmd(
-        "probe", "--data-dir", str(images(t / "data")), *TINY, "--out-dir", "results")][1], 2,
-         "error: probe: --out-dir results: exists and is not a folder", _results_file_kept),
-    Case("plan-out-inside-a-file", lambda t: [(t / "results").write_text("earlier results\n"), trainer_cmd(
-        "plan", "--batch-size", "8", "--model-memory-gib", "1", "--dataset-size", "100",
-        "--instances", "g5.xlarge", "--out", "results/plan.json")][1], 2,
-         "error: plan: --out results/plan.json: cannot create its folder results", _results_file_kept),
+    Case(
+        "probe-out-dir-is-a-file",
+        lambda t: [
+            (t / "results").write_text("earlier results\n"),
+            trainer_cmd("probe", "--data-dir", str(images(t / "data")), *TINY, "--out-dir", "results"),
+        ][1],
+        2,
+        "error: probe: --out-dir results: exists and is not a folder",
+        _results_file_kept,
+    ),
+    Case(
+        "plan-out-inside-a-file",
+        lambda t: [
+            (t / "results").write_text("earlier results\n"),
+            trainer_cmd(
+                "plan",
+                "--batch-size",
+                "8",
+                "--model-memory-gib",
+                "1",
+                "--dataset-size",
+                "100",
+                "--instances",
+                "g5.xlarge",
+                "--out",
+                "results/plan.json",
+            ),
+        ][1],
+        2,
+        "error: plan: --out results/plan.json: cannot create its folder results",
+        _results_file_kept,
+    ),
 ]
 
 OUTPUT = {
@@ -166,8 +269,18 @@ def test_torchrun_rank_data_error_is_the_root_cause_once(tmp_path):
     """Both ranks meet the missing val split; torchrun (exit 1: its choice) shows the message once, as the
     root cause, and the other rank as a note pointing at it (never "To enable traceback see ...")."""
     data = images(tmp_path / "data", splits=("train",))
-    p = run_trainer(["--data-dir", str(data), *TINY[:-4], "--checkpoint-dir", str(tmp_path / "ck"),
-                     "--log-dir", str(tmp_path / "logs")], torchrun_nproc=2)
+    p = run_trainer(
+        [
+            "--data-dir",
+            str(data),
+            *TINY[:-4],
+            "--checkpoint-dir",
+            str(tmp_path / "ck"),
+            "--log-dir",
+            str(tmp_path / "logs"),
+        ],
+        torchrun_nproc=2,
+    )
     out = p.stdout + p.stderr
     assert p.returncode != 0
     assert out.count(VAL_MISSING) == 1, out[-4000:]
@@ -176,10 +289,14 @@ def test_torchrun_rank_data_error_is_the_root_cause_once(tmp_path):
     _nothing_trained(tmp_path)
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--label-smoothing", "2"], "error: config: label_smoothing: got 2.0; must be in [0.0, 1.0)"),
-    (["--bogus"], "error: train: unrecognized arguments: --bogus"),
-], ids=["config-value", "unknown-flag"])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--label-smoothing", "2"], "error: config: label_smoothing: got 2.0; must be in [0.0, 1.0)"),
+        (["--bogus"], "error: train: unrecognized arguments: --bogus"),
+    ],
+    ids=["config-value", "unknown-flag"],
+)
 def test_torchrun_config_error_prints_once(tmp_path, args, message):
     """Rejected before training, in every rank: one message, torchrun's root cause (and one usage text)."""
     p = run_trainer([*args, "--checkpoint-dir", str(tmp_path / "ck")], torchrun_nproc=2)
@@ -200,15 +317,15 @@ class _Ckpt:
 
 
 def _stand_in(monkeypatch, tmp_path, fit=None, init=None):
-    """Replace trainer.loop.Trainer with a stand-in whose fit() or __init__ does what the test needs."""
-    from trainer import loop
+    """Replace trainer.engine.trainer.Trainer with a stand-in whose fit() or __init__ does what the test needs."""
+    from trainer.engine import trainer as loop
 
     class StandIn:
         def __init__(self, cfg, info, stop):
             if init:
                 init()
             self.interrupted, self.best = None, 50.0
-            self.task = type("T", (), {"primary_metric": "top1"})()
+            self.best_metric = "top1"
             self.ckpt = _Ckpt(tmp_path / "ck", (tmp_path / "ck" / "ckpt-9", 1.0), "ckpt-3")
             self.log = type("L", (), {"dir": tmp_path / "logs"})()
 
@@ -230,12 +347,19 @@ def _stand_in(monkeypatch, tmp_path, fit=None, init=None):
 def _cfg(tmp_path):
     from trainer.config import load_config
 
-    return load_config(None, {"data_dir": str(tmp_path / "data"), "checkpoint_dir": str(tmp_path / "ck"),
-                              "log_dir": str(tmp_path / "logs"), "device": "cpu"})
+    return load_config(
+        None,
+        {
+            "data_dir": str(tmp_path / "data"),
+            "checkpoint_dir": str(tmp_path / "ck"),
+            "log_dir": str(tmp_path / "logs"),
+            "device": "cpu",
+        },
+    )
 
 
 def test_second_ctrl_c_exits_130_and_cleans_up(tmp_path, monkeypatch, capsys):
-    from trainer import train
+    from trainer.engine import run as train
 
     ck = tmp_path / "ck"
     (ck / ".tmp-ckpt-7").mkdir(parents=True)
@@ -248,13 +372,15 @@ def test_second_ctrl_c_exits_130_and_cleans_up(tmp_path, monkeypatch, capsys):
     _stand_in(monkeypatch, tmp_path, fit=second_ctrl_c)
     assert train.run(_cfg(tmp_path)) == 130
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert err[-1] == ("aborted by a second Ctrl-C; no checkpoint written for the current step; last durable "
-                       f"checkpoint: {ck / 'ckpt-9'}")
+    assert err[-1] == (
+        "aborted by a second Ctrl-C; no checkpoint written for the current step; last durable "
+        f"checkpoint: {ck / 'ckpt-9'}"
+    )
     assert not list(ck.glob(".tmp-ckpt-*")) and (ck / "ckpt-5").is_dir()  # durable checkpoints stay
 
 
 def test_final_checkpoint_line_is_this_runs_last_durable_checkpoint(tmp_path, monkeypatch, capsys):
-    from trainer import train
+    from trainer.engine import run as train
 
     _stand_in(monkeypatch, tmp_path)
     assert train.run(_cfg(tmp_path)) == 0
@@ -263,7 +389,7 @@ def test_final_checkpoint_line_is_this_runs_last_durable_checkpoint(tmp_path, mo
 
 
 def test_input_error_during_training_is_one_line_exit_2(tmp_path, monkeypatch, capsys):
-    from trainer import train
+    from trainer.engine import run as train
     from trainer.errors import CheckpointError
 
     def disk_full():
@@ -276,7 +402,7 @@ def test_input_error_during_training_is_one_line_exit_2(tmp_path, monkeypatch, c
 
 
 def test_a_bug_keeps_its_traceback(tmp_path, monkeypatch):
-    from trainer import train
+    from trainer.engine import run as train
 
     def bug():
         raise ZeroDivisionError("division by zero")

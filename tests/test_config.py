@@ -47,7 +47,7 @@ def test_seed_003_flags():
     assert cfg.gradient_clip == 1.0 and cfg.cutmix_prob == 0.3 and cfg.mixup_alpha == 0.2
     assert cfg.progressive_resize and cfg.use_ema and cfg.precision == "amp" and cfg.auto_resume
     assert cfg.checkpoint_dir == "/data/checkpoints" and cfg.checkpoint_interval == 5
-    assert cfg.target_accuracy == 78.0 and cfg.num_workers == 24
+    assert cfg.target_value == 78.0 and cfg.target_metric is None and cfg.num_workers == 24
     assert cfg.micro_batch_size(8) == 256
     assert not parse_train_config(["--no-auto-resume"]).auto_resume
     assert parse_train_config(["--resume", "/x/ckpt-000000010"]).resume == "/x/ckpt-000000010"
@@ -57,27 +57,41 @@ def test_seed_003_flags():
 def test_flags_override_yaml(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text("lr: 0.3\nepochs: 5\n")
-    cfg = parse_train_config(["--config", str(p), "--lr", "0.2", "--accumulate-grad-batches", "2",
-                              "--channels-last", "--compile", "--seed", "7"])
+    cfg = parse_train_config(
+        [
+            "--config",
+            str(p),
+            "--lr",
+            "0.2",
+            "--accumulate-grad-batches",
+            "2",
+            "--channels-last",
+            "--compile",
+            "--seed",
+            "7",
+        ]
+    )
     assert (cfg.lr, cfg.epochs, cfg.accumulate_grad_batches, cfg.seed) == (0.2, 5, 2, 7)
     assert cfg.channels_last and cfg.compile
 
 
-@pytest.mark.parametrize("overrides, field, allowed", [
-    ({"scheduler": "linear"}, "scheduler", "onecycle, cosine, step"),
-    ({"batch_size": 0}, "batch_size", ">= 1"),
-    ({"lr": -1}, "lr", "> 0"),
-    ({"label_smoothing": 1.5}, "label_smoothing", "[0.0, 1.0)"),
-    ({"precision": "fp8"}, "precision", "amp, 32, bf16-mixed, 16-mixed"),
-    ({"warmup_epochs": 100, "epochs": 10}, "warmup_epochs", "< epochs"),
-    ({"use_ema": "maybe"}, "use_ema", "true or false"),
-    ({"epochs": 2.5}, "epochs", "integer"),
-    ({"target_accuracy": 178}, "target_accuracy", "(0, 100]"),
-    ({"cutmix_prob": 1.3}, "cutmix_prob", "[0, 1]"),
-    ({"image_size": 100000}, "image_size", "must be <= 8192 pixels"),
-    ({"progressive_min_size": 9000}, "progressive_min_size", "must be <= 8192 pixels"),
-    ({"val_resize_ratio": 0}, "val_resize_ratio", "(0, 1]"),
-])
+@pytest.mark.parametrize(
+    "overrides, field, allowed",
+    [
+        ({"scheduler": "linear"}, "scheduler", "onecycle, cosine, step"),
+        ({"batch_size": 0}, "batch_size", ">= 1"),
+        ({"lr": -1}, "lr", "> 0"),
+        ({"label_smoothing": 1.5}, "label_smoothing", "[0.0, 1.0)"),
+        ({"precision": "fp8"}, "precision", "amp, 32, bf16-mixed, 16-mixed"),
+        ({"warmup_epochs": 100, "epochs": 10}, "warmup_epochs", "< epochs"),
+        ({"use_ema": "maybe"}, "use_ema", "true or false"),
+        ({"epochs": 2.5}, "epochs", "integer"),
+        ({"cutmix_prob": 1.3}, "cutmix_prob", "[0, 1]"),
+        ({"image_size": 100000}, "image_size", "must be <= 8192 pixels"),
+        ({"progressive_min_size": 9000}, "progressive_min_size", "must be <= 8192 pixels"),
+        ({"val_resize_ratio": 0}, "val_resize_ratio", "(0, 1]"),
+    ],
+)
 def test_invalid_values_name_the_field(overrides, field, allowed):
     with pytest.raises(ConfigError) as e:
         load_config(None, overrides)
@@ -108,7 +122,9 @@ def test_precision_aliases():
 def test_micro_batch_divisibility():
     cfg = TrainConfig(batch_size=100, accumulate_grad_batches=2).validate()
     assert cfg.micro_batch_size(2) == 25
-    with pytest.raises(ConfigError, match=r"batch_size: global batch 100 is not divisible by world_size \(3\).*multiple of 6"):
+    with pytest.raises(
+        ConfigError, match=r"batch_size: global batch 100 is not divisible by world_size \(3\).*multiple of 6"
+    ):
         cfg.micro_batch_size(3)
 
 
@@ -153,5 +169,267 @@ def test_unknown_flag_prints_the_sub_command_usage(argv, capsys):
         main(argv)
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and err[0].startswith("usage: python -m trainer train ")
-    unknown = " ".join(argv[argv.index("--bogus"):])
+    unknown = " ".join(argv[argv.index("--bogus") :])
     assert err[-1] == f"python -m trainer train: error: unrecognized arguments: {unknown}"
+
+
+# --- sections: nested YAML, errors, task sections, flags by section ------------------------------------------
+
+NESTED_YAML = """\
+run: {epochs: 60, seed: 3, target_accuracy: 78}
+data: {data: /data/imagenet, image_size: 192}
+loader:
+  batch_size: 2048
+  num_workers: 24
+optim: {lr: 0.8, scheduler: onecycle, warmup_epochs: 8, use_ema: true}
+speed: {compile_model: true, precision: bf16}
+checkpoint: {checkpoint_dir: /data/checkpoints, auto_resume: false}
+logging: {log_every_steps: 10}
+classification: {label_smoothing: 0.1, mixup_alpha: 0.2, progressive_resize: true}
+"""
+
+FLAT_YAML = """\
+epochs: 60
+seed: 3
+target_value: 78
+data_dir: /data/imagenet
+image_size: 192
+batch_size: 2048
+num_workers: 24
+lr: 0.8
+scheduler: onecycle
+warmup_epochs: 8
+use_ema: true
+compile: true
+precision: bf16-mixed
+checkpoint_dir: /data/checkpoints
+auto_resume: false
+log_every_steps: 10
+label_smoothing: 0.1
+mixup_alpha: 0.2
+progressive_resize: true
+"""
+
+
+def _load(tmp_path, text, name="c.yaml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return load_config(p)
+
+
+def _error(tmp_path, text, overrides=None) -> str:
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_config(p, overrides)
+    msg = str(e.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_nested_yaml_equals_flat_yaml(tmp_path):
+    nested = _load(tmp_path, NESTED_YAML, "nested.yaml")
+    assert nested.to_dict() == _load(tmp_path, FLAT_YAML, "flat.yaml").to_dict()
+    assert nested.target_value == 78.0 and nested.compile and nested.data_dir == "/data/imagenet"
+    assert all(not isinstance(v, dict) for v in nested.to_dict().values())  # to_dict stays flat
+    mixed = _load(tmp_path, "lr: 0.3\noptim: {momentum: 0.8}\nepochs: 5\nrun: {seed: 1}\nlogging:\n")
+    assert (mixed.lr, mixed.momentum, mixed.epochs, mixed.seed) == (0.3, 0.8, 5, 1)
+
+
+def test_yaml_fields_flattens_sections(tmp_path):
+    from trainer.config import yaml_fields
+
+    p = tmp_path / "c.yaml"
+    p.write_text("lr: 0.3\noptim: {momentum: 0.8}\nspeed: {compile_model: yes}\ndata: /x\n")
+    assert yaml_fields(p) == {"lr": 0.3, "momentum": 0.8, "compile": True, "data_dir": "/x"}
+    p.write_text("optim: {lr: 1}\nlr: 2\n")
+    with pytest.raises(ConfigError, match=r"^lr \(in .*c.yaml\): lr is given twice \(also as optim.lr\)"):
+        yaml_fields(p)
+
+
+def test_aliases_flat_and_inside_their_section(tmp_path):
+    assert _load(tmp_path, "data: /x\n").data_dir == "/x"  # seed alias of data_dir, not the section
+    assert _load(tmp_path, "data: {data: /y}\n").data_dir == "/y"
+    assert _load(tmp_path, "speed: {compile_model: true}\n").compile
+    assert _load(tmp_path, "compile_model: true\n").compile
+    assert _load(tmp_path, "run: {target_accuracy: 78}\n").target_value == 78.0
+    assert _load(tmp_path, "target_accuracy: 78\n").target_value == 78.0
+    assert load_config(None, {"target_accuracy": 20}).target_value == 20.0
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("optim: {lrr: 0.1}\n", "optim.lrr (in {f}): unknown key in section optim; did you mean optim.lr?"),
+        ("optim: {zzz: 1}\n", "optim.zzz (in {f}): unknown key in section optim (its keys: optimizer, lr,"),
+        ("optim: 0.1\n", "optim (in {f}): section optim must be a mapping of field: value, got float 0.1"),
+        ("data: [a, b]\n", "data (in {f}): section data must be a mapping"),
+        ("optim: {image_size: 64}\n", "optim.image_size (in {f}): image_size belongs to section data"),
+        ("speed: {data: /x}\n", "speed.data (in {f}): data_dir belongs to section data"),
+        ("lr: 0.1\noptim: {lr: 0.2}\n", "optim.lr (in {f}): lr is given twice (also as lr)"),
+        (
+            "compile: true\nspeed: {compile_model: false}\n",
+            "speed.compile_model (in {f}): compile is given twice (also as compile)",
+        ),
+        ("target_value: 1\ntarget_accuracy: 2\n", "target_accuracy (in {f}): target_value is given twice"),
+        ("optim: {lr: fast}\n", "optim.lr (in {f}): got 'fast'; could not convert"),
+        ("batchsize: 12\n", "batchsize (in {f}): unknown config key; did you mean batch_size"),
+        ("model: [resnet50]\n", "model (in {f}): got ['resnet50']; expected a single value, not a list"),
+    ],
+)
+def test_yaml_errors_name_the_dotted_key_and_file(tmp_path, text, expected):
+    assert _error(tmp_path, text).startswith(expected.format(f=tmp_path / "c.yaml"))
+
+
+def test_unknown_override_is_a_config_error():
+    with pytest.raises(
+        ConfigError, match=r"^batchsize \(command line\): unknown config field; did you mean batch_size"
+    ):
+        load_config(None, {"batchsize": 3})
+
+
+def test_no_field_is_named_like_a_section():
+    from trainer.config import FIELDS, FIELDS_BY_SECTION, SECTIONS
+
+    assert not set(FIELDS) & set(SECTIONS)
+    assert sorted(n for names in FIELDS_BY_SECTION.values() for n in names) == sorted(FIELDS)
+    assert all(FIELDS_BY_SECTION[s] for s in SECTIONS) and list(FIELDS_BY_SECTION) == list(SECTIONS)
+    assert all(f.metadata["section"] in SECTIONS and f.metadata["help"] for f in FIELDS.values())
+
+
+@pytest.fixture
+def two_tasks(monkeypatch):
+    """A registry with a second task (never imported: the config only reads the names)."""
+    import trainer.tasks
+
+    monkeypatch.setitem(trainer.tasks._REGISTRY, "detection", "nowhere.detection:DetectionTask")
+    return trainer.tasks.task_names()
+
+
+def test_task_choices_come_from_the_registry(two_tasks, capsys):
+    from trainer.cli import main
+
+    assert two_tasks == ("classification", "detection")
+    assert load_config(None, {"task": "detection"}).task == "detection"
+    with pytest.raises(ConfigError, match=r"^task: got 'segmentation'; allowed: classification, detection$"):
+        load_config(None, {"task": "segmentation"})
+    assert parse_train_config(["--task", "detection"]).task == "detection"
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--task", "segmentation"])
+    assert e.value.code == 2 and "'classification', 'detection'" in capsys.readouterr().err
+
+
+def test_task_section_fields_only_with_their_task(two_tasks, tmp_path):
+    f = tmp_path / "c.yaml"
+    msg = _error(tmp_path, "task: detection\nmixup_alpha: 0.2\n")
+    assert msg.startswith(f"mixup_alpha (in {f}): mixup_alpha belongs to task section classification")
+    assert "but task is detection" in msg
+    msg = _error(tmp_path, "run: {task: detection}\nclassification: {label_smoothing: 0.1}\n")
+    assert (
+        msg.startswith(
+            f"classification.label_smoothing (in {f}): label_smoothing belongs to task section classification"
+        )
+        and "task is detection" in msg
+    )
+    msg = _error(tmp_path, "task: detection\n", {"hflip_prob": 0.0})
+    assert msg.startswith("hflip_prob (command line): hflip_prob belongs to task section classification")
+    # defaults (written out or not) are fine under another task, and any value is fine under the own task
+    cfg = _load(tmp_path, "task: detection\nclassification: {hflip_prob: 0.5, cutmix_alpha: 1.0}\nlr: 0.2\n")
+    assert cfg.task == "detection" and cfg.lr == 0.2
+    assert load_config(None, {"mixup_alpha": 0.2}).mixup_alpha == 0.2
+    with pytest.raises(
+        ConfigError,
+        match=r"^progressive_resize: got True; progressive_resize belongs to task "
+        r"section classification.*task is detection",
+    ):
+        TrainConfig(task="detection", progressive_resize=True).validate()
+
+
+def test_target_value_and_metric():
+    cfg = parse_train_config(["--target-accuracy", "78"])
+    assert cfg.target_value == 78.0 and isinstance(cfg.target_value, float) and cfg.target_metric is None
+    cfg = parse_train_config(["--target-metric", "top5", "--target-value", "0.5"])
+    assert (cfg.target_metric, cfg.target_value) == ("top5", 0.5)
+    assert load_config(None, {"target_value": 178}).target_value == 178.0  # the range is the task's to check
+    for overrides, match in (
+        ({"target_value": "nan"}, "target_value: got nan; must be a finite number"),
+        ({"target_value": "inf"}, "target_value: got inf; must be a finite number"),
+        ({"target_metric": "top 1"}, "target_metric: got 'top 1'; must be a metric name"),
+    ):
+        with pytest.raises(ConfigError, match="^" + match.replace("(", r"\(")):
+            load_config(None, overrides)
+    with pytest.raises(ConfigError, match="^target_metric: got ''"):
+        TrainConfig(target_metric="").validate()
+
+
+def test_target_fields_do_not_change_the_trajectory():
+    from trainer.config import NON_TRAJECTORY_FIELDS
+
+    assert {"target_metric", "target_value", "target_accuracy"} <= set(NON_TRAJECTORY_FIELDS)
+    assert "target_accuracy" not in TrainConfig().to_dict()
+    assert TrainConfig().fingerprint() == TrainConfig(target_value=50.0, target_metric="top5").fingerprint()
+
+
+def test_shipped_configs_load():
+    from pathlib import Path
+
+    configs = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+    assert configs
+    for p in configs:
+        load_config(p)
+    assert load_config(Path(__file__).resolve().parents[1] / "configs" / "p4d_resnet50.yaml").target_value == 78.0
+
+
+def test_help_groups_flags_by_section():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from trainer.config import FIELDS, FIELDS_BY_SECTION, SECTIONS, flag_of
+
+    out = subprocess.run(
+        [sys.executable, "-m", "trainer", "train", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+        check=True,
+    ).stdout
+    starts = [out.index(f"\n{s}:\n") for s in SECTIONS]
+    assert starts == sorted(starts)  # groups in SECTIONS order
+    ends = starts[1:] + [len(out)]
+    for (section, line), start, end in zip(SECTIONS.items(), starts, ends):
+        block = out[start:end]
+        assert " ".join(line.split()[:4]) in " ".join(block.split())
+        assert all(flag_of(FIELDS[n]) in block for n in FIELDS_BY_SECTION[section])
+    speed = out[starts[list(SECTIONS).index("speed")] :]
+    assert "--amp" in speed and "--no-amp" in speed
+    options = [line.split()[0].rstrip(",") for line in out.splitlines() if line.startswith("  -")]
+    assert "--target-value" in options and "--target-accuracy" not in options  # aliases hidden
+    assert "--compile" in options and "--compile-model" not in options and "--data" not in options
+
+
+def test_import_config_does_not_import_torch():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, trainer.config; assert 'torch' not in sys.modules, 'torch'; "
+            "trainer.config.load_config(None, {'lr': 0.2}); assert 'torch' not in sys.modules",
+        ],
+        cwd=Path(__file__).resolve().parents[1],
+        check=True,
+    )
+
+
+def test_docs_list_every_section_and_field():
+    from pathlib import Path
+
+    from trainer.config import FIELDS, SECTIONS
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
+    assert all(f"### `{s}`" in doc for s in SECTIONS)
+    assert all(f"| `{n}`" in doc for n in FIELDS)

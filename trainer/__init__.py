@@ -1,5 +1,5 @@
 """Trainstack trainer: the compute side (never imports aws_cdk).
 
 Entry: ``python -m trainer train`` (trainer/cli.py) -> :class:`trainer.config.TrainConfig` ->
-:func:`trainer.train.run` -> :class:`trainer.loop.Trainer` with a task from ``trainer/tasks``.
+:func:`trainer.engine.run.run` -> :class:`trainer.engine.trainer.Trainer` with a task from ``trainer/tasks``.
 """

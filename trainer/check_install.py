@@ -16,7 +16,8 @@ from __future__ import annotations
 import importlib
 import pkgutil
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 #: Top-level packages the trainer must never import (the image does not ship them).
 FORBIDDEN = ("infra", "aws_cdk")
@@ -61,15 +62,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for line in failed:
         print(f"check_install: cannot import {line}", file=sys.stderr)
     if bad:
-        print(f"check_install: trainer imported {', '.join(bad)} (trainer must not import "
-              f"{' or '.join(FORBIDDEN)})", file=sys.stderr)
+        print(
+            f"check_install: trainer imported {', '.join(bad)} (trainer must not import {' or '.join(FORBIDDEN)})",
+            file=sys.stderr,
+        )
     if failed or bad:
         return 1
     import catalog
 
-    print(f"check_install: {len(done)} trainer modules import from {sys.modules['trainer'].__path__[0]}; "
-          f"catalog from {catalog.__file__}; no {'/'.join(FORBIDDEN)}"
-          + (f"; skipped {', '.join(skipped)}" if skipped else ""))
+    print(
+        f"check_install: {len(done)} trainer modules import from {sys.modules['trainer'].__path__[0]}; "
+        f"catalog from {catalog.__file__}; no {'/'.join(FORBIDDEN)}"
+        + (f"; skipped {', '.join(skipped)}" if skipped else "")
+    )
     return 0
 
 

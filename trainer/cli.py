@@ -17,37 +17,62 @@ import argparse
 import contextlib
 import io
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
-from trainer.config import FIELDS, ConfigError, load_config
-
+from trainer.config import FIELDS, FIELDS_BY_SECTION, SECTIONS, ConfigError, choices_of, flag_of, load_config
 from trainer.errors import EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_OK, EXIT_USAGE  # noqa: F401
 
 
-def _add_train_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="YAML file of config fields (flags below override it)")
-    for name, f in FIELDS.items():
-        flag = f.metadata.get("flag") or "--" + name.replace("_", "-")
-        kw = {"dest": name, "default": argparse.SUPPRESS, "help": (f.metadata.get("help") or "").replace("%", "%%")}
-        if f.metadata.get("choices"):
-            kw["choices"] = f.metadata["choices"]
-            if name == "precision":
-                kw.pop("choices")  # aliases such as 16-mixed/bf16 are normalised by the config
+def _add_field_flags(group, f) -> None:
+    """Add field ``f``'s flag (``--x`` VALUE, or ``--x/--no-x`` for a boolean) and its hidden alias flags."""
+    name = f.name
+    kw = {"dest": name, "default": argparse.SUPPRESS, "help": (f.metadata.get("help") or "").replace("%", "%%")}
+    if name != "precision" and choices_of(f):  # precision: aliases such as bf16/fp16 are normalised by the config
+        kw["choices"] = choices_of(f)
+    if isinstance(f.default, bool):
+        group.add_argument(flag_of(f), action=argparse.BooleanOptionalAction, **kw)
+    else:
+        group.add_argument(flag_of(f), metavar=name.upper(), **kw)
+    for alias in f.metadata.get("aliases", ()):
+        a = "--" + alias.replace("_", "-")
         if isinstance(f.default, bool):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+            group.add_argument(
+                a, action=argparse.BooleanOptionalAction, dest=name, default=argparse.SUPPRESS, help=argparse.SUPPRESS
+            )
         else:
-            p.add_argument(flag, metavar=name.upper(), **kw)
-        for alias in f.metadata.get("aliases", ()):
-            a = "--" + alias.replace("_", "-")
-            if isinstance(f.default, bool):
-                p.add_argument(a, action=argparse.BooleanOptionalAction, dest=name, default=argparse.SUPPRESS,
-                               help=argparse.SUPPRESS)
-            else:
-                p.add_argument(a, dest=name, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    p.add_argument("--amp", dest="precision", action="store_const", const="amp", default=argparse.SUPPRESS,
-                   help="Mixed precision: bf16 where supported, fp16 + GradScaler otherwise (seed 003).")
-    p.add_argument("--no-amp", dest="precision", action="store_const", const="32", default=argparse.SUPPRESS,
-                   help="Same as --precision 32.")
+            group.add_argument(a, dest=name, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
+def _add_train_flags(p: argparse.ArgumentParser) -> None:
+    """Add ``--config`` and one flag per :class:`~trainer.config.TrainConfig` field to ``p``, in one argument group
+    per config section (title: the section name, description: its line), so ``--help`` lists them by section.
+
+    Aliases (``--compile-model``, ``--data``, seed 003's ``--target-accuracy``) are accepted but hidden; seed 003's
+    ``--amp``/``--no-amp`` set ``precision`` (amp / 32) and are listed in the ``speed`` group.
+    """
+    p.add_argument("--config", help="YAML file of config fields, flat or nested by section (flags below override it)")
+    for section, description in SECTIONS.items():
+        group = p.add_argument_group(section, description)
+        for name in FIELDS_BY_SECTION[section]:
+            _add_field_flags(group, FIELDS[name])
+        if section == "speed":
+            group.add_argument(
+                "--amp",
+                dest="precision",
+                action="store_const",
+                const="amp",
+                default=argparse.SUPPRESS,
+                help="Mixed precision: bf16 where supported, fp16 + GradScaler otherwise (seed 003).",
+            )
+            group.add_argument(
+                "--no-amp",
+                dest="precision",
+                action="store_const",
+                const="32",
+                default=argparse.SUPPRESS,
+                help="Same as --precision 32.",
+            )
 
 
 #: Sub-commands and their one-line help; a command's flags (and its module) are loaded only when it runs.
@@ -76,16 +101,19 @@ def build_parser(command: Optional[str] = "train") -> argparse.ArgumentParser:
         if name != command:
             sub.add_parser(name, help=help_line, add_help=False)
         elif name == "train":
-            train = sub.add_parser("train", help=help_line,
-                                   description="Train a model. Flags override --config; defaults are "
-                                               "trainer/config.py's TrainConfig.")
+            train = sub.add_parser(
+                "train",
+                help=help_line,
+                description="Train a model. Flags override --config; defaults are "
+                "trainer/config/ (docs/configuration.md).",
+            )
             _add_train_flags(train)
         elif name in ("probe", "plan"):
-            from trainer.planning_cli import add_planning_command
+            from trainer.planning.cli import add_planning_command
 
             add_planning_command(sub, name, _add_train_flags)
         else:
-            from trainer.data.ffcv_writer import add_write_ffcv_command
+            from trainer.data.formats.ffcv_writer import add_write_ffcv_command
 
             add_write_ffcv_command(sub)
     return parser
@@ -142,7 +170,9 @@ def _parse_in_rank(argv: Sequence[str]) -> argparse.Namespace:
         lines = err.getvalue().rstrip().splitlines() or ["invalid arguments"]
         if env_rank() == 0:
             print("\n".join(lines[:-1]), file=sys.stderr, flush=True)
-        raise SystemExit(fail(EXIT_USAGE, lines[-1].replace("python -m trainer ", "", 1).replace(": error:", ":", 1)))
+        raise SystemExit(
+            fail(EXIT_USAGE, lines[-1].replace("python -m trainer ", "", 1).replace(": error:", ":", 1))
+        ) from None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -155,15 +185,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from trainer.failures import fail
 
             return fail(EXIT_USAGE, f"config: {e}")
-        from trainer.train import run
+        from trainer.engine.run import run
 
         return run(cfg)
     if args.command in ("probe", "plan"):
-        from trainer.planning_cli import run_command
+        from trainer.planning.cli import run_command
 
         return run_command(args, _config_from_namespace)
     if args.command == "write-ffcv":
-        from trainer.data.ffcv_writer import run_write_ffcv
+        from trainer.data.formats.ffcv_writer import run_write_ffcv
 
         return run_write_ffcv(args)
     return EXIT_USAGE

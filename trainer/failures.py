@@ -4,7 +4,7 @@ A process that ends with a known outcome (bad config, data or checkpoint: exit 2
 interrupted after a durable checkpoint: 75; see :mod:`trainer.errors`) calls :func:`report`, which leaves:
 
 * a **record** ``rank-<RANK>.json`` = ``{"exit": int, "error": str, "rank": int}`` in ``$TRAINSTACK_FAILURE_DIR``
-  when that is set: the image's entrypoint (:mod:`trainer.entrypoint`) sets it, reads the records after
+  when that is set: the image's entrypoint (:mod:`trainer.sagemaker.entrypoint`) sets it, reads the records after
   torchrun exits (:func:`read_records`), exits with the lowest rank's status and writes its message to
   SageMaker's failure file;
 * **torchrun's error file** ``$TORCHELASTIC_ERROR_FILE`` (torchrun sets one per worker), in the layout of
@@ -23,8 +23,9 @@ import json
 import os
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Optional
 
 FAILURE_DIR_ENV = "TRAINSTACK_FAILURE_DIR"
 TORCHELASTIC_ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
@@ -84,9 +85,16 @@ def torchelastic_error(code: int, message: str) -> dict:
     the one-line message in place of a Python call stack, and the exit status as ``trainstack_exit``)."""
     meaning = MEANINGS.get(code, "")
     shown = f"error: {message}" if code != 75 else message
-    return {"message": {"message": shown, "extraInfo": {
-        "py_callstack": f"{shown} (exit {code}{': ' + meaning if meaning else ''})",
-        "timestamp": str(int(time.time())), "trainstack_exit": int(code)}}}
+    return {
+        "message": {
+            "message": shown,
+            "extraInfo": {
+                "py_callstack": f"{shown} (exit {code}{': ' + meaning if meaning else ''})",
+                "timestamp": str(int(time.time())),
+                "trainstack_exit": int(code),
+            },
+        }
+    }
 
 
 def reported_exit(error_file_data: object) -> Optional[int]:
@@ -105,8 +113,9 @@ def _write_torchelastic(path: str, code: int, message: str) -> bool:
         return False
 
 
-def report(code: int, message: str, *, echo: bool = True, env: Optional[Mapping[str, str]] = None,
-           torchrun_file: bool = True) -> bool:
+def report(
+    code: int, message: str, *, echo: bool = True, env: Optional[Mapping[str, str]] = None, torchrun_file: bool = True
+) -> bool:
     """Hand ``message`` (one line, without ``error:``) and exit status ``code`` to the launcher (see module doc).
 
     Args:
@@ -177,8 +186,9 @@ def _report_as_peer(path: Path, code: int, message: str, local_rank: int) -> Non
         return
     ours = torchelastic_error(code, message)
     if theirs["message"].get("message") == ours["message"]["message"]:
-        ours["message"]["extraInfo"]["py_callstack"] = (f"exit {code}: the same error as local rank 0 (the root "
-                                                         "cause below)")
+        ours["message"]["extraInfo"]["py_callstack"] = (
+            f"exit {code}: the same error as local rank 0 (the root cause below)"
+        )
     try:
         ours["message"]["extraInfo"]["timestamp"] = str(int(theirs["message"]["extraInfo"]["timestamp"]) + 1)
     except (KeyError, TypeError, ValueError):

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 from trainer.errors import EXIT_INTERRUPTED
 from trainer.failures import FAILURE_DIR_ENV, reported_exit

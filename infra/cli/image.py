@@ -24,10 +24,16 @@ DOCKERFILE = "images/training/Dockerfile"
 def git_tag(repo: Path) -> str:
     """Short commit of ``repo``; ``-dirty`` appended when the tree has uncommitted changes."""
     try:
-        sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=repo, check=True,
-                             capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo, check=True,
-                               capture_output=True, text=True).stdout.strip()
+        sha = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"], cwd=repo, check=True, capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=repo,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError) as e:
         raise CliError(f"cannot read the git commit of {repo}: {e}", "pass --tag") from None
     return sha + ("-dirty" if dirty else "")
@@ -52,8 +58,15 @@ def dockerfile_base_image(repo: Path) -> str:
     return match.group(1).strip('"')
 
 
-def push_image(aws: Aws, outputs: Outputs, repo: Path, tag: Optional[str] = None,
-               base_image: Optional[str] = None, docker: str = "docker", ecr=None) -> str:
+def push_image(
+    aws: Aws,
+    outputs: Outputs,
+    repo: Path,
+    tag: Optional[str] = None,
+    base_image: Optional[str] = None,
+    docker: str = "docker",
+    ecr=None,
+) -> str:
     """Build, tag ``<repository>:<tag>`` (and ``:latest``) and push; returns the pushed image URI.
 
     Raises CliError when docker is missing or fails, or ECR refuses (with the next step).
@@ -77,8 +90,18 @@ def push_image(aws: Aws, outputs: Outputs, repo: Path, tag: Optional[str] = None
         registries.append(base.split("/", 1)[0])
     try:
         _login(docker, ecr, registries, run)
-        build = [docker, "build", "-f", DOCKERFILE, "-t", image, "-t", f"{outputs.repository_uri}:latest",
-                 "--build-arg", f"BASE_IMAGE={base}"]
+        build = [
+            docker,
+            "build",
+            "-f",
+            DOCKERFILE,
+            "-t",
+            image,
+            "-t",
+            f"{outputs.repository_uri}:latest",
+            "--build-arg",
+            f"BASE_IMAGE={base}",
+        ]
         run(build + ["."])
     except ClientError as e:
         raise explain(e, "logging in to ECR") from None

@@ -38,14 +38,21 @@ def check_request(instance_type: str, job: str) -> None:
         raise CliError(f"job name {job!r}: expected 1-63 letters, digits, '.', '_' or '-'")
     if catalog.get(instance_type).platform != "ec2":
         ec2_type = instance_type.removeprefix("ml.")
-        raise CliError(f"{instance_type} is a SageMaker type; launch runs EC2 types",
-                       f"`python -m infra submit --machine train-{ec2_type.replace('.', '-')} ...`, "
-                       f"or launch {ec2_type}")
+        raise CliError(
+            f"{instance_type} is a SageMaker type; launch runs EC2 types",
+            f"`python -m infra submit --machine train-{ec2_type.replace('.', '-')} ...`, or launch {ec2_type}",
+        )
 
 
 def _tags(env: str, job: str, config: str, image_tag: str, args: str, keep: bool) -> list[dict]:
-    tags = {"Name": f"trainstack-{env}-{job}", "trainstack:env": env, "trainstack:job": job,
-            "trainstack:config": config, "trainstack:image-tag": image_tag, "trainstack:keep": str(keep).lower()}
+    tags = {
+        "Name": f"trainstack-{env}-{job}",
+        "trainstack:env": env,
+        "trainstack:job": job,
+        "trainstack:config": config,
+        "trainstack:image-tag": image_tag,
+        "trainstack:keep": str(keep).lower(),
+    }
     if args:
         tags["trainstack:args"] = args
     return [{"Key": k, "Value": v} for k, v in tags.items()]
@@ -61,7 +68,8 @@ def on_demand_version(ec2, template_id: str) -> str:
     number as a string. Raises botocore ClientError from EC2.
     """
     default = ec2.describe_launch_template_versions(LaunchTemplateId=template_id, Versions=["$Default"])[
-        "LaunchTemplateVersions"][0]
+        "LaunchTemplateVersions"
+    ][0]
     description = f"{ON_DEMAND_DESCRIPTION} (from version {default['VersionNumber']})"
     pages = ec2.get_paginator("describe_launch_template_versions").paginate(LaunchTemplateId=template_id)
     for v in (v for page in pages for v in page["LaunchTemplateVersions"]):
@@ -69,8 +77,9 @@ def on_demand_version(ec2, template_id: str) -> str:
             return str(v["VersionNumber"])
     data = dict(default["LaunchTemplateData"])
     data.pop("InstanceMarketOptions", None)
-    made = ec2.create_launch_template_version(LaunchTemplateId=template_id, VersionDescription=description,
-                                              LaunchTemplateData=data)
+    made = ec2.create_launch_template_version(
+        LaunchTemplateId=template_id, VersionDescription=description, LaunchTemplateData=data
+    )
     return str(made["LaunchTemplateVersion"]["VersionNumber"])
 
 
@@ -81,20 +90,33 @@ def check_offered(ec2, instance_type: str, az: str) -> None:
     if not az:
         return
     try:
-        found = ec2.describe_instance_type_offerings(LocationType="availability-zone", Filters=[
-            {"Name": "instance-type", "Values": [instance_type]}])["InstanceTypeOfferings"]
+        found = ec2.describe_instance_type_offerings(
+            LocationType="availability-zone", Filters=[{"Name": "instance-type", "Values": [instance_type]}]
+        )["InstanceTypeOfferings"]
     except ClientError:
         return
     zones = sorted({o["Location"] for o in found})
     if az not in zones:
-        raise CliError(f"{instance_type} is not offered in {az}, the AZ of this environment's data volume "
-                       f"(offered in: {', '.join(zones) or 'no AZ of this region'})",
-                       "redeploy the environment in one of those AZs (-c availability_zone=...; the data volume "
-                       "moves only through a snapshot), or launch another type")
+        raise CliError(
+            f"{instance_type} is not offered in {az}, the AZ of this environment's data volume "
+            f"(offered in: {', '.join(zones) or 'no AZ of this region'})",
+            "redeploy the environment in one of those AZs (-c availability_zone=...; the data volume "
+            "moves only through a snapshot), or launch another type",
+        )
 
 
-def launch(aws: Aws, outputs: Outputs, instance_type: str, job: str, config: str, image_tag: str,
-           args: str = "", keep: bool = False, on_demand_fallback: bool = False, ec2=None) -> Launched:
+def launch(
+    aws: Aws,
+    outputs: Outputs,
+    instance_type: str,
+    job: str,
+    config: str,
+    image_tag: str,
+    args: str = "",
+    keep: bool = False,
+    on_demand_fallback: bool = False,
+    ec2=None,
+) -> Launched:
     """Run one instance from the stack's launch template for ``instance_type`` (spot unless it falls back).
 
     Raises CliError for a bad job name, a type without a launch template or not offered in the environment's
@@ -105,13 +127,19 @@ def launch(aws: Aws, outputs: Outputs, instance_type: str, job: str, config: str
     template_id = outputs.launch_template(instance_type)
     check_offered(ec2, instance_type, outputs.availability_zone)
     tags = _tags(aws.env, job, config, image_tag, args, keep)
-    spec = [{"ResourceType": "instance", "Tags": tags},
-            {"ResourceType": "volume", "Tags": [t for t in tags if t["Key"] in ("trainstack:env", "trainstack:job")]}]
+    spec = [
+        {"ResourceType": "instance", "Tags": tags},
+        {"ResourceType": "volume", "Tags": [t for t in tags if t["Key"] in ("trainstack:env", "trainstack:job")]},
+    ]
 
     def run(version: str, market: str) -> Launched:
         extra = [{"ResourceType": "spot-instances-request", "Tags": spec[1]["Tags"]}] if market == "spot" else []
-        out = ec2.run_instances(LaunchTemplate={"LaunchTemplateId": template_id, "Version": version},
-                                MinCount=1, MaxCount=1, TagSpecifications=spec + extra)
+        out = ec2.run_instances(
+            LaunchTemplate={"LaunchTemplateId": template_id, "Version": version},
+            MinCount=1,
+            MaxCount=1,
+            TagSpecifications=spec + extra,
+        )
         return Launched(out["Instances"][0]["InstanceId"], market, version)
 
     try:
@@ -123,27 +151,36 @@ def launch(aws: Aws, outputs: Outputs, instance_type: str, job: str, config: str
     try:
         return run(on_demand_version(ec2, template_id), "on-demand")
     except ClientError as e:
-        raise explain(e, f"launching on-demand {instance_type} (after the spot launch failed)",
-                      instance_type) from None
+        raise explain(e, f"launching on-demand {instance_type} (after the spot launch failed)", instance_type) from None
 
 
 def list_instances(aws: Aws, ec2=None) -> list[dict]:
     """This environment's live instances: id, type, state, market, job, launch time, AZ."""
     ec2 = ec2 or aws.client("ec2")
     try:
-        pages = ec2.get_paginator("describe_instances").paginate(Filters=[
-            {"Name": "tag:trainstack:env", "Values": [aws.env]},
-            {"Name": "instance-state-name", "Values": LIVE_STATES}])
+        pages = ec2.get_paginator("describe_instances").paginate(
+            Filters=[
+                {"Name": "tag:trainstack:env", "Values": [aws.env]},
+                {"Name": "instance-state-name", "Values": LIVE_STATES},
+            ]
+        )
         found = [i for page in pages for r in page["Reservations"] for i in r["Instances"]]
     except ClientError as e:
         raise explain(e, "listing instances") from None
     out = []
     for i in found:
         tags = {t["Key"]: t["Value"] for t in i.get("Tags", [])}
-        out.append({"instance_id": i["InstanceId"], "type": i["InstanceType"], "state": i["State"]["Name"],
-                    "market": "spot" if i.get("InstanceLifecycle") == "spot" else "on-demand",
-                    "job": tags.get("trainstack:job", "-"), "launch_time": i["LaunchTime"],
-                    "az": i.get("Placement", {}).get("AvailabilityZone", "-")})
+        out.append(
+            {
+                "instance_id": i["InstanceId"],
+                "type": i["InstanceType"],
+                "state": i["State"]["Name"],
+                "market": "spot" if i.get("InstanceLifecycle") == "spot" else "on-demand",
+                "job": tags.get("trainstack:job", "-"),
+                "launch_time": i["LaunchTime"],
+                "az": i.get("Placement", {}).get("AvailabilityZone", "-"),
+            }
+        )
     return out
 
 
@@ -155,8 +192,9 @@ def stop_instance(aws: Aws, instance_id: str, ec2=None) -> str:
     ec2 = ec2 or aws.client("ec2")
     mine = {i["instance_id"]: i for i in list_instances(aws, ec2)}
     if instance_id not in mine:
-        raise CliError(f"{instance_id} is not a live instance of environment {aws.env}",
-                       "`python -m infra status` lists them")
+        raise CliError(
+            f"{instance_id} is not a live instance of environment {aws.env}", "`python -m infra status` lists them"
+        )
     try:
         if mine[instance_id]["market"] == "spot":
             ec2.terminate_instances(InstanceIds=[instance_id])
@@ -185,14 +223,27 @@ def sweep(aws: Aws, outputs: Optional[Outputs], apply: bool, ec2=None, cw=None) 
     env_filter = [{"Name": "tag:trainstack:env", "Values": [aws.env]}]
     try:
         instances = [i["instance_id"] for i in list_instances(aws, ec2)]
-        requests = [r["SpotInstanceRequestId"] for r in ec2.describe_spot_instance_requests(
-            Filters=env_filter + [{"Name": "state", "Values": ["open", "active"]}])["SpotInstanceRequests"]]
+        requests = [
+            r["SpotInstanceRequestId"]
+            for r in ec2.describe_spot_instance_requests(
+                Filters=env_filter + [{"Name": "state", "Values": ["open", "active"]}]
+            )["SpotInstanceRequests"]
+        ]
         vols = ec2.describe_volumes(Filters=env_filter + [{"Name": "status", "Values": ["available"]}])["Volumes"]
         data_ids = {outputs.volume_id} if outputs and outputs.volume_id else set()
-        volumes = [v["VolumeId"] for v in vols if v["VolumeId"] not in data_ids and
-                   {t["Key"]: t["Value"] for t in v.get("Tags", [])}.get("trainstack:role") != "data"]
-        alarms = [a["AlarmName"] for page in cw.get_paginator("describe_alarms").paginate(
-            AlarmNamePrefix=idle_alarm_prefix(aws.env), AlarmTypes=["MetricAlarm"]) for a in page["MetricAlarms"]]
+        volumes = [
+            v["VolumeId"]
+            for v in vols
+            if v["VolumeId"] not in data_ids
+            and {t["Key"]: t["Value"] for t in v.get("Tags", [])}.get("trainstack:role") != "data"
+        ]
+        alarms = [
+            a["AlarmName"]
+            for page in cw.get_paginator("describe_alarms").paginate(
+                AlarmNamePrefix=idle_alarm_prefix(aws.env), AlarmTypes=["MetricAlarm"]
+            )
+            for a in page["MetricAlarms"]
+        ]
         if apply:
             if requests:
                 ec2.cancel_spot_instance_requests(SpotInstanceRequestIds=requests)
@@ -201,7 +252,7 @@ def sweep(aws: Aws, outputs: Optional[Outputs], apply: bool, ec2=None, cw=None) 
             for vid in volumes:
                 ec2.delete_volume(VolumeId=vid)
             for start in range(0, len(alarms), 100):  # DeleteAlarms takes at most 100 names
-                cw.delete_alarms(AlarmNames=alarms[start:start + 100])
+                cw.delete_alarms(AlarmNames=alarms[start : start + 100])
     except ClientError as e:
         raise explain(e, "sweeping the environment") from None
     return {"instances": instances, "spot_requests": requests, "volumes": volumes, "alarms": alarms}

@@ -31,14 +31,15 @@ def hyperparameters(config_path: Optional[str], overrides: dict[str, str]) -> di
     The merged values are validated by the trainer's own config loader first. Raises CliError naming the
     file or key (missing file, bad YAML, unknown field, invalid value).
     """
-    from trainer.config import ALIASES, FIELDS, ConfigError, load_config  # pure Python: no torch (tested)
+    from trainer.config import ALIASES, FIELDS, ConfigError, load_config, yaml_fields  # pure Python: no torch
 
     values: dict[str, Any] = {}
     if config_path:
         p = Path(config_path)
         if not p.is_file():
-            raise CliError(f"config file {p} " + ("is a directory; expected a YAML file" if p.is_dir() else
-                                                  "does not exist"))
+            raise CliError(
+                f"config file {p} " + ("is a directory; expected a YAML file" if p.is_dir() else "does not exist")
+            )
         try:
             values = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
         except (OSError, UnicodeDecodeError) as e:
@@ -54,7 +55,9 @@ def hyperparameters(config_path: Optional[str], overrides: dict[str, str]) -> di
         load_config(config_path, {ALIASES.get(k, k): v for k, v in overrides.items() if k not in PLATFORM_FIELDS})
     except ConfigError as e:
         raise CliError(str(e)) from None
-    values.update(overrides)
+    if config_path:  # flat field names: nested sections (optim: {lr: ...}) and aliases resolved
+        values = yaml_fields(config_path)
+    values.update({ALIASES.get(k, k): v for k, v in overrides.items()})
     hp = {}
     for k, v in values.items():
         if k in PLATFORM_FIELDS:
@@ -67,12 +70,17 @@ def hyperparameters(config_path: Optional[str], overrides: dict[str, str]) -> di
 
 def execution_name(run_name: str, now: Optional[dt.datetime] = None) -> str:
     """``<run_name>-YYYYmmdd-HHMMSS`` (Step Functions names: at most 80 characters)."""
-    now = now or dt.datetime.now(dt.timezone.utc)
+    now = now or dt.datetime.now(dt.UTC)
     return f"{run_name}-{now:%Y%m%d-%H%M%S}"
 
 
-def check_request(run_name: str, config: Optional[str], overrides: dict[str, str],
-                  data_s3_uri: Optional[str] = None, instance_count: int = 1) -> dict[str, str]:
+def check_request(
+    run_name: str,
+    config: Optional[str],
+    overrides: dict[str, str],
+    data_s3_uri: Optional[str] = None,
+    instance_count: int = 1,
+) -> dict[str, str]:
     """The checks of :func:`submit` that need no AWS call (the CLI runs them before opening a session).
 
     Returns the hyperparameters. Raises CliError for a bad run name, instance count, ``--data`` URI or config.
@@ -86,9 +94,20 @@ def check_request(run_name: str, config: Optional[str], overrides: dict[str, str
     return hyperparameters(config, overrides)
 
 
-def submit(aws: Aws, outputs: Outputs, machine: str, run_name: str, image_tag: str, config: Optional[str],
-           overrides: dict[str, str], data_s3_uri: Optional[str] = None, instance_count: int = 1,
-           nproc_per_node: Optional[int] = None, sfn=None, ecr=None) -> str:
+def submit(
+    aws: Aws,
+    outputs: Outputs,
+    machine: str,
+    run_name: str,
+    image_tag: str,
+    config: Optional[str],
+    overrides: dict[str, str],
+    data_s3_uri: Optional[str] = None,
+    instance_count: int = 1,
+    nproc_per_node: Optional[int] = None,
+    sfn=None,
+    ecr=None,
+) -> str:
     """Start a managed-spot SageMaker run; returns the execution ARN.
 
     ``nproc_per_node`` is only checked: processes per host come from the catalog's GPU count, so asking for
@@ -122,11 +141,21 @@ def list_runs(aws: Aws, outputs: Outputs, sfn=None, sm=None) -> dict[str, list[d
     try:
         for key, arn in sorted(outputs.state_machines.items()):
             for ex in sfn.list_executions(stateMachineArn=arn, maxResults=20)["executions"]:
-                executions.append({"machine": key, "name": ex["name"], "status": ex["status"],
-                                   "start": ex["startDate"], "arn": ex["executionArn"]})
-        jobs = [{"name": j["TrainingJobName"], "status": j["TrainingJobStatus"], "start": j["CreationTime"]}
-                for j in sm.list_training_jobs(NameContains=f"trainstack-{aws.env}-", MaxResults=50,
-                                               SortBy="CreationTime", SortOrder="Descending")["TrainingJobSummaries"]]
+                executions.append(
+                    {
+                        "machine": key,
+                        "name": ex["name"],
+                        "status": ex["status"],
+                        "start": ex["startDate"],
+                        "arn": ex["executionArn"],
+                    }
+                )
+        jobs = [
+            {"name": j["TrainingJobName"], "status": j["TrainingJobStatus"], "start": j["CreationTime"]}
+            for j in sm.list_training_jobs(
+                NameContains=f"trainstack-{aws.env}-", MaxResults=50, SortBy="CreationTime", SortOrder="Descending"
+            )["TrainingJobSummaries"]
+        ]
     except ClientError as e:
         raise explain(e, "listing runs") from None
     return {"executions": executions, "jobs": jobs}
@@ -155,9 +184,21 @@ def describe_job(aws: Aws, name: str, sm=None) -> dict:
     """Status, secondary status, billable seconds and spot savings of one training job."""
     sm = sm or aws.client("sagemaker")
     j = _call(f"describing job {name}", sm.describe_training_job, TrainingJobName=name)
-    return {k: j.get(k) for k in ("TrainingJobName", "TrainingJobStatus", "SecondaryStatus", "FailureReason",
-                                  "BillableTimeInSeconds", "TrainingTimeInSeconds", "EnableManagedSpotTraining",
-                                  "ResourceConfig", "CheckpointConfig", "ModelArtifacts")}
+    return {
+        k: j.get(k)
+        for k in (
+            "TrainingJobName",
+            "TrainingJobStatus",
+            "SecondaryStatus",
+            "FailureReason",
+            "BillableTimeInSeconds",
+            "TrainingTimeInSeconds",
+            "EnableManagedSpotTraining",
+            "ResourceConfig",
+            "CheckpointConfig",
+            "ModelArtifacts",
+        )
+    }
 
 
 def stop_run(aws: Aws, target: str, sfn=None, sm=None) -> str:
@@ -167,8 +208,10 @@ def stop_run(aws: Aws, target: str, sfn=None, sm=None) -> str:
             (sfn or aws.client("stepfunctions")).stop_execution(executionArn=target, cause="python -m infra stop")
             return f"stopped execution {target}"
         if not target.startswith(f"trainstack-{aws.env}-"):
-            raise CliError(f"{target!r} is neither an execution ARN nor a training job of environment {aws.env}",
-                           "`python -m infra status` lists them")
+            raise CliError(
+                f"{target!r} is neither an execution ARN nor a training job of environment {aws.env}",
+                "`python -m infra status` lists them",
+            )
         (sm or aws.client("sagemaker")).stop_training_job(TrainingJobName=target)
         return f"stopping training job {target}"
     except ClientError as e:
@@ -185,10 +228,18 @@ def stop_running_executions(aws: Aws, outputs: Outputs, apply: bool, sfn=None) -
     try:
         arns = list(outputs.state_machines.values())
         if not arns:
-            arns = [m["stateMachineArn"] for page in sfn.get_paginator("list_state_machines").paginate()
-                    for m in page["stateMachines"] if m["name"].startswith(prefix)]
-        running = [ex["executionArn"] for arn in arns for page in sfn.get_paginator("list_executions").paginate(
-            stateMachineArn=arn, statusFilter="RUNNING") for ex in page["executions"]]
+            arns = [
+                m["stateMachineArn"]
+                for page in sfn.get_paginator("list_state_machines").paginate()
+                for m in page["stateMachines"]
+                if m["name"].startswith(prefix)
+            ]
+        running = [
+            ex["executionArn"]
+            for arn in arns
+            for page in sfn.get_paginator("list_executions").paginate(stateMachineArn=arn, statusFilter="RUNNING")
+            for ex in page["executions"]
+        ]
         if apply:
             for arn in running:
                 sfn.stop_execution(executionArn=arn, cause="python -m infra teardown")

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
+from typing import Optional
 
 from botocore.exceptions import ClientError
 
@@ -19,13 +20,23 @@ def source(aws: Aws, outputs: Outputs, target: str) -> tuple[str, str]:
         return outputs.train_log_group, f"{target}/"
     if target.startswith(f"trainstack-{aws.env}-"):
         return SAGEMAKER_LOG_GROUP, f"{target}/"
-    raise CliError(f"{target!r} is neither an instance id (i-...) nor a training job of {aws.env}",
-                   "`python -m infra status` lists both")
+    raise CliError(
+        f"{target!r} is neither an instance id (i-...) nor a training job of {aws.env}",
+        "`python -m infra status` lists both",
+    )
 
 
-def tail(aws: Aws, outputs: Outputs, target: str, lines: int = 50, follow: bool = False,
-         poll_s: float = 5.0, max_polls: Optional[int] = None, logs=None,
-         sleep: Callable[[float], None] = time.sleep) -> Iterator[str]:
+def tail(
+    aws: Aws,
+    outputs: Outputs,
+    target: str,
+    lines: int = 50,
+    follow: bool = False,
+    poll_s: float = 5.0,
+    max_polls: Optional[int] = None,
+    logs=None,
+    sleep: Callable[[float], None] = time.sleep,
+) -> Iterator[str]:
     """Yield the last ``lines`` log lines, then (``follow``) new ones every ``poll_s`` seconds."""
     logs = logs or aws.client("logs")
     group, prefix = source(aws, outputs, target)

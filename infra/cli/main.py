@@ -22,8 +22,9 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 from botocore.exceptions import BotoCoreError
 
@@ -47,8 +48,11 @@ def _positive_int(text: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m infra", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m infra",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--env", help="environment (cdk -c env=...; default: TRAINSTACK_ENV, else dev)")
     p.add_argument("--region", help="AWS region (default: AWS_REGION / profile)")
     p.add_argument("--profile", help="AWS profile")
@@ -66,8 +70,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--image-tag", default="latest")
     s.add_argument("--args", default="", help="extra trainer flags, e.g. '--epochs 5 --data-dir /data/imagenet'")
     s.add_argument("--keep", action="store_true", help="do not shut the instance down when the job is done")
-    s.add_argument("--on-demand-fallback", action="store_true",
-                   help="launch on-demand when spot capacity or price says no")
+    s.add_argument(
+        "--on-demand-fallback", action="store_true", help="launch on-demand when spot capacity or price says no"
+    )
 
     s = sub.add_parser("submit", help="start a managed-spot SageMaker run")
     s.add_argument("--run-name", required=True, help="keys s3://bucket/checkpoints/RUN/: same name = resume")
@@ -132,13 +137,34 @@ def run(args: argparse.Namespace) -> int:
     if cmd == "push-image":
         print(f"pushed {image.push_image(aws, outputs, REPO, args.tag, args.base_image, args.docker)}")
     elif cmd == "launch":
-        got = instances.launch(aws, outputs, args.instance_type, args.job, args.config, args.image_tag,
-                               args.args, args.keep, args.on_demand_fallback)
-        print(f"launched {got.instance_id} ({args.instance_type}, {got.market}, launch template version "
-              f"{got.version}); logs: python -m infra --env {aws.env} logs {got.instance_id} --follow")
+        got = instances.launch(
+            aws,
+            outputs,
+            args.instance_type,
+            args.job,
+            args.config,
+            args.image_tag,
+            args.args,
+            args.keep,
+            args.on_demand_fallback,
+        )
+        print(
+            f"launched {got.instance_id} ({args.instance_type}, {got.market}, launch template version "
+            f"{got.version}); logs: python -m infra --env {aws.env} logs {got.instance_id} --follow"
+        )
     elif cmd == "submit":
-        arn = jobs.submit(aws, outputs, args.machine, args.run_name, args.image_tag, args.config, _kv(args.set),
-                          args.data, args.instance_count, args.nproc_per_node)
+        arn = jobs.submit(
+            aws,
+            outputs,
+            args.machine,
+            args.run_name,
+            args.image_tag,
+            args.config,
+            _kv(args.set),
+            args.data,
+            args.instance_count,
+            args.nproc_per_node,
+        )
         print(f"started {arn}")
     elif cmd == "status":
         if args.target:
@@ -157,9 +183,11 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(state, indent=1, default=str))
             return 0
-        for key, cols in (("instances", ["instance_id", "type", "market", "state", "job", "launch_time"]),
-                          ("executions", ["machine", "name", "status", "start"]),
-                          ("jobs", ["name", "status", "start"])):
+        for key, cols in (
+            ("instances", ["instance_id", "type", "market", "state", "job", "launch_time"]),
+            ("executions", ["machine", "name", "status", "start"]),
+            ("jobs", ["name", "status", "start"]),
+        ):
             print(f"{key}:")
             _print_table(state[key], cols)
     elif cmd == "logs":
@@ -179,15 +207,24 @@ def run(args: argparse.Namespace) -> int:
         verb = "removed" if args.yes else "would remove (run again with --yes)"
         for key, items in found.items():
             print(f"{verb} {len(items)} {key.replace('_', ' ')}: {' '.join(items) or '-'}")
-        print(f"kept: data volume {outputs.volume_id or '(unknown: no DataStack outputs)'}, bucket "
-              f"{outputs.bucket or '(unknown)'} (cdk destroy DataStack never runs here)")
+        print(
+            f"kept: data volume {outputs.volume_id or '(unknown: no DataStack outputs)'}, bucket "
+            f"{outputs.bucket or '(unknown)'} (cdk destroy DataStack never runs here)"
+        )
     elif cmd == "cost":
         est = costs.estimate(aws)
         if args.json:
             print(json.dumps(est, indent=1, default=str))
             return 0
-        rows = [{**r, "hours": f"{r['hours']:.2f}", "usd_per_hour": r["usd_per_hour"] or "?",
-                 "usd": f"{r['usd']:.2f}" if r["usd"] is not None else "?"} for r in est["rows"]]
+        rows = [
+            {
+                **r,
+                "hours": f"{r['hours']:.2f}",
+                "usd_per_hour": r["usd_per_hour"] or "?",
+                "usd": f"{r['usd']:.2f}" if r["usd"] is not None else "?",
+            }
+            for r in est["rows"]
+        ]
         _print_table(rows, ["what", "type", "market", "hours", "usd_per_hour", "usd", "price_source"])
         print(f"total so far: ${est['total_usd']:.2f} (estimate at {est['at']})")
     return 0

@@ -33,26 +33,43 @@ class Outputs:
         """Launch template id for a type. Raises CliError listing the types the stack has."""
         if instance_type not in self.launch_templates:
             catalog.get(instance_type)  # unknown type -> CatalogError with the known ones
-            raise CliError(f"the {self.env} training stack has no launch template for {instance_type} "
-                           f"(it has: {', '.join(sorted(self.launch_templates))})",
-                           f"redeploy with -c launch_template_types={','.join([*self.launch_templates, instance_type])}")
+            raise CliError(
+                f"the {self.env} training stack has no launch template for {instance_type} "
+                f"(it has: {', '.join(sorted(self.launch_templates))})",
+                f"redeploy with -c launch_template_types={','.join([*self.launch_templates, instance_type])}",
+            )
         return self.launch_templates[instance_type]
 
     def state_machine(self, key: str) -> str:
         """State machine ARN by key (``train-g5-2xlarge``, ``scaling-plan``). Raises CliError listing them."""
         if key not in self.state_machines:
-            raise CliError(f"no state machine {key!r} in the {self.env} training stack (it has: "
-                           f"{', '.join(sorted(self.state_machines))})", "redeploy with -c sagemaker_instance_types=...")
+            raise CliError(
+                f"no state machine {key!r} in the {self.env} training stack (it has: "
+                f"{', '.join(sorted(self.state_machines))})",
+                "redeploy with -c sagemaker_instance_types=...",
+            )
         return self.state_machines[key]
 
 
 #: Stack states whose outputs the CLI uses (a failed update rolled back to the last good template).
-USABLE_STATES = ("CREATE_COMPLETE", "UPDATE_COMPLETE", "UPDATE_ROLLBACK_COMPLETE", "IMPORT_COMPLETE",
-                 "IMPORT_ROLLBACK_COMPLETE")
+USABLE_STATES = (
+    "CREATE_COMPLETE",
+    "UPDATE_COMPLETE",
+    "UPDATE_ROLLBACK_COMPLETE",
+    "IMPORT_COMPLETE",
+    "IMPORT_ROLLBACK_COMPLETE",
+)
 #: States ``teardown`` also accepts: whatever is left of a deploy that failed or a delete that stopped half-way
 #: may still run instances, so teardown must work on it (missing outputs are then left empty).
-TEARDOWN_STATES = USABLE_STATES + ("ROLLBACK_COMPLETE", "ROLLBACK_FAILED", "UPDATE_ROLLBACK_FAILED",
-                                   "DELETE_FAILED", "CREATE_FAILED", "UPDATE_FAILED", "IMPORT_ROLLBACK_FAILED")
+TEARDOWN_STATES = USABLE_STATES + (
+    "ROLLBACK_COMPLETE",
+    "ROLLBACK_FAILED",
+    "UPDATE_ROLLBACK_FAILED",
+    "DELETE_FAILED",
+    "CREATE_FAILED",
+    "UPDATE_FAILED",
+    "IMPORT_ROLLBACK_FAILED",
+)
 
 
 def _stack_outputs(cfn, env: str, stack_id: str, partial: bool = False) -> Optional[dict[str, str]]:
@@ -68,8 +85,10 @@ def _stack_outputs(cfn, env: str, stack_id: str, partial: bool = False) -> Optio
         raise explain(e, f"reading stack {name}", env=env) from None
     stack = stacks[0]
     if stack["StackStatus"] not in (TEARDOWN_STATES if partial else USABLE_STATES):
-        raise CliError(f"stack {name} is {stack['StackStatus']}",
-                       f"wait for it, or redeploy with `npx cdk deploy TrainingStack -c env={env}`")
+        raise CliError(
+            f"stack {name} is {stack['StackStatus']}",
+            f"wait for it, or redeploy with `npx cdk deploy TrainingStack -c env={env}`",
+        )
     return {o["OutputKey"]: o["OutputValue"] for o in stack.get("Outputs", [])}
 
 
@@ -97,18 +116,34 @@ def load(aws: Aws, cfn=None, partial: bool = False) -> Outputs:
             name = value.rsplit(":", 1)[1]
             sms[name.removeprefix(prefix)] = value
     if partial:
-        return Outputs(env=aws.env, bucket=data.get("BucketName", ""), volume_id=data.get("DataVolumeId", ""),
-                       availability_zone=data.get("AvailabilityZone", ""),
-                       repository_uri=train.get("RepositoryUri", ""), alarm_topic_arn=mon.get("AlarmTopicArn", ""),
-                       train_log_group=mon.get("TrainLogGroup", ""), launch_templates=lts, state_machines=sms)
+        return Outputs(
+            env=aws.env,
+            bucket=data.get("BucketName", ""),
+            volume_id=data.get("DataVolumeId", ""),
+            availability_zone=data.get("AvailabilityZone", ""),
+            repository_uri=train.get("RepositoryUri", ""),
+            alarm_topic_arn=mon.get("AlarmTopicArn", ""),
+            train_log_group=mon.get("TrainLogGroup", ""),
+            launch_templates=lts,
+            state_machines=sms,
+        )
     try:
-        return Outputs(env=aws.env, bucket=data["BucketName"], volume_id=data["DataVolumeId"],
-                       availability_zone=data["AvailabilityZone"], repository_uri=train["RepositoryUri"],
-                       alarm_topic_arn=mon["AlarmTopicArn"], train_log_group=mon["TrainLogGroup"],
-                       launch_templates=lts, state_machines=sms)
+        return Outputs(
+            env=aws.env,
+            bucket=data["BucketName"],
+            volume_id=data["DataVolumeId"],
+            availability_zone=data["AvailabilityZone"],
+            repository_uri=train["RepositoryUri"],
+            alarm_topic_arn=mon["AlarmTopicArn"],
+            train_log_group=mon["TrainLogGroup"],
+            launch_templates=lts,
+            state_machines=sms,
+        )
     except KeyError as e:
-        raise CliError(f"the {aws.env} stacks lack output {e.args[0]!r}: deployed by an older version?",
-                       "redeploy: `npx cdk deploy TrainingStack -c env=" + aws.env + "`") from None
+        raise CliError(
+            f"the {aws.env} stacks lack output {e.args[0]!r}: deployed by an older version?",
+            "redeploy: `npx cdk deploy TrainingStack -c env=" + aws.env + "`",
+        ) from None
 
 
 def image_exists(aws: Aws, outputs: Outputs, tag: str, ecr=None) -> Optional[str]:

@@ -12,8 +12,15 @@ from dataclasses import dataclass
 from typing import Optional
 
 import boto3
-from botocore.exceptions import (BotoCoreError, ClientError, ConnectionError as BotoConnectionError,
-                                 HTTPClientError, NoCredentialsError, NoRegionError, PartialCredentialsError)
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    HTTPClientError,
+    NoCredentialsError,
+    NoRegionError,
+    PartialCredentialsError,
+)
+from botocore.exceptions import ConnectionError as BotoConnectionError
 
 #: botocore's "no answer from the endpoint" errors (refused, DNS, timeouts, TLS, proxy, dropped connections).
 NETWORK_ERRORS = (BotoConnectionError, HTTPClientError)
@@ -29,12 +36,12 @@ CAPACITY_ERRORS = {
 }
 _CAPACITY_HINTS = {
     "InsufficientInstanceCapacity": "retry in a few minutes, add --on-demand-fallback, or pick another type "
-                                    "(`python -m trainer plan` ranks them)",
+    "(`python -m trainer plan` ranks them)",
     "SpotMaxPriceTooLow": "add --on-demand-fallback, or redeploy with -c spot_max_price_fraction=1.0",
     "MaxSpotInstanceCountExceeded": "cancel open spot requests (`python -m infra teardown`) or ask for a "
-                                    "quota increase in Service Quotas",
+    "quota increase in Service Quotas",
     "VcpuLimitExceeded": "ask for a quota increase in Service Quotas ('All P/G Spot Instance Requests' or the "
-                         "on-demand one), or use a smaller type",
+    "on-demand one), or use a smaller type",
     "InstanceLimitExceeded": "ask for a quota increase in Service Quotas",
     "Unsupported": "redeploy in another AZ (-c availability_zone=...) or pick another type",
 }
@@ -82,9 +89,11 @@ def open_session(env: str, region: Optional[str] = None, profile: Optional[str] 
     try:
         ident = session.client("sts", region_name=region).get_caller_identity()
     except (NoCredentialsError, PartialCredentialsError):
-        raise CliError("no AWS credentials found",
-                       "run `aws configure` or `aws sso login`, set AWS_PROFILE, or in GitHub Actions use "
-                       "aws-actions/configure-aws-credentials with role-to-assume") from None
+        raise CliError(
+            "no AWS credentials found",
+            "run `aws configure` or `aws sso login`, set AWS_PROFILE, or in GitHub Actions use "
+            "aws-actions/configure-aws-credentials with role-to-assume",
+        ) from None
     except NoRegionError:
         raise CliError("no AWS region configured", "pass --region or set AWS_REGION") from None
     except ClientError as e:
@@ -92,8 +101,10 @@ def open_session(env: str, region: Optional[str] = None, profile: Optional[str] 
     except NETWORK_ERRORS as e:
         raise unreachable(e, region, changed=False) from None
     except BotoCoreError as e:  # expired SSO token, credential process failing, bad config file, ...
-        raise CliError(f"AWS credentials could not be loaded: {_one_line(e)}",
-                       "refresh them (`aws sso login`) or check AWS_PROFILE / ~/.aws/config") from None
+        raise CliError(
+            f"AWS credentials could not be loaded: {_one_line(e)}",
+            "refresh them (`aws sso login`) or check AWS_PROFILE / ~/.aws/config",
+        ) from None
     return Aws(session, region, ident["Account"], env)
 
 
@@ -112,8 +123,11 @@ def unreachable(err: Exception, region: Optional[str] = None, changed: Optional[
     where = url + (f" (region {region})" if region else "")
     overrides = sorted(k for k in os.environ if k == "AWS_ENDPOINT_URL" or k.startswith("AWS_ENDPOINT_URL_"))
     checks = ["the network connection", "HTTPS_PROXY/NO_PROXY", *overrides, "--region"]
-    then = ("then rerun (nothing was changed)" if changed is False else
-            "then run `python -m infra status` before rerunning: the request may have been applied")
+    then = (
+        "then rerun (nothing was changed)"
+        if changed is False
+        else "then run `python -m infra status` before rerunning: the request may have been applied"
+    )
     return CliError(f"cannot reach {where}: {type(err).__name__}", f"check {', '.join(checks)}; {then}", code=75)
 
 
@@ -125,21 +139,38 @@ def explain(err: ClientError, doing: str, what: str = "", env: Optional[str] = N
     code = err.response.get("Error", {}).get("Code", "")
     msg = err.response.get("Error", {}).get("Message", str(err))
     if code in CAPACITY_ERRORS:
-        return CliError(f"{doing}: {CAPACITY_ERRORS[code].format(what=what or 'this type')} ({code}: {msg})",
-                        _CAPACITY_HINTS[code], code=75)
-    if code in ("ExpiredToken", "ExpiredTokenException", "InvalidClientTokenId", "UnrecognizedClientException",
-                "AuthFailure", "SignatureDoesNotMatch"):
-        return CliError(f"{doing}: AWS rejected the credentials ({code})", "refresh them (`aws sso login`) or "
-                        "check the region: some accounts only enable some regions")
+        return CliError(
+            f"{doing}: {CAPACITY_ERRORS[code].format(what=what or 'this type')} ({code}: {msg})",
+            _CAPACITY_HINTS[code],
+            code=75,
+        )
+    if code in (
+        "ExpiredToken",
+        "ExpiredTokenException",
+        "InvalidClientTokenId",
+        "UnrecognizedClientException",
+        "AuthFailure",
+        "SignatureDoesNotMatch",
+    ):
+        return CliError(
+            f"{doing}: AWS rejected the credentials ({code})",
+            "refresh them (`aws sso login`) or check the region: some accounts only enable some regions",
+        )
     if code in ("AccessDenied", "AccessDeniedException", "UnauthorizedOperation"):
-        return CliError(f"{doing}: not allowed ({code}): {msg}", "use a role with this permission (the deploy "
-                        "role of infra/constructs/github_oidc.py has what the CLI needs)")
+        return CliError(
+            f"{doing}: not allowed ({code}): {msg}",
+            "use a role with this permission (the deploy "
+            "role of infra/constructs/github_oidc.py has what the CLI needs)",
+        )
     if code == "ValidationError" and "does not exist" in msg:
         deploy = "npx cdk deploy TrainingStack" + (f" -c env={env}" if env else "")
         return CliError(f"{doing}: {msg}", f"deploy it: `{deploy}` (or pass the --region it was deployed in)")
     if code in ("RepositoryNotFoundException", "ImageNotFoundException"):
         return CliError(f"{doing}: {msg}", "build and push it: `python -m infra push-image`")
     if code == "ResourceLimitExceeded":
-        return CliError(f"{doing}: SageMaker quota reached: {msg}", "ask for a quota increase ('... for spot "
-                        "training job usage') or stop a running job (`python -m infra stop JOB`)")
+        return CliError(
+            f"{doing}: SageMaker quota reached: {msg}",
+            "ask for a quota increase ('... for spot "
+            "training job usage') or stop a running job (`python -m infra stop JOB`)",
+        )
     return CliError(f"{doing}: {code}: {msg}")

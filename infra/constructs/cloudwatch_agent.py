@@ -47,16 +47,33 @@ def agent_config(env: str, data_mount: str = "/data", metrics_glob: str = "/data
             "append_dimensions": dims,
             "aggregation_dimensions": [["InstanceId"], []],
             "metrics_collected": {
-                "nvidia_gpu": {"measurement": ["utilization_gpu", "utilization_memory", "memory_used",
-                                               "memory_total", "temperature_gpu", "power_draw"]},
+                "nvidia_gpu": {
+                    "measurement": [
+                        "utilization_gpu",
+                        "utilization_memory",
+                        "memory_used",
+                        "memory_total",
+                        "temperature_gpu",
+                        "power_draw",
+                    ]
+                },
                 "mem": {"measurement": ["mem_used_percent"]},
-                "disk": {"measurement": ["used_percent"], "resources": [data_mount, "/"],
-                         "drop_device": True},
+                "disk": {"measurement": ["used_percent"], "resources": [data_mount, "/"], "drop_device": True},
             },
         },
-        "logs": {"logs_collected": {"files": {"collect_list": [
-            {"file_path": metrics_glob, "log_group_name": log_group_name(env, METRICS_LOG_GROUP),
-             "log_stream_name": "{instance_id}", "retention_in_days": 90},
-        ]}}},
+        "logs": {
+            "logs_collected": {
+                "files": {
+                    "collect_list": [
+                        {
+                            "file_path": metrics_glob,
+                            "log_group_name": log_group_name(env, METRICS_LOG_GROUP),
+                            "log_stream_name": "{instance_id}",
+                            "retention_in_days": 90,
+                        },
+                    ]
+                }
+            }
+        },
     }
     return json.dumps(cfg, indent=1)

@@ -27,65 +27,132 @@ class GithubOidcDeployRole(Construct):
     """``provider_arn`` (created unless ``existing_provider_arn`` is given: one provider per account) and
     ``role`` (the role workflows pass to ``aws-actions/configure-aws-credentials`` as ``role-to-assume``)."""
 
-    def __init__(self, scope: Construct, cid: str, *, repo: str, existing_provider_arn: Optional[str] = None,
-                 account: Optional[str] = None, region: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        scope: Construct,
+        cid: str,
+        *,
+        repo: str,
+        existing_provider_arn: Optional[str] = None,
+        account: Optional[str] = None,
+        region: Optional[str] = None,
+    ) -> None:
         super().__init__(scope, cid)
         stack = cdk.Stack.of(self)
         if existing_provider_arn:
             self.provider_arn = existing_provider_arn
         else:
-            provider = iam.CfnOIDCProvider(self, "Provider", url=f"https://{GITHUB_OIDC_URL}",
-                                           client_id_list=["sts.amazonaws.com"])
+            provider = iam.CfnOIDCProvider(
+                self, "Provider", url=f"https://{GITHUB_OIDC_URL}", client_id_list=["sts.amazonaws.com"]
+            )
             self.provider_arn = provider.attr_arn
-        self.role = iam.Role(self, "DeployRole", description=f"GitHub Actions of {repo}: cdk deploy/destroy, ECR push",
-                             max_session_duration=cdk.Duration.hours(2),
-                             assumed_by=iam.WebIdentityPrincipal(self.provider_arn, conditions={
-                                 "StringEquals": {f"{GITHUB_OIDC_URL}:aud": "sts.amazonaws.com"},
-                                 "StringLike": {f"{GITHUB_OIDC_URL}:sub": [
-                                     f"repo:{repo}:ref:refs/heads/*", f"repo:{repo}:pull_request",
-                                     f"repo:{repo}:environment:*"]}}))
+        self.role = iam.Role(
+            self,
+            "DeployRole",
+            description=f"GitHub Actions of {repo}: cdk deploy/destroy, ECR push",
+            max_session_duration=cdk.Duration.hours(2),
+            assumed_by=iam.WebIdentityPrincipal(
+                self.provider_arn,
+                conditions={
+                    "StringEquals": {f"{GITHUB_OIDC_URL}:aud": "sts.amazonaws.com"},
+                    "StringLike": {
+                        f"{GITHUB_OIDC_URL}:sub": [
+                            f"repo:{repo}:ref:refs/heads/*",
+                            f"repo:{repo}:pull_request",
+                            f"repo:{repo}:environment:*",
+                        ]
+                    },
+                },
+            ),
+        )
         bootstrap_roles = stack.format_arn(service="iam", region="", resource="role", resource_name="cdk-hnb659fds-*")
         self.role.add_to_policy(iam.PolicyStatement(actions=["sts:AssumeRole"], resources=[bootstrap_roles]))
-        self.role.add_to_policy(iam.PolicyStatement(
-            actions=["cloudformation:DescribeStacks", "ec2:DescribeInstances", "ec2:DescribeVolumes",
-                     "ec2:DescribeSpotInstanceRequests", "states:ListStateMachines", "states:ListExecutions",
-                     "sagemaker:ListTrainingJobs", "cloudwatch:DescribeAlarms"],
-            resources=["*"]))
-        self.role.add_to_policy(iam.PolicyStatement(
-            actions=["ec2:TerminateInstances", "ec2:CancelSpotInstanceRequests", "ec2:DeleteVolume"],
-            resources=["*"], conditions={"StringLike": {"aws:ResourceTag/trainstack:env": "*"}}))
+        self.role.add_to_policy(
+            iam.PolicyStatement(
+                actions=[
+                    "cloudformation:DescribeStacks",
+                    "ec2:DescribeInstances",
+                    "ec2:DescribeVolumes",
+                    "ec2:DescribeSpotInstanceRequests",
+                    "states:ListStateMachines",
+                    "states:ListExecutions",
+                    "sagemaker:ListTrainingJobs",
+                    "cloudwatch:DescribeAlarms",
+                ],
+                resources=["*"],
+            )
+        )
+        self.role.add_to_policy(
+            iam.PolicyStatement(
+                actions=["ec2:TerminateInstances", "ec2:CancelSpotInstanceRequests", "ec2:DeleteVolume"],
+                resources=["*"],
+                conditions={"StringLike": {"aws:ResourceTag/trainstack:env": "*"}},
+            )
+        )
         # teardown: stop this project's running executions (Step Functions then stops their training jobs) and
         # delete the per-instance idle alarms of the instances it terminates
-        executions = stack.format_arn(service="states", resource="execution", resource_name="trainstack-*",
-                                      arn_format=cdk.ArnFormat.COLON_RESOURCE_NAME)
+        executions = stack.format_arn(
+            service="states",
+            resource="execution",
+            resource_name="trainstack-*",
+            arn_format=cdk.ArnFormat.COLON_RESOURCE_NAME,
+        )
         self.role.add_to_policy(iam.PolicyStatement(actions=["states:StopExecution"], resources=[executions]))
-        alarms = stack.format_arn(service="cloudwatch", resource="alarm", resource_name="trainstack-*-gpu-idle-*",
-                                  arn_format=cdk.ArnFormat.COLON_RESOURCE_NAME)
+        alarms = stack.format_arn(
+            service="cloudwatch",
+            resource="alarm",
+            resource_name="trainstack-*-gpu-idle-*",
+            arn_format=cdk.ArnFormat.COLON_RESOURCE_NAME,
+        )
         self.role.add_to_policy(iam.PolicyStatement(actions=["cloudwatch:DeleteAlarms"], resources=[alarms]))
         repos = stack.format_arn(service="ecr", resource="repository", resource_name="trainstack-*")
         self.role.add_to_policy(iam.PolicyStatement(actions=["ecr:GetAuthorizationToken"], resources=["*"]))
-        self.role.add_to_policy(iam.PolicyStatement(
-            actions=["ecr:BatchCheckLayerAvailability", "ecr:InitiateLayerUpload", "ecr:UploadLayerPart",
-                     "ecr:CompleteLayerUpload", "ecr:PutImage", "ecr:BatchGetImage", "ecr:GetDownloadUrlForLayer",
-                     "ecr:DescribeImages"],
-            resources=[repos]))
+        self.role.add_to_policy(
+            iam.PolicyStatement(
+                actions=[
+                    "ecr:BatchCheckLayerAvailability",
+                    "ecr:InitiateLayerUpload",
+                    "ecr:UploadLayerPart",
+                    "ecr:CompleteLayerUpload",
+                    "ecr:PutImage",
+                    "ecr:BatchGetImage",
+                    "ecr:GetDownloadUrlForLayer",
+                    "ecr:DescribeImages",
+                ],
+                resources=[repos],
+            )
+        )
         # push-image builds FROM an AWS Deep Learning Container: pulling across accounts needs this allow on
         # the caller's side too (any region: the Dockerfile names its registry's region itself)
-        dlc = stack.format_arn(service="ecr", region="*", account=DLC_REGISTRY_ACCOUNT, resource="repository",
-                               resource_name="*")
-        self.role.add_to_policy(iam.PolicyStatement(
-            actions=["ecr:BatchGetImage", "ecr:GetDownloadUrlForLayer", "ecr:BatchCheckLayerAvailability"],
-            resources=[dlc]))
+        dlc = stack.format_arn(
+            service="ecr", region="*", account=DLC_REGISTRY_ACCOUNT, resource="repository", resource_name="*"
+        )
+        self.role.add_to_policy(
+            iam.PolicyStatement(
+                actions=["ecr:BatchGetImage", "ecr:GetDownloadUrlForLayer", "ecr:BatchCheckLayerAvailability"],
+                resources=[dlc],
+            )
+        )
         acct, reg = env_literals(account, region)
-        ack_findings(self.role, "AwsSolutions-IAM5", [
-            "Resource::*", f"Resource::arn:<AWS::Partition>:iam::{acct}:role/cdk-hnb659fds-*",
-            "Resource::" + nag_arn("ecr", "repository/trainstack-*", account, region),
-            "Resource::" + nag_arn("states", "execution:trainstack-*", account, region),
-            "Resource::" + nag_arn("cloudwatch", "alarm:trainstack-*-gpu-idle-*", account, region),
-            f"Resource::arn:<AWS::Partition>:ecr:*:{DLC_REGISTRY_ACCOUNT}:repository/*"],
+        ack_findings(
+            self.role,
+            "AwsSolutions-IAM5",
+            [
+                "Resource::*",
+                f"Resource::arn:<AWS::Partition>:iam::{acct}:role/cdk-hnb659fds-*",
+                "Resource::" + nag_arn("ecr", "repository/trainstack-*", account, region),
+                "Resource::" + nag_arn("states", "execution:trainstack-*", account, region),
+                "Resource::" + nag_arn("cloudwatch", "alarm:trainstack-*-gpu-idle-*", account, region),
+                f"Resource::arn:<AWS::Partition>:ecr:*:{DLC_REGISTRY_ACCOUNT}:repository/*",
+            ],
             "Describe/List calls only accept '*'; terminate/cancel/delete only on resources tagged trainstack:env; "
             "the CDK bootstrap roles are the documented way to deploy with CDK; ECR push only to trainstack-* "
             "repositories; ECR pull of the AWS Deep Learning Containers registry's public base images; stop "
-            "executions and delete idle alarms only of trainstack-* names.")
-        cdk.CfnOutput(stack, "GithubDeployRoleArn", value=self.role.role_arn,
-                      description="set as repository variable AWS_DEPLOY_ROLE_ARN")
+            "executions and delete idle alarms only of trainstack-* names.",
+        )
+        cdk.CfnOutput(
+            stack,
+            "GithubDeployRoleArn",
+            value=self.role.role_arn,
+            description="set as repository variable AWS_DEPLOY_ROLE_ARN",
+        )

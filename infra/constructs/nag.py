@@ -30,5 +30,10 @@ def nag_arn(service: str, resource: str, account: str | None = None, region: str
 
 
 #: The actions CDK's ``Bucket.grant_read_write`` uses, as cdk-nag reports them.
-S3_READ_WRITE_ACTIONS = ["Action::s3:GetObject*", "Action::s3:GetBucket*", "Action::s3:List*",
-                         "Action::s3:DeleteObject*", "Action::s3:Abort*"]
+S3_READ_WRITE_ACTIONS = [
+    "Action::s3:GetObject*",
+    "Action::s3:GetBucket*",
+    "Action::s3:List*",
+    "Action::s3:DeleteObject*",
+    "Action::s3:Abort*",
+]

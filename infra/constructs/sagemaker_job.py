@@ -18,7 +18,8 @@ ml.g5.2xlarge gets 1, never the 2 of seed 000.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import aws_cdk as cdk
 from aws_cdk import aws_iam as iam
@@ -37,9 +38,19 @@ METRIC_DEFINITIONS = [
 CHECKPOINT_LOCAL_PATH = "/opt/ml/checkpoints"
 
 
-def training_job_state(*, phase: str, instance: InstanceType, prefix: str, image_repository_uri: str,
-                       role_arn: str, bucket_name: str, volume_gib: int, max_run_s: int, max_wait_s: int,
-                       hyperparameters_path: str = "$.args.hyperparameters") -> dict[str, Any]:
+def training_job_state(
+    *,
+    phase: str,
+    instance: InstanceType,
+    prefix: str,
+    image_repository_uri: str,
+    role_arn: str,
+    bucket_name: str,
+    volume_gib: int,
+    max_run_s: int,
+    max_wait_s: int,
+    hyperparameters_path: str = "$.args.hyperparameters",
+) -> dict[str, Any]:
     """The Amazon States Language of one ``createTrainingJob.sync`` task with managed spot.
 
     Job name: ``<prefix>-<phase>-<8 random hex>`` (at most 63 characters). Checkpoints:
@@ -58,21 +69,31 @@ def training_job_state(*, phase: str, instance: InstanceType, prefix: str, image
         "Resource": "arn:aws:states:::sagemaker:createTrainingJob.sync",
         "Parameters": {
             "TrainingJobName.$": f"States.Format('{prefix}-{phase}-{{}}', "
-                                 "States.ArrayGetItem(States.StringSplit(States.UUID(), '-'), 0))",
+            "States.ArrayGetItem(States.StringSplit(States.UUID(), '-'), 0))",
             "AlgorithmSpecification": {
                 "TrainingImage.$": f"States.Format('{image_repository_uri}:{{}}', $.args.image_tag)",
                 "TrainingInputMode": "FastFile",
                 "MetricDefinitions": METRIC_DEFINITIONS,
             },
             "RoleArn": role_arn,
-            "InputDataConfig": [{
-                "ChannelName": "train",
-                "DataSource": {"S3DataSource": {"S3DataType": "S3Prefix", "S3Uri.$": "$.args.data_s3_uri",
-                                                "S3DataDistributionType": "FullyReplicated"}},
-            }],
+            "InputDataConfig": [
+                {
+                    "ChannelName": "train",
+                    "DataSource": {
+                        "S3DataSource": {
+                            "S3DataType": "S3Prefix",
+                            "S3Uri.$": "$.args.data_s3_uri",
+                            "S3DataDistributionType": "FullyReplicated",
+                        }
+                    },
+                }
+            ],
             "OutputDataConfig": {"S3OutputPath": f"s3://{bucket_name}/models/"},
-            "ResourceConfig": {"InstanceType": instance.name, "InstanceCount.$": "$.args.instance_count",
-                               "VolumeSizeInGB": volume_gib},
+            "ResourceConfig": {
+                "InstanceType": instance.name,
+                "InstanceCount.$": "$.args.instance_count",
+                "VolumeSizeInGB": volume_gib,
+            },
             "StoppingCondition": {"MaxRuntimeInSeconds": max_run_s, "MaxWaitTimeInSeconds": max_wait_s},
             "EnableManagedSpotTraining": True,
             "CheckpointConfig": {
@@ -83,9 +104,12 @@ def training_job_state(*, phase: str, instance: InstanceType, prefix: str, image
             "Environment": {"TRAINSTACK_NPROC_PER_NODE": str(instance.processes_per_host)},
             "Tags": [{"Key": "trainstack:prefix", "Value": prefix}],
         },
-        "ResultSelector": {"TrainingJobName.$": "$.TrainingJobName", "TrainingJobStatus.$": "$.TrainingJobStatus",
-                           "ModelArtifacts.$": "$.ModelArtifacts", "BillableTimeInSeconds.$":
-                               "$.BillableTimeInSeconds"},
+        "ResultSelector": {
+            "TrainingJobName.$": "$.TrainingJobName",
+            "TrainingJobStatus.$": "$.TrainingJobStatus",
+            "ModelArtifacts.$": "$.ModelArtifacts",
+            "BillableTimeInSeconds.$": "$.BillableTimeInSeconds",
+        },
         "ResultPath": f"$.jobs.{phase.replace('-', '_')}",
     }
 
@@ -97,54 +121,123 @@ class SageMakerSpotJobs(Construct):
     execution input's. Attribute ``state_machine``.
     """
 
-    def __init__(self, scope: Construct, cid: str, *, name: str, phases: Sequence[tuple[str, InstanceType,
-                 Mapping[str, str]]], prefix: str, image_repository_uri: str, execution_role: iam.IRole,
-                 bucket_name: str, default_data_s3_uri: str, volume_gib: int, max_run_s: int, max_wait_s: int,
-                 default_image_tag: str) -> None:
+    def __init__(
+        self,
+        scope: Construct,
+        cid: str,
+        *,
+        name: str,
+        phases: Sequence[tuple[str, InstanceType, Mapping[str, str]]],
+        prefix: str,
+        image_repository_uri: str,
+        execution_role: iam.IRole,
+        bucket_name: str,
+        default_data_s3_uri: str,
+        volume_gib: int,
+        max_run_s: int,
+        max_wait_s: int,
+        default_image_tag: str,
+    ) -> None:
         super().__init__(scope, cid)
-        defaults = sfn.Pass(self, "Defaults", parameters={
-            "defaults": {"image_tag": default_image_tag, "instance_count": 1, "hyperparameters": {},
-                         "data_s3_uri": default_data_s3_uri},
-            "input.$": "$"})
-        merge = sfn.Pass(self, "MergeInput",
-                         parameters={"args.$": "States.JsonMerge($.defaults, $.input, false)", "jobs": {}})
+        defaults = sfn.Pass(
+            self,
+            "Defaults",
+            parameters={
+                "defaults": {
+                    "image_tag": default_image_tag,
+                    "instance_count": 1,
+                    "hyperparameters": {},
+                    "data_s3_uri": default_data_s3_uri,
+                },
+                "input.$": "$",
+            },
+        )
+        merge = sfn.Pass(
+            self, "MergeInput", parameters={"args.$": "States.JsonMerge($.defaults, $.input, false)", "jobs": {}}
+        )
         chain = defaults.next(merge)
         for phase, instance, hyperparameters in phases:
-            hp = sfn.Pass(self, f"Hyperparameters-{phase}", parameters={
-                "phase": {str(k): str(v) for k, v in hyperparameters.items()}},
-                result_path="$.phase")
-            merged = sfn.Pass(self, f"MergeHyperparameters-{phase}", parameters={
-                "merged.$": "States.JsonMerge($.args.hyperparameters, $.phase.phase, false)"},
-                result_path="$.hp")
-            job = sfn.CustomState(self, f"Train-{phase}", state_json=training_job_state(
-                phase=phase, instance=instance, prefix=prefix, image_repository_uri=image_repository_uri,
-                role_arn=execution_role.role_arn, bucket_name=bucket_name, volume_gib=volume_gib,
-                max_run_s=max_run_s, max_wait_s=max_wait_s, hyperparameters_path="$.hp.merged"))
+            hp = sfn.Pass(
+                self,
+                f"Hyperparameters-{phase}",
+                parameters={"phase": {str(k): str(v) for k, v in hyperparameters.items()}},
+                result_path="$.phase",
+            )
+            merged = sfn.Pass(
+                self,
+                f"MergeHyperparameters-{phase}",
+                parameters={"merged.$": "States.JsonMerge($.args.hyperparameters, $.phase.phase, false)"},
+                result_path="$.hp",
+            )
+            job = sfn.CustomState(
+                self,
+                f"Train-{phase}",
+                state_json=training_job_state(
+                    phase=phase,
+                    instance=instance,
+                    prefix=prefix,
+                    image_repository_uri=image_repository_uri,
+                    role_arn=execution_role.role_arn,
+                    bucket_name=bucket_name,
+                    volume_gib=volume_gib,
+                    max_run_s=max_run_s,
+                    max_wait_s=max_wait_s,
+                    hyperparameters_path="$.hp.merged",
+                ),
+            )
             chain = chain.next(hp).next(merged).next(job)
         # /aws/vendedlogs/ prefix: CloudWatch Logs then grants Step Functions' log delivery without adding to the
         # account's resource policy (5,120 characters per region, exhausted after a few environments otherwise).
-        log_group = logs.LogGroup(self, "Logs", log_group_name=f"/aws/vendedlogs/states/{name}",
-                                  retention=logs.RetentionDays.THREE_MONTHS, removal_policy=cdk.RemovalPolicy.DESTROY)
+        log_group = logs.LogGroup(
+            self,
+            "Logs",
+            log_group_name=f"/aws/vendedlogs/states/{name}",
+            retention=logs.RetentionDays.THREE_MONTHS,
+            removal_policy=cdk.RemovalPolicy.DESTROY,
+        )
         self.state_machine = sfn.StateMachine(
-            self, "StateMachine", state_machine_name=name,
-            definition_body=sfn.DefinitionBody.from_chainable(chain), tracing_enabled=True,
+            self,
+            "StateMachine",
+            state_machine_name=name,
+            definition_body=sfn.DefinitionBody.from_chainable(chain),
+            tracing_enabled=True,
             logs=sfn.LogOptions(destination=log_group, level=sfn.LogLevel.ALL, include_execution_data=True),
-            timeout=cdk.Duration.seconds(max_wait_s * len(phases) + 3600))
+            timeout=cdk.Duration.seconds(max_wait_s * len(phases) + 3600),
+        )
         stack = cdk.Stack.of(self)
         job_arn = stack.format_arn(service="sagemaker", resource="training-job", resource_name=f"{prefix}-*")
-        self.state_machine.add_to_role_policy(iam.PolicyStatement(
-            actions=["sagemaker:CreateTrainingJob", "sagemaker:DescribeTrainingJob", "sagemaker:StopTrainingJob",
-                     "sagemaker:AddTags"], resources=[job_arn]))
-        self.state_machine.add_to_role_policy(iam.PolicyStatement(
-            actions=["events:PutTargets", "events:PutRule", "events:DescribeRule"],
-            resources=[stack.format_arn(service="events", resource="rule",
-                                        resource_name="StepFunctionsGetEventsForSageMakerTrainingJobsRule")]))
-        self.state_machine.add_to_role_policy(iam.PolicyStatement(
-            actions=["iam:PassRole"], resources=[execution_role.role_arn],
-            conditions={"StringEquals": {"iam:PassedToService": "sagemaker.amazonaws.com"}}))
+        self.state_machine.add_to_role_policy(
+            iam.PolicyStatement(
+                actions=[
+                    "sagemaker:CreateTrainingJob",
+                    "sagemaker:DescribeTrainingJob",
+                    "sagemaker:StopTrainingJob",
+                    "sagemaker:AddTags",
+                ],
+                resources=[job_arn],
+            )
+        )
+        self.state_machine.add_to_role_policy(
+            iam.PolicyStatement(
+                actions=["events:PutTargets", "events:PutRule", "events:DescribeRule"],
+                resources=[
+                    stack.format_arn(
+                        service="events",
+                        resource="rule",
+                        resource_name="StepFunctionsGetEventsForSageMakerTrainingJobsRule",
+                    )
+                ],
+            )
+        )
+        self.state_machine.add_to_role_policy(
+            iam.PolicyStatement(
+                actions=["iam:PassRole"],
+                resources=[execution_role.role_arn],
+                conditions={"StringEquals": {"iam:PassedToService": "sagemaker.amazonaws.com"}},
+            )
+        )
 
 
 def phases_from_context(phases: Sequence[Mapping[str, Any]], lookup) -> list[tuple[str, InstanceType, dict]]:
     """``[{"name", "instance_type", "hyperparameters"}]`` (context ``scaling_phases``) -> construct phases."""
     return [(p["name"], lookup(p["instance_type"]), dict(p.get("hyperparameters") or {})) for p in phases]
-

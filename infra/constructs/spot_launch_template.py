@@ -13,7 +13,7 @@ for single-node training (seed 003's p4d run) but a quarter of p4d's 400 Gbit/s 
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import aws_cdk as cdk
 from aws_cdk import aws_ec2 as ec2
@@ -30,29 +30,55 @@ class SpotLaunchTemplate(Construct):
     Raises ValueError for a SageMaker (``ml.*``) type.
     """
 
-    def __init__(self, scope: Construct, cid: str, *, instance: InstanceType, name: str, role: iam.IRole,
-                 security_group: ec2.ISecurityGroup, subnets: Sequence[ec2.ISubnet], ami_parameter: str,
-                 user_data: ec2.UserData, root_volume_gib: int, max_price_fraction: float,
-                 private: bool) -> None:
+    def __init__(
+        self,
+        scope: Construct,
+        cid: str,
+        *,
+        instance: InstanceType,
+        name: str,
+        role: iam.IRole,
+        security_group: ec2.ISecurityGroup,
+        subnets: Sequence[ec2.ISubnet],
+        ami_parameter: str,
+        user_data: ec2.UserData,
+        root_volume_gib: int,
+        max_price_fraction: float,
+        private: bool,
+    ) -> None:
         super().__init__(scope, cid)
         if instance.platform != "ec2":
             raise ValueError(f"launch templates are for EC2 types, got {instance.name}")
         self.instance = instance
         self.launch_template = ec2.LaunchTemplate(
-            self, "Resource", launch_template_name=name,
+            self,
+            "Resource",
+            launch_template_name=name,
             instance_type=ec2.InstanceType(instance.name),
             machine_image=ec2.MachineImage.from_ssm_parameter(ami_parameter, os=ec2.OperatingSystemType.LINUX),
-            role=role, user_data=user_data,
-            require_imdsv2=True, http_tokens=ec2.LaunchTemplateHttpTokens.REQUIRED,
-            http_put_response_hop_limit=2, instance_metadata_tags=True,
+            role=role,
+            user_data=user_data,
+            require_imdsv2=True,
+            http_tokens=ec2.LaunchTemplateHttpTokens.REQUIRED,
+            http_put_response_hop_limit=2,
+            instance_metadata_tags=True,
             instance_initiated_shutdown_behavior=ec2.InstanceInitiatedShutdownBehavior.TERMINATE,
-            block_devices=[ec2.BlockDevice(device_name="/dev/sda1", volume=ec2.BlockDeviceVolume.ebs(
-                root_volume_gib, encrypted=True, volume_type=ec2.EbsDeviceVolumeType.GP3,
-                delete_on_termination=True))],
+            block_devices=[
+                ec2.BlockDevice(
+                    device_name="/dev/sda1",
+                    volume=ec2.BlockDeviceVolume.ebs(
+                        root_volume_gib,
+                        encrypted=True,
+                        volume_type=ec2.EbsDeviceVolumeType.GP3,
+                        delete_on_termination=True,
+                    ),
+                )
+            ],
             spot_options=ec2.LaunchTemplateSpotOptions(
                 request_type=ec2.SpotRequestType.ONE_TIME,
                 interruption_behavior=ec2.SpotInstanceInterruption.TERMINATE,
-                max_price=round(instance.on_demand.usd_per_hour * max_price_fraction, 4)),
+                max_price=round(instance.on_demand.usd_per_hour * max_price_fraction, 4),
+            ),
         )
         # Public IP without NAT (decision, cost): the default VPC has no NAT gateway (~$33/month + $0.045/GB) and
         # no interface endpoints (ECR api+dkr, logs, monitoring, SSM x3, STS, EC2: ~$65/month idle per
@@ -63,9 +89,13 @@ class SpotLaunchTemplate(Construct):
         cards = instance.max_efa_interfaces if (instance.efa and private) else 1
         interfaces = []
         for card in range(cards):
-            nic = {"DeviceIndex": 0 if card == 0 else 1, "NetworkCardIndex": card,
-                   "SubnetId": subnets[0].subnet_id, "Groups": [security_group.security_group_id],
-                   "DeleteOnTermination": True}
+            nic = {
+                "DeviceIndex": 0 if card == 0 else 1,
+                "NetworkCardIndex": card,
+                "SubnetId": subnets[0].subnet_id,
+                "Groups": [security_group.security_group_id],
+                "DeleteOnTermination": True,
+            }
             if instance.efa:
                 nic["InterfaceType"] = "efa"
             if cards == 1:

@@ -264,16 +264,30 @@ def render(p: UserDataParams) -> str:
     Order: IMDS, this instance's idle alarm (the watchdog), data volume, FSx, CloudWatch agent, training
     service; a failing step shuts the instance down and deletes the alarm (see the module docstring).
     """
-    parts = [_HEAD, _ALARM.replace("{create}", p.idle_alarm_command.rstrip("\n"))
-             .replace("{prefix}", p.idle_alarm_prefix), f'VOL="{p.volume_id}"\n',
-             _VOLUME.replace("{ckpt}", CONTAINER_CHECKPOINTS).replace("{runs}", CONTAINER_RUNS)]
+    parts = [
+        _HEAD,
+        _ALARM.replace("{create}", p.idle_alarm_command.rstrip("\n")).replace("{prefix}", p.idle_alarm_prefix),
+        f'VOL="{p.volume_id}"\n',
+        _VOLUME.replace("{ckpt}", CONTAINER_CHECKPOINTS).replace("{runs}", CONTAINER_RUNS),
+    ]
     if p.fsx_dns_name:
-        parts.append(_FSX.replace("{dns}", p.fsx_dns_name).replace("{mount}", p.fsx_mount_name or "")
-                     .replace("{lock}", str(DPKG_LOCK_TIMEOUT_S)))
-    parts.append(_AGENT.replace("{agent_config}", agent.agent_config(p.env)).replace("{lock}", str(DPKG_LOCK_TIMEOUT_S)))
-    service = (_SERVICE.replace("{repo}", p.repository_uri).replace("{image_tag}", p.default_image_tag)
-               .replace("{config}", p.default_config).replace("{nproc}", str(p.nproc_per_node))
-               .replace("{efa}", "1" if p.efa else "0").replace("{log_group}", p.train_log_group)
-               .replace("{ckpt}", CONTAINER_CHECKPOINTS).replace("{runs}", CONTAINER_RUNS))
+        parts.append(
+            _FSX.replace("{dns}", p.fsx_dns_name)
+            .replace("{mount}", p.fsx_mount_name or "")
+            .replace("{lock}", str(DPKG_LOCK_TIMEOUT_S))
+        )
+    parts.append(
+        _AGENT.replace("{agent_config}", agent.agent_config(p.env)).replace("{lock}", str(DPKG_LOCK_TIMEOUT_S))
+    )
+    service = (
+        _SERVICE.replace("{repo}", p.repository_uri)
+        .replace("{image_tag}", p.default_image_tag)
+        .replace("{config}", p.default_config)
+        .replace("{nproc}", str(p.nproc_per_node))
+        .replace("{efa}", "1" if p.efa else "0")
+        .replace("{log_group}", p.train_log_group)
+        .replace("{ckpt}", CONTAINER_CHECKPOINTS)
+        .replace("{runs}", CONTAINER_RUNS)
+    )
     parts.append(service)
     return "".join(parts)

@@ -15,6 +15,11 @@ class CiStack(cdk.Stack):
 
     def __init__(self, scope: Construct, cid: str, *, config: InfraConfig, **kwargs) -> None:
         super().__init__(scope, cid, **kwargs)
-        self.deploy_role = GithubOidcDeployRole(self, "Github", repo=config.github_repo,
-                                                existing_provider_arn=config.github_oidc_provider_arn,
-                                                account=config.account, region=config.region)
+        self.deploy_role = GithubOidcDeployRole(
+            self,
+            "Github",
+            repo=config.github_repo,
+            existing_provider_arn=config.github_oidc_provider_arn,
+            account=config.account,
+            region=config.region,
+        )

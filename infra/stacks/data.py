@@ -41,45 +41,84 @@ class DataStack(cdk.Stack):
 
         # No fixed bucket names: a retained bucket would make deploying the same environment again fail.
         # Ephemeral (pull-request) environments delete their buckets, objects included, with the stack.
-        removal = dict(removal_policy=cdk.RemovalPolicy.DESTROY, auto_delete_objects=True) if cfg.ephemeral \
+        removal = (
+            dict(removal_policy=cdk.RemovalPolicy.DESTROY, auto_delete_objects=True)
+            if cfg.ephemeral
             else dict(removal_policy=cdk.RemovalPolicy.RETAIN)
+        )
         self.access_log_bucket = s3.Bucket(
-            self, "AccessLogs", encryption=s3.BucketEncryption.S3_MANAGED, enforce_ssl=True, versioned=True,
-            block_public_access=s3.BlockPublicAccess.BLOCK_ALL, object_ownership=s3.ObjectOwnership.BUCKET_OWNER_ENFORCED,
+            self,
+            "AccessLogs",
+            encryption=s3.BucketEncryption.S3_MANAGED,
+            enforce_ssl=True,
+            versioned=True,
+            block_public_access=s3.BlockPublicAccess.BLOCK_ALL,
+            object_ownership=s3.ObjectOwnership.BUCKET_OWNER_ENFORCED,
             **removal,
-            lifecycle_rules=[s3.LifecycleRule(expiration=cdk.Duration.days(365),
-                                              noncurrent_version_expiration=cdk.Duration.days(30))])
-        ack(self.access_log_bucket, "AwsSolutions-S1",
-            "This is the access-log bucket itself; logging it into itself would loop.")
+            lifecycle_rules=[
+                s3.LifecycleRule(expiration=cdk.Duration.days(365), noncurrent_version_expiration=cdk.Duration.days(30))
+            ],
+        )
+        ack(
+            self.access_log_bucket,
+            "AwsSolutions-S1",
+            "This is the access-log bucket itself; logging it into itself would loop.",
+        )
         self.bucket = s3.Bucket(
-            self, "Bucket", encryption=s3.BucketEncryption.S3_MANAGED, enforce_ssl=True, versioned=True,
-            block_public_access=s3.BlockPublicAccess.BLOCK_ALL, **removal,
-            server_access_logs_bucket=self.access_log_bucket, server_access_logs_prefix="bucket/",
-            lifecycle_rules=[s3.LifecycleRule(id="old-versions", noncurrent_version_expiration=cdk.Duration.days(30),
-                                              abort_incomplete_multipart_upload_after=cdk.Duration.days(7))])
+            self,
+            "Bucket",
+            encryption=s3.BucketEncryption.S3_MANAGED,
+            enforce_ssl=True,
+            versioned=True,
+            block_public_access=s3.BlockPublicAccess.BLOCK_ALL,
+            **removal,
+            server_access_logs_bucket=self.access_log_bucket,
+            server_access_logs_prefix="bucket/",
+            lifecycle_rules=[
+                s3.LifecycleRule(
+                    id="old-versions",
+                    noncurrent_version_expiration=cdk.Duration.days(30),
+                    abort_incomplete_multipart_upload_after=cdk.Duration.days(7),
+                )
+            ],
+        )
 
         subnets = [ec2.SubnetConfiguration(name="public", subnet_type=ec2.SubnetType.PUBLIC, cidr_mask=24)]
-        private_type = (ec2.SubnetType.PRIVATE_WITH_EGRESS if cfg.nat_gateways else ec2.SubnetType.PRIVATE_ISOLATED)
+        private_type = ec2.SubnetType.PRIVATE_WITH_EGRESS if cfg.nat_gateways else ec2.SubnetType.PRIVATE_ISOLATED
         subnets.append(ec2.SubnetConfiguration(name="private", subnet_type=private_type, cidr_mask=20))
         self.vpc = ec2.Vpc(
-            self, "Vpc", ip_addresses=ec2.IpAddresses.cidr("10.42.0.0/16"), availability_zones=[cfg.az],
-            nat_gateways=cfg.nat_gateways, subnet_configuration=subnets,
-            gateway_endpoints={"S3": ec2.GatewayVpcEndpointOptions(service=ec2.GatewayVpcEndpointAwsService.S3)})
-        flow_logs = logs.LogGroup(self, "FlowLogs", retention=logs.RetentionDays.ONE_MONTH,
-                                  removal_policy=cdk.RemovalPolicy.DESTROY)
-        self.vpc.add_flow_log("FlowLog", destination=ec2.FlowLogDestination.to_cloud_watch_logs(flow_logs),
-                              traffic_type=ec2.FlowLogTrafficType.REJECT)
+            self,
+            "Vpc",
+            ip_addresses=ec2.IpAddresses.cidr("10.42.0.0/16"),
+            availability_zones=[cfg.az],
+            nat_gateways=cfg.nat_gateways,
+            subnet_configuration=subnets,
+            gateway_endpoints={"S3": ec2.GatewayVpcEndpointOptions(service=ec2.GatewayVpcEndpointAwsService.S3)},
+        )
+        flow_logs = logs.LogGroup(
+            self, "FlowLogs", retention=logs.RetentionDays.ONE_MONTH, removal_policy=cdk.RemovalPolicy.DESTROY
+        )
+        self.vpc.add_flow_log(
+            "FlowLog",
+            destination=ec2.FlowLogDestination.to_cloud_watch_logs(flow_logs),
+            traffic_type=ec2.FlowLogTrafficType.REJECT,
+        )
         # With a NAT the instances sit in the private subnet (required for multi-card EFA); else public + IP.
         self.instance_subnets = self.vpc.select_subnets(
-            subnet_group_name="private" if cfg.nat_gateways else "public").subnets
+            subnet_group_name="private" if cfg.nat_gateways else "public"
+        ).subnets
 
         # Explicit egress (allow_all_outbound=False): with allow-all, CDK drops every explicit egress rule, and
         # EFA needs the self-referencing one (EFA user guide: all inbound and outbound traffic to and from the
         # security group itself). HTTPS reaches the AWS APIs, ECR and S3 (no interface endpoints), HTTP the
         # Ubuntu package mirrors (FSx client, CloudWatch agent dependencies).
         self.instance_sg = ec2.SecurityGroup(
-            self, "InstanceSg", vpc=self.vpc, allow_all_outbound=False,
-            description="Training instances: no ingress but from each other (NCCL/EFA need all traffic)")
+            self,
+            "InstanceSg",
+            vpc=self.vpc,
+            allow_all_outbound=False,
+            description="Training instances: no ingress but from each other (NCCL/EFA need all traffic)",
+        )
         self.instance_sg.add_ingress_rule(self.instance_sg, ec2.Port.all_traffic(), "NCCL/EFA between instances")
         self.instance_sg.add_egress_rule(self.instance_sg, ec2.Port.all_traffic(), "NCCL/EFA between instances")
         self.instance_sg.add_egress_rule(ec2.Peer.any_ipv4(), ec2.Port.tcp(443), "AWS APIs, ECR, S3 (HTTPS)")
@@ -88,11 +127,18 @@ class DataStack(cdk.Stack):
             self.instance_sg.add_ingress_rule(ec2.Peer.ipv4(cfg.ssh_cidr), ec2.Port.tcp(22), "SSH (context ssh_cidr)")
 
         self.volume = ec2.Volume(
-            self, "DataVolume", availability_zone=cfg.az, size=cdk.Size.gibibytes(cfg.data_volume_gib),
-            volume_type=ec2.EbsDeviceVolumeType.GP3, iops=cfg.data_volume_iops,
-            throughput=cfg.data_volume_throughput_mibps, encrypted=True,
-            removal_policy=(cdk.RemovalPolicy.SNAPSHOT if cfg.data_volume_removal == "snapshot"
-                            else cdk.RemovalPolicy.RETAIN))
+            self,
+            "DataVolume",
+            availability_zone=cfg.az,
+            size=cdk.Size.gibibytes(cfg.data_volume_gib),
+            volume_type=ec2.EbsDeviceVolumeType.GP3,
+            iops=cfg.data_volume_iops,
+            throughput=cfg.data_volume_throughput_mibps,
+            encrypted=True,
+            removal_policy=(
+                cdk.RemovalPolicy.SNAPSHOT if cfg.data_volume_removal == "snapshot" else cdk.RemovalPolicy.RETAIN
+            ),
+        )
         cdk.Tags.of(self.volume).add("trainstack:role", "data")
 
         self.file_system = None
@@ -115,8 +161,13 @@ class DataStack(cdk.Stack):
 
     def _fsx(self, cfg: InfraConfig) -> fsx.LustreFileSystem:
         """FSx for Lustre in the instances' subnet, linked to ``s3://bucket/datasets/`` (seed 002)."""
-        sg = ec2.SecurityGroup(self, "FsxSg", vpc=self.vpc, allow_all_outbound=False,
-                               description="FSx for Lustre: Lustre ports from the training instances")
+        sg = ec2.SecurityGroup(
+            self,
+            "FsxSg",
+            vpc=self.vpc,
+            allow_all_outbound=False,
+            description="FSx for Lustre: Lustre ports from the training instances",
+        )
         for lo, hi in LUSTRE_PORTS:
             for peer in (self.instance_sg, sg):
                 sg.add_ingress_rule(peer, ec2.Port.tcp_range(lo, hi), "Lustre")
@@ -130,25 +181,39 @@ class DataStack(cdk.Stack):
             # SCRATCH_2 links to S3 through its own import/export paths; PERSISTENT_2 through a DRA below.
             import_path=None if persistent else self.bucket.s3_url_for_object("datasets"),
             export_path=None if persistent else self.bucket.s3_url_for_object("datasets"),
-            auto_import_policy=None if persistent else fsx.LustreAutoImportPolicy.NEW_CHANGED_DELETED)
+            auto_import_policy=None if persistent else fsx.LustreAutoImportPolicy.NEW_CHANGED_DELETED,
+        )
         fs = fsx.LustreFileSystem(
-            self, "Lustre", vpc=self.vpc, vpc_subnet=self.instance_subnets[0], security_group=sg,
-            storage_capacity_gib=cfg.fsx_storage_gib, lustre_configuration=lustre,
+            self,
+            "Lustre",
+            vpc=self.vpc,
+            vpc_subnet=self.instance_subnets[0],
+            security_group=sg,
+            storage_capacity_gib=cfg.fsx_storage_gib,
+            lustre_configuration=lustre,
             file_system_type_version=fsx.FileSystemTypeVersion.V_2_15,
             # Deleted with the stack: a retained file system keeps its subnet and security group, so the stack
             # (VPC) could never be deleted. It is a cache of s3://bucket/datasets/ (PERSISTENT_2 exports new and
             # changed files automatically; SCRATCH_2 results must be exported or written to /data or S3).
-            removal_policy=cdk.RemovalPolicy.DESTROY)
+            removal_policy=cdk.RemovalPolicy.DESTROY,
+        )
         if persistent:
             fsx.CfnDataRepositoryAssociation(
-                self, "DataRepositoryAssociation", file_system_id=fs.file_system_id,
-                file_system_path=cfg.fsx_data_path, data_repository_path=self.bucket.s3_url_for_object("datasets/"),
+                self,
+                "DataRepositoryAssociation",
+                file_system_id=fs.file_system_id,
+                file_system_path=cfg.fsx_data_path,
+                data_repository_path=self.bucket.s3_url_for_object("datasets/"),
                 batch_import_meta_data_on_create=True,
                 s3=fsx.CfnDataRepositoryAssociation.S3Property(
                     auto_import_policy=fsx.CfnDataRepositoryAssociation.AutoImportPolicyProperty(
-                        events=["NEW", "CHANGED", "DELETED"]),
+                        events=["NEW", "CHANGED", "DELETED"]
+                    ),
                     auto_export_policy=fsx.CfnDataRepositoryAssociation.AutoExportPolicyProperty(
-                        events=["NEW", "CHANGED", "DELETED"])))
+                        events=["NEW", "CHANGED", "DELETED"]
+                    ),
+                ),
+            )
         cdk.CfnOutput(self, "FsxDnsName", value=fs.dns_name, description="FSx for Lustre DNS name")
         cdk.CfnOutput(self, "FsxMountName", value=fs.mount_name, description="FSx for Lustre mount name")
         return fs

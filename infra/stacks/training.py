@@ -26,106 +26,199 @@ class TrainingStack(cdk.Stack):
     """Attributes: ``repository``, ``instance_role``, ``sagemaker_role``, ``launch_templates`` (type -> construct),
     ``state_machines`` (name -> StateMachine)."""
 
-    def __init__(self, scope: Construct, cid: str, *, config: InfraConfig, data: DataStack,
-                 monitoring: MonitoringStack, **kwargs) -> None:
+    def __init__(
+        self, scope: Construct, cid: str, *, config: InfraConfig, data: DataStack, monitoring: MonitoringStack, **kwargs
+    ) -> None:
         super().__init__(scope, cid, **kwargs)
         cfg = self.cfg = config
         cat = cfg.catalog()
         # The data stack's bucket (generated name), imported by its fixed export names.
         self.bucket = s3.Bucket.from_bucket_attributes(
-            self, "DataBucket", bucket_arn=cdk.Fn.import_value(bucket_export(cfg, "arn")),
-            bucket_name=cdk.Fn.import_value(bucket_export(cfg, "name")))
+            self,
+            "DataBucket",
+            bucket_arn=cdk.Fn.import_value(bucket_export(cfg, "arn")),
+            bucket_name=cdk.Fn.import_value(bucket_export(cfg, "name")),
+        )
         # Commit tags are immutable, so a job restarting after exit 75 pulls the image it started with; `latest`
         # (push-image moves it on every push) is the one mutable tag: pin a commit tag for long runs.
         self.repository = ecr.Repository(
-            self, "Repository", repository_name=cfg.prefix, image_scan_on_push=True,
+            self,
+            "Repository",
+            repository_name=cfg.prefix,
+            image_scan_on_push=True,
             image_tag_mutability=ecr.TagMutability.IMMUTABLE_WITH_EXCLUSION,
             image_tag_mutability_exclusion_filters=[ecr.ImageTagMutabilityExclusionFilter.wildcard("latest")],
-            removal_policy=cdk.RemovalPolicy.DESTROY, empty_on_delete=True,
-            lifecycle_rules=[ecr.LifecycleRule(description="untagged images go after 7 days", rule_priority=1,
-                                               tag_status=ecr.TagStatus.UNTAGGED, max_image_age=cdk.Duration.days(7)),
-                             ecr.LifecycleRule(description="keep the newest 30 images", rule_priority=2,
-                                               tag_status=ecr.TagStatus.ANY, max_image_count=30)])
+            removal_policy=cdk.RemovalPolicy.DESTROY,
+            empty_on_delete=True,
+            lifecycle_rules=[
+                ecr.LifecycleRule(
+                    description="untagged images go after 7 days",
+                    rule_priority=1,
+                    tag_status=ecr.TagStatus.UNTAGGED,
+                    max_image_age=cdk.Duration.days(7),
+                ),
+                ecr.LifecycleRule(
+                    description="keep the newest 30 images",
+                    rule_priority=2,
+                    tag_status=ecr.TagStatus.ANY,
+                    max_image_count=30,
+                ),
+            ],
+        )
         self.instance_role = self._instance_role(cfg, data, monitoring)
         self.launch_templates: dict[str, SpotLaunchTemplate] = {}
         for name in cfg.launch_template_types:
             it = catalog.get(name, cat)
             ud = ec2.UserData.for_linux()
-            ud.add_commands(user_data.render(user_data.UserDataParams(
-                env=cfg.env, volume_id=data.volume.volume_id, repository_uri=self.repository.repository_uri,
-                train_log_group=monitoring.train_log_group.log_group_name,
-                idle_alarm_command=instance_idle_alarm_command(cfg, monitoring.topic.topic_arn),
-                idle_alarm_prefix=idle_alarm_name(cfg),
-                nproc_per_node=it.processes_per_host, efa=it.efa, default_config=cfg.train_config,
-                default_image_tag=cfg.image_tag,
-                fsx_dns_name=data.file_system.dns_name if data.file_system else None,
-                fsx_mount_name=data.file_system.mount_name if data.file_system else None)))
+            ud.add_commands(
+                user_data.render(
+                    user_data.UserDataParams(
+                        env=cfg.env,
+                        volume_id=data.volume.volume_id,
+                        repository_uri=self.repository.repository_uri,
+                        train_log_group=monitoring.train_log_group.log_group_name,
+                        idle_alarm_command=instance_idle_alarm_command(cfg, monitoring.topic.topic_arn),
+                        idle_alarm_prefix=idle_alarm_name(cfg),
+                        nproc_per_node=it.processes_per_host,
+                        efa=it.efa,
+                        default_config=cfg.train_config,
+                        default_image_tag=cfg.image_tag,
+                        fsx_dns_name=data.file_system.dns_name if data.file_system else None,
+                        fsx_mount_name=data.file_system.mount_name if data.file_system else None,
+                    )
+                )
+            )
             lt = SpotLaunchTemplate(
-                self, f"LaunchTemplate-{name}", instance=it, name=f"{cfg.prefix}-{name.replace('.', '-')}",
-                role=self.instance_role, security_group=data.instance_sg, subnets=data.instance_subnets,
-                ami_parameter=cfg.ami_parameter, user_data=ud, root_volume_gib=cfg.root_volume_gib,
-                max_price_fraction=cfg.spot_max_price_fraction, private=cfg.nat_gateways > 0)
+                self,
+                f"LaunchTemplate-{name}",
+                instance=it,
+                name=f"{cfg.prefix}-{name.replace('.', '-')}",
+                role=self.instance_role,
+                security_group=data.instance_sg,
+                subnets=data.instance_subnets,
+                ami_parameter=cfg.ami_parameter,
+                user_data=ud,
+                root_volume_gib=cfg.root_volume_gib,
+                max_price_fraction=cfg.spot_max_price_fraction,
+                private=cfg.nat_gateways > 0,
+            )
             self.launch_templates[name] = lt
-            cdk.CfnOutput(self, f"LaunchTemplateId{name.replace('.', '').replace('-', '')}",
-                          value=lt.launch_template_id, description=f"spot launch template for {name}")
+            cdk.CfnOutput(
+                self,
+                f"LaunchTemplateId{name.replace('.', '').replace('-', '')}",
+                value=lt.launch_template_id,
+                description=f"spot launch template for {name}",
+            )
 
         self.sagemaker_role = self._sagemaker_role()
         self.state_machines = {}
-        common = dict(prefix=cfg.prefix, image_repository_uri=self.repository.repository_uri,
-                      execution_role=self.sagemaker_role, bucket_name=self.bucket.bucket_name,
-                      default_data_s3_uri=self.bucket.s3_url_for_object("datasets/"),
-                      volume_gib=cfg.sagemaker_volume_gib, max_run_s=int(cfg.sagemaker_max_run_hours * 3600),
-                      max_wait_s=int(cfg.sagemaker_max_wait_hours * 3600), default_image_tag=cfg.image_tag)
+        common = dict(
+            prefix=cfg.prefix,
+            image_repository_uri=self.repository.repository_uri,
+            execution_role=self.sagemaker_role,
+            bucket_name=self.bucket.bucket_name,
+            default_data_s3_uri=self.bucket.s3_url_for_object("datasets/"),
+            volume_gib=cfg.sagemaker_volume_gib,
+            max_run_s=int(cfg.sagemaker_max_run_hours * 3600),
+            max_wait_s=int(cfg.sagemaker_max_wait_hours * 3600),
+            default_image_tag=cfg.image_tag,
+        )
         for name in cfg.sagemaker_instance_types:
             it = catalog.get(name, cat)
             short = name.removeprefix("ml.").replace(".", "-")
-            jobs = SageMakerSpotJobs(self, f"Job-{short}", name=f"{cfg.prefix}-train-{short}",
-                                     phases=[(short, it, {})], **common)
+            jobs = SageMakerSpotJobs(
+                self, f"Job-{short}", name=f"{cfg.prefix}-train-{short}", phases=[(short, it, {})], **common
+            )
             self.state_machines[f"train-{short}"] = jobs.state_machine
-        scaling = SageMakerSpotJobs(self, "ScalingPlan", name=f"{cfg.prefix}-scaling-plan",
-                                    phases=phases_from_context(cfg.scaling_phases, lambda n: catalog.get(n, cat)),
-                                    **common)
+        scaling = SageMakerSpotJobs(
+            self,
+            "ScalingPlan",
+            name=f"{cfg.prefix}-scaling-plan",
+            phases=phases_from_context(cfg.scaling_phases, lambda n: catalog.get(n, cat)),
+            **common,
+        )
         self.state_machines["scaling-plan"] = scaling.state_machine
         for key, sm in self.state_machines.items():
-            cdk.CfnOutput(self, f"StateMachine{key.replace('-', '')}", value=sm.state_machine_arn,
-                          description=f"SageMaker managed-spot job(s): {key}")
-            ack_findings(sm, "AwsSolutions-IAM5", ["Resource::*", self._nag_arn(
-                "sagemaker", f"training-job/{cfg.prefix}-*")], "X-Ray and CloudWatch Logs delivery actions that CDK "
-                "adds for tracing/logging only accept '*'; SageMaker actions are scoped to this env's job names.")
+            cdk.CfnOutput(
+                self,
+                f"StateMachine{key.replace('-', '')}",
+                value=sm.state_machine_arn,
+                description=f"SageMaker managed-spot job(s): {key}",
+            )
+            ack_findings(
+                sm,
+                "AwsSolutions-IAM5",
+                ["Resource::*", self._nag_arn("sagemaker", f"training-job/{cfg.prefix}-*")],
+                "X-Ray and CloudWatch Logs delivery actions that CDK "
+                "adds for tracing/logging only accept '*'; SageMaker actions are scoped to this env's job names.",
+            )
         cdk.CfnOutput(self, "RepositoryUri", value=self.repository.repository_uri)
         cdk.CfnOutput(self, "InstanceRoleArn", value=self.instance_role.role_arn)
         cdk.CfnOutput(self, "SageMakerRoleArn", value=self.sagemaker_role.role_arn)
 
     def _instance_role(self, cfg: InfraConfig, data: DataStack, monitoring: MonitoringStack) -> iam.Role:
         """EC2 instance role: SSM Session Manager (no SSH), CloudWatch agent, this env's bucket/image/volume."""
-        role = iam.Role(self, "InstanceRole", assumed_by=iam.ServicePrincipal("ec2.amazonaws.com"),
-                        description=f"{cfg.prefix} training instances",
-                        managed_policies=[
-                            iam.ManagedPolicy.from_aws_managed_policy_name("AmazonSSMManagedInstanceCore"),
-                            iam.ManagedPolicy.from_aws_managed_policy_name("CloudWatchAgentServerPolicy")])
+        role = iam.Role(
+            self,
+            "InstanceRole",
+            assumed_by=iam.ServicePrincipal("ec2.amazonaws.com"),
+            description=f"{cfg.prefix} training instances",
+            managed_policies=[
+                iam.ManagedPolicy.from_aws_managed_policy_name("AmazonSSMManagedInstanceCore"),
+                iam.ManagedPolicy.from_aws_managed_policy_name("CloudWatchAgentServerPolicy"),
+            ],
+        )
         self.bucket.grant_read_write(role)
         self.repository.grant_pull(role)
         monitoring.train_log_group.grant_write(role)
-        role.add_to_policy(iam.PolicyStatement(
-            actions=["ec2:AttachVolume"],
-            resources=[self.format_arn(service="ec2", resource="volume", resource_name=data.volume.volume_id),
-                       self.format_arn(service="ec2", resource="instance", resource_name="*")],
-            conditions={"StringEquals": {"aws:ResourceTag/trainstack:env": cfg.env}}))
+        role.add_to_policy(
+            iam.PolicyStatement(
+                actions=["ec2:AttachVolume"],
+                resources=[
+                    self.format_arn(service="ec2", resource="volume", resource_name=data.volume.volume_id),
+                    self.format_arn(service="ec2", resource="instance", resource_name="*"),
+                ],
+                conditions={"StringEquals": {"aws:ResourceTag/trainstack:env": cfg.env}},
+            )
+        )
         role.add_to_policy(iam.PolicyStatement(actions=["ec2:DescribeVolumes"], resources=["*"]))
-        role.add_to_policy(iam.PolicyStatement(
-            actions=["cloudwatch:PutMetricAlarm", "cloudwatch:DeleteAlarms"],
-            resources=[self.format_arn(service="cloudwatch", resource="alarm", arn_format=cdk.ArnFormat.COLON_RESOURCE_NAME,
-                                       resource_name=f"{idle_alarm_name(cfg)}-*")]))
-        ack_findings(role, "AwsSolutions-IAM4", [f"Policy::arn:<AWS::Partition>:iam::aws:policy/{p}" for p in (
-            "AmazonSSMManagedInstanceCore", "CloudWatchAgentServerPolicy")],
+        role.add_to_policy(
+            iam.PolicyStatement(
+                actions=["cloudwatch:PutMetricAlarm", "cloudwatch:DeleteAlarms"],
+                resources=[
+                    self.format_arn(
+                        service="cloudwatch",
+                        resource="alarm",
+                        arn_format=cdk.ArnFormat.COLON_RESOURCE_NAME,
+                        resource_name=f"{idle_alarm_name(cfg)}-*",
+                    )
+                ],
+            )
+        )
+        ack_findings(
+            role,
+            "AwsSolutions-IAM4",
+            [
+                f"Policy::arn:<AWS::Partition>:iam::aws:policy/{p}"
+                for p in ("AmazonSSMManagedInstanceCore", "CloudWatchAgentServerPolicy")
+            ],
             "The AWS-documented policies for exactly these agents: Session Manager (instead of SSH) and the "
-            "CloudWatch agent (GPU metrics).")
-        ack_findings(role, "AwsSolutions-IAM5", S3_READ_WRITE_ACTIONS + [
-            self._bucket_objects(), "Resource::*", self._nag_arn("ec2", "instance/*"),
-            self._nag_arn("cloudwatch", f"alarm:{idle_alarm_name(cfg)}-*")],
+            "CloudWatch agent (GPU metrics).",
+        )
+        ack_findings(
+            role,
+            "AwsSolutions-IAM5",
+            S3_READ_WRITE_ACTIONS
+            + [
+                self._bucket_objects(),
+                "Resource::*",
+                self._nag_arn("ec2", "instance/*"),
+                self._nag_arn("cloudwatch", f"alarm:{idle_alarm_name(cfg)}-*"),
+            ],
             "Object keys inside this environment's bucket (CDK grant_read_write), AttachVolume on instances "
             "tagged with this env only, the per-instance idle alarms, and ecr:GetAuthorizationToken / "
-            "ec2:DescribeVolumes which only accept '*'.")
+            "ec2:DescribeVolumes which only accept '*'.",
+        )
         return role
 
     def _nag_arn(self, service: str, resource: str) -> str:
@@ -137,19 +230,40 @@ class TrainingStack(cdk.Stack):
 
     def _sagemaker_role(self) -> iam.Role:
         """SageMaker execution role: this env's bucket and image, its own logs and metrics."""
-        role = iam.Role(self, "SageMakerRole", assumed_by=iam.ServicePrincipal("sagemaker.amazonaws.com"),
-                        description="SageMaker training jobs (managed spot)")
+        role = iam.Role(
+            self,
+            "SageMakerRole",
+            assumed_by=iam.ServicePrincipal("sagemaker.amazonaws.com"),
+            description="SageMaker training jobs (managed spot)",
+        )
         self.bucket.grant_read_write(role)
         self.repository.grant_pull(role)
-        role.add_to_policy(iam.PolicyStatement(
-            actions=["logs:CreateLogGroup", "logs:CreateLogStream", "logs:PutLogEvents", "logs:DescribeLogStreams"],
-            resources=[self.format_arn(service="logs", resource="log-group", arn_format=cdk.ArnFormat.COLON_RESOURCE_NAME,
-                                       resource_name="/aws/sagemaker/TrainingJobs*")]))
-        role.add_to_policy(iam.PolicyStatement(
-            actions=["cloudwatch:PutMetricData"], resources=["*"],
-            conditions={"StringLike": {"cloudwatch:namespace": "/aws/sagemaker/*"}}))
-        ack_findings(role, "AwsSolutions-IAM5", S3_READ_WRITE_ACTIONS + [
-            self._bucket_objects(), "Resource::*", self._nag_arn("logs", "log-group:/aws/sagemaker/TrainingJobs*")],
+        role.add_to_policy(
+            iam.PolicyStatement(
+                actions=["logs:CreateLogGroup", "logs:CreateLogStream", "logs:PutLogEvents", "logs:DescribeLogStreams"],
+                resources=[
+                    self.format_arn(
+                        service="logs",
+                        resource="log-group",
+                        arn_format=cdk.ArnFormat.COLON_RESOURCE_NAME,
+                        resource_name="/aws/sagemaker/TrainingJobs*",
+                    )
+                ],
+            )
+        )
+        role.add_to_policy(
+            iam.PolicyStatement(
+                actions=["cloudwatch:PutMetricData"],
+                resources=["*"],
+                conditions={"StringLike": {"cloudwatch:namespace": "/aws/sagemaker/*"}},
+            )
+        )
+        ack_findings(
+            role,
+            "AwsSolutions-IAM5",
+            S3_READ_WRITE_ACTIONS
+            + [self._bucket_objects(), "Resource::*", self._nag_arn("logs", "log-group:/aws/sagemaker/TrainingJobs*")],
             "Object keys inside this environment's bucket, SageMaker's own log groups, PutMetricData (only '*', "
-            "limited by namespace) and ecr:GetAuthorizationToken (only '*').")
+            "limited by namespace) and ecr:GetAuthorizationToken (only '*').",
+        )
         return role

@@ -6,7 +6,7 @@ seeds and the epoch's resolution from the key itself, even inside persistent loa
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch.utils.data import Sampler
@@ -42,10 +42,10 @@ class EpochSampler(Sampler):
         perm = torch.randperm(self.n, generator=g).tolist()
         total = -(-self.n // self.world) * self.world
         perm += (perm * (total // self.n + 1))[: total - self.n]
-        return perm[self.rank:total:self.world]
+        return perm[self.rank : total : self.world]
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
-        for i in self.indices()[self.start:]:
+        for i in self.indices()[self.start :]:
             yield (self.epoch, i)
 
     def __len__(self) -> int:

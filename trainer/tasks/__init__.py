@@ -1,8 +1,55 @@
-"""Task registry: task name (config field ``task``) -> Task class."""
+"""The task registry: the one place that maps a task name (config field ``task``) to its plug-in.
 
-from trainer.tasks.base import Task, TaskData
-from trainer.tasks.classification import ClassificationTask
+Pure Python (no torch import), so the config schema and ``infra/`` can list and validate task names; the task's
+module is imported only by :func:`task_class` / :func:`build_task`. A new task adds one line here (or calls
+:func:`register_task` from a plug-in package) and subclasses :class:`trainer.tasks.base.Task`; the engine needs no
+change.
+"""
 
-TASKS: dict[str, type[Task]] = {"classification": ClassificationTask}
+from __future__ import annotations
 
-__all__ = ["TASKS", "Task", "TaskData", "ClassificationTask"]
+import importlib
+from typing import Any
+
+#: task name -> "module:Class" (imported lazily)
+_REGISTRY: dict[str, str] = {
+    "classification": "trainer.tasks.classification.task:ClassificationTask",
+}
+
+
+def register_task(name: str, target: str) -> None:
+    """Register task ``name`` as ``"package.module:Class"`` (a :class:`trainer.tasks.base.Task` subclass).
+
+    Raises:
+        ValueError: ``name`` is already registered for another class, or ``target`` is not ``module:Class``.
+    """
+    if ":" not in target:
+        raise ValueError(f"register_task({name!r}): target must be 'module:Class', got {target!r}")
+    if _REGISTRY.get(name, target) != target:
+        raise ValueError(f"register_task({name!r}): already registered as {_REGISTRY[name]}")
+    _REGISTRY[name] = target
+
+
+def task_names() -> tuple[str, ...]:
+    """Registered task names, sorted (the values the config field ``task`` accepts)."""
+    return tuple(sorted(_REGISTRY))
+
+
+def task_class(name: str) -> type:
+    """Import and return the Task subclass registered as ``name``.
+
+    Raises:
+        KeyError: ``name`` is not registered (the config validates ``task`` first, so users never see this).
+    """
+    module, _, attr = _REGISTRY[name].partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def build_task(cfg: Any, dist: Any) -> Any:
+    """The task of ``cfg.task`` for one rank: ``task_class(cfg.task)(cfg, dist)`` (the only constructor call the
+    engine and planning make). ``cfg``: a validated :class:`trainer.config.TrainConfig`; ``dist``: a
+    :class:`trainer.engine.distributed.DistInfo`."""
+    return task_class(cfg.task)(cfg, dist)
+
+
+__all__ = ["build_task", "register_task", "task_class", "task_names"]

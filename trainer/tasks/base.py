@@ -1,25 +1,31 @@
-"""The task seam: what the task-agnostic loop needs from classification, detection, segmentation, video.
+"""The task seam: what the task-agnostic engine needs from classification, detection, segmentation, video.
 
-A task owns its data (datasets + collate), model, loss and metrics. The loop owns everything else
-(devices, DDP, precision, accumulation, clipping, EMA, schedules, checkpoints, logging), so a new task plugs
-in by subclassing :class:`Task` and registering itself in :data:`trainer.tasks.TASKS`, with no loop change.
+A task owns its data (datasets, collate, optionally its own loaders), its model, its **model step** (the model sees
+the whole batch — inputs and targets — and returns outputs plus loss terms, so denoising-style training such as
+DINO's contrastive denoising and multi-term losses fit without an engine change), its evaluator
+(:mod:`trainer.engine.evaluation`) and a representative batch for planning (:meth:`Task.example_batch`). The engine
+owns everything else: devices, DDP, precision, accumulation, clipping, EMA, schedules, checkpoints, logging.
 
-Batch contract: the collate function returns a dict with at least ``"bad"`` (a list of
-:class:`trainer.data.imagefolder.BadSample`, possibly empty); everything else is the task's business.
+Batch contract (:mod:`trainer.data.samples`): the collate function returns a dict with at least ``"bad"``;
+:meth:`Task.train_batch` / :meth:`Task.eval_batch` turn it into a *device batch*: a dict holding the tensors the
+model step needs and ``"n"``, the number of samples (int).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Optional
 
 import torch
 from torch import nn
 from torch.utils.data import Dataset
 
 from trainer.config import TrainConfig
-from trainer.distributed import DistInfo
+from trainer.engine.distributed import DistInfo
+from trainer.engine.evaluation import DIRECTIONS, Evaluator
+from trainer.errors import ConfigError
 
 
 @dataclass
@@ -30,9 +36,14 @@ class TaskData:
     what the model head needs (classes); ``report`` holds log lines (census, ignored files...).
 
     ``label_space`` says what the model's outputs mean, as plain JSON-like values (e.g. classification:
-    ``{"classes": ["ants", "bees"]}``; detection: its category names; segmentation: its class ids). The loop
+    ``{"classes": ["ants", "bees"]}``; detection: its category names; segmentation: its class ids). The engine
     stores it in every checkpoint and refuses to resume one whose label space differs (also with
     ``force_resume``), naming the difference. Empty: the task does not describe it; nothing is checked.
+
+    ``loaders``: a format that brings its own loaders (FFCV) sets this to
+    ``f(cfg, info, train, val, micro_batch, eval_batch) -> (train_loader, val_loader)``; each loader has an
+    ``order`` attribute with ``set_epoch(epoch, start)`` and ``__len__`` (samples of this rank). None: the
+    sampler + ``DataLoader`` path. Both behind :func:`trainer.data.loading.build_split_loaders`.
     """
 
     train: Dataset
@@ -41,24 +52,70 @@ class TaskData:
     num_outputs: int
     report: list[str] = field(default_factory=list)
     label_space: dict = field(default_factory=dict)
+    loaders: Optional[Callable] = None
+
+
+@dataclass
+class StepOutput:
+    """What a task's model step returns for one micro-batch.
+
+    Attributes:
+        loss: scalar float32 tensor (with grad): the mean loss the engine backpropagates.
+        outputs: the model's outputs (for training statistics; detached by the consumer).
+        terms: name -> detached scalar tensor, the loss's parts, logged per term as ``train_<name>``
+            (e.g. detection: ``loss_ce``, ``loss_bbox``, ``loss_giou``); empty when the loss is one term.
+        n: samples in the micro-batch (int).
+    """
+
+    loss: torch.Tensor
+    outputs: Any
+    n: int
+    terms: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class Task(ABC):
-    """Base class of a training task. ``primary_metric`` (higher is better, in %) selects ``best`` and is
-    compared with ``target_accuracy``."""
+    """Base class of a training task.
+
+    ``target_metric`` (a name the evaluator reports, e.g. ``top1``) selects the ``best`` checkpoint and is the
+    default metric for early stopping (config ``target_metric`` / ``target_value``); its direction comes from the
+    evaluator's :attr:`~trainer.engine.evaluation.Evaluator.directions`.
+    """
 
     name: str = "task"
-    primary_metric: str = "top1"
-    eval_stat_size: int = 1  #: length of the vector returned by :meth:`eval_sums`
+    target_metric: str = "top1"
 
     def __init__(self, cfg: TrainConfig, dist: DistInfo):
         self.cfg, self.dist = cfg, dist
 
+    # .. before any data is read ..........................................................................
     def check_config(self) -> None:
         """Raise ``ConfigError`` for a config this task cannot train, before any data is read (e.g. a model
-        that needs a fixed input size). Called by the loop before :meth:`build_data`; the default accepts all.
-        """
+        that needs a fixed input size). The default checks the early-stopping target (:meth:`check_target`)."""
+        self.check_target()
 
+    def check_target(self) -> tuple[str, str]:
+        """The early-stopping metric and its direction: ``(name, "max" | "min")``.
+
+        Raises:
+            ConfigError: ``target_metric`` is not a metric of this task's evaluator (the known names listed).
+        """
+        name = (self.cfg.target_metric or self.target_metric).removeprefix("val_")
+        directions = self.metric_directions()
+        if name not in directions:
+            raise ConfigError(
+                f"target_metric: got {self.cfg.target_metric!r}; task {self.name} reports "
+                f"{', '.join(sorted(directions))}"
+            )
+        direction = directions[name]
+        if direction not in DIRECTIONS:
+            raise ValueError(f"task {self.name}: metric {name} has direction {direction!r}, not one of {DIRECTIONS}")
+        return name, direction
+
+    def metric_directions(self) -> dict[str, str]:
+        """Validation metric name -> "max" | "min" (the evaluator's, without building data)."""
+        return dict(self.evaluator_class().directions)
+
+    # .. data and model ....................................................................................
     @abstractmethod
     def build_data(self) -> TaskData:
         """Scan/prepare the data. Raises ``DataError`` before training starts when it is unusable."""
@@ -67,30 +124,51 @@ class Task(ABC):
     def build_model(self, num_outputs: int) -> nn.Module:
         """Create the model on CPU with freshly initialised (seeded) weights."""
 
+    def epoch_fields(self, epoch: int) -> dict:
+        """Extra fields of epoch ``epoch``'s (0-based) metrics row (e.g. the training image size)."""
+        return {}
+
+    # .. one step ..........................................................................................
     @abstractmethod
-    def train_inputs(self, batch: dict) -> tuple[Any, Any, int]:
-        """Move a training batch to the device and augment it: returns ``(inputs, targets, n_samples)``."""
+    def train_batch(self, batch: dict) -> dict:
+        """Move a collated training batch to the device and augment it: a device batch with ``"n"``."""
 
     @abstractmethod
-    def eval_inputs(self, batch: dict) -> tuple[Any, Any, int]:
-        """Like :meth:`train_inputs` for evaluation (no augmentation)."""
+    def eval_batch(self, batch: dict) -> dict:
+        """Like :meth:`train_batch` for evaluation (no augmentation); ``"n"`` may be 0 (all files bad)."""
 
     @abstractmethod
-    def loss(self, outputs: Any, targets: Any) -> torch.Tensor:
-        """Scalar mean loss of a micro-batch (float32)."""
+    def model_step(self, model: nn.Module, batch: dict) -> StepOutput:
+        """Forward a device batch through ``model`` (raw, compiled or DDP-wrapped) and compute the loss terms.
+        Runs inside the engine's autocast; the engine scales, backpropagates and steps."""
 
     @abstractmethod
-    def eval_sums(self, outputs: Any, targets: Any) -> torch.Tensor:
-        """Float64 vector of summable statistics for one eval batch (summed over batches and ranks)."""
+    def predict(self, model: nn.Module, batch: dict) -> Any:
+        """Evaluation forward of a device batch (inside ``no_grad`` and autocast): what the evaluator takes."""
 
+    @classmethod
     @abstractmethod
-    def eval_metrics(self, sums: torch.Tensor) -> dict[str, float]:
-        """Turn the summed statistics into named metrics (must include :attr:`primary_metric`)."""
+    def evaluator_class(cls) -> type[Evaluator]:
+        """The :class:`~trainer.engine.evaluation.Evaluator` subclass of this task."""
 
-    def train_sums(self, outputs: Any, targets: Any) -> torch.Tensor | None:
-        """Optional float64 vector of training statistics per micro-batch (e.g. correct count, count)."""
+    def evaluator(self) -> Evaluator:
+        """A fresh evaluator for this rank (default: ``evaluator_class()(device)``)."""
+        return self.evaluator_class()(self.dist.device)
+
+    def train_statistics(self, out: StepOutput, batch: dict) -> Optional[torch.Tensor]:
+        """Optional float64 vector of training statistics of one micro-batch (summed over the epoch and ranks)."""
         return None
 
     def train_metrics(self, sums: torch.Tensor) -> dict[str, float]:
-        """Named training metrics from the summed :meth:`train_sums` (besides the loss)."""
+        """Named training metrics from the summed :meth:`train_statistics` (besides the loss)."""
         return {}
+
+    # .. planning ..........................................................................................
+    @abstractmethod
+    def example_batch(
+        self, batch_size: int, *, image_size: Optional[int] = None, num_outputs: int = 1000, train: bool = True
+    ) -> dict:
+        """A representative device batch of ``batch_size`` samples, as :meth:`train_batch` (``train``) or
+        :meth:`eval_batch` returns it, without reading data: what the probe, the memory prediction and ``plan``
+        run the real step on (images (B, 3, H, W), clips (B, T, C, H, W), images with boxes...).
+        ``image_size``: side in pixels (default: the config's); ``num_outputs``: classes of the head."""

@@ -6,12 +6,25 @@
 - :class:`MultiScaleDeformableAttention`: the same op as an ``nn.Module``.
 """
 
-from trainer.ops.msda.function import (MSDeformAttnFunction, check_inputs, extension_error, load_extension,
-                                       ms_deform_attn)
+from trainer.ops.msda.function import (
+    MSDeformAttnFunction,
+    check_inputs,
+    extension_error,
+    load_extension,
+    ms_deform_attn,
+)
 from trainer.ops.msda.module import MultiScaleDeformableAttention
 from trainer.ops.msda.reference import ms_deform_attn_reference
 
 ms_deform_attn_core_pytorch = ms_deform_attn_reference  # DINO's name for the reference
 
-__all__ = ["MSDeformAttnFunction", "MultiScaleDeformableAttention", "check_inputs", "extension_error",
-           "load_extension", "ms_deform_attn", "ms_deform_attn_core_pytorch", "ms_deform_attn_reference"]
+__all__ = [
+    "MSDeformAttnFunction",
+    "MultiScaleDeformableAttention",
+    "check_inputs",
+    "extension_error",
+    "load_extension",
+    "ms_deform_attn",
+    "ms_deform_attn_core_pytorch",
+    "ms_deform_attn_reference",
+]

@@ -72,12 +72,17 @@ def build(force: bool = False) -> int:
 
     archs = os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCHS)
     if torch.version.cuda is None:
-        print(f"build_msda: torch {torch.__version__} is a CPU build; the CUDA op needs a CUDA build of torch "
-              "(CPU images skip this step and use the PyTorch reference)", file=sys.stderr)
+        print(
+            f"build_msda: torch {torch.__version__} is a CPU build; the CUDA op needs a CUDA build of torch "
+            "(CPU images skip this step and use the PyTorch reference)",
+            file=sys.stderr,
+        )
         return 2
     if cpp_extension.CUDA_HOME is None:
-        print("build_msda: nvcc not found; set CUDA_HOME to a CUDA toolkit matching torch "
-              f"(CUDA {torch.version.cuda})", file=sys.stderr)
+        print(
+            f"build_msda: nvcc not found; set CUDA_HOME to a CUDA toolkit matching torch (CUDA {torch.version.cuda})",
+            file=sys.stderr,
+        )
         return 2
     stamp = fingerprint(archs)
     lib = built_library()
@@ -87,8 +92,11 @@ def build(force: bool = False) -> int:
     includes = extra_include_dirs(cpp_extension.CUDA_HOME)
     n_arch = len([a for a in archs.replace(" ", ";").split(";") if a])
     threads = max(1, min(n_arch, os.cpu_count() or 1))
-    print(f"build_msda: compiling for TORCH_CUDA_ARCH_LIST={archs} with nvcc from {cpp_extension.CUDA_HOME}"
-          + (f", extra includes {includes}" if includes else ""), flush=True)
+    print(
+        f"build_msda: compiling for TORCH_CUDA_ARCH_LIST={archs} with nvcc from {cpp_extension.CUDA_HOME}"
+        + (f", extra includes {includes}" if includes else ""),
+        flush=True,
+    )
     from setuptools import setup
 
     ext = cpp_extension.CUDAExtension(
@@ -105,10 +113,20 @@ def build(force: bool = False) -> int:
             old.unlink()
         # setuptools only compares source timestamps (not headers, flags or archs): always start clean
         shutil.rmtree(HERE / "build", ignore_errors=True)
-        setup(name="trainstack-msda", ext_modules=[ext],
-              cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=False)},
-              script_args=["-q", "build_ext", "--inplace", "--build-temp", str(HERE / "build"),
-                           "--build-lib", str(HERE / "build" / "lib")])
+        setup(
+            name="trainstack-msda",
+            ext_modules=[ext],
+            cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=False)},
+            script_args=[
+                "-q",
+                "build_ext",
+                "--inplace",
+                "--build-temp",
+                str(HERE / "build"),
+                "--build-lib",
+                str(HERE / "build" / "lib"),
+            ],
+        )
     except (SystemExit, Exception) as e:  # setuptools reports compiler errors as SystemExit
         print(f"build_msda: FAILED: {e}", file=sys.stderr)
         return 1

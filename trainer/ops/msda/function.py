@@ -29,6 +29,7 @@ def load_extension():
     if _ext is None and _ext_error is None:
         try:
             from trainer.ops.msda import _C
+
             _ext = _C
         except ImportError as e:
             _ext_error = f"CUDA extension not built or not loadable ({e}); build it with images/build_msda.sh"
@@ -45,8 +46,14 @@ def _shape_error(name: str, expected: str, got) -> ValueError:
     return ValueError(f"ms_deform_attn: {name} must be {expected}, got shape {tuple(got)}")
 
 
-def check_inputs(value: torch.Tensor, spatial_shapes: torch.Tensor, level_start_index: torch.Tensor,
-                 sampling_locations: torch.Tensor, attention_weights: torch.Tensor, im2col_step: int) -> None:
+def check_inputs(
+    value: torch.Tensor,
+    spatial_shapes: torch.Tensor,
+    level_start_index: torch.Tensor,
+    sampling_locations: torch.Tensor,
+    attention_weights: torch.Tensor,
+    im2col_step: int,
+) -> None:
     """Raise a clear error naming the argument when the inputs do not fit the op's contract.
 
     Raises:
@@ -55,24 +62,36 @@ def check_inputs(value: torch.Tensor, spatial_shapes: torch.Tensor, level_start_
         ValueError: wrong rank or sizes; S != sum(H*W); level_start_index not the cumulative level offsets;
             tensors on different devices; a non-contiguous tensor; im2col_step < 1 or not dividing N.
     """
-    named = {"value": value, "spatial_shapes": spatial_shapes, "level_start_index": level_start_index,
-             "sampling_locations": sampling_locations, "attention_weights": attention_weights}
+    named = {
+        "value": value,
+        "spatial_shapes": spatial_shapes,
+        "level_start_index": level_start_index,
+        "sampling_locations": sampling_locations,
+        "attention_weights": attention_weights,
+    }
     for name, t in named.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"ms_deform_attn: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.device != value.device:
-            raise ValueError(f"ms_deform_attn: {name} is on {t.device} but value is on {value.device}; "
-                             "all inputs must be on one device")
+            raise ValueError(
+                f"ms_deform_attn: {name} is on {t.device} but value is on {value.device}; "
+                "all inputs must be on one device"
+            )
         if not t.is_contiguous():
-            raise ValueError(f"ms_deform_attn: {name} must be contiguous (call .contiguous()); "
-                             f"got strides {t.stride()} for shape {tuple(t.shape)}")
+            raise ValueError(
+                f"ms_deform_attn: {name} must be contiguous (call .contiguous()); "
+                f"got strides {t.stride()} for shape {tuple(t.shape)}"
+            )
     for name in ("value", "sampling_locations", "attention_weights"):
         if named[name].dtype not in FLOAT_DTYPES:
-            raise TypeError(f"ms_deform_attn: {name} must be float32, float64, float16 or bfloat16, "
-                            f"got {named[name].dtype}")
+            raise TypeError(
+                f"ms_deform_attn: {name} must be float32, float64, float16 or bfloat16, got {named[name].dtype}"
+            )
         if named[name].dtype != value.dtype:
-            raise TypeError(f"ms_deform_attn: {name} is {named[name].dtype} but value is {value.dtype}; "
-                            "value, sampling_locations and attention_weights must share one dtype")
+            raise TypeError(
+                f"ms_deform_attn: {name} is {named[name].dtype} but value is {value.dtype}; "
+                "value, sampling_locations and attention_weights must share one dtype"
+            )
     for name in ("spatial_shapes", "level_start_index"):
         if named[name].dtype != torch.int64:
             raise TypeError(f"ms_deform_attn: {name} must be int64, got {named[name].dtype}")
@@ -97,13 +116,15 @@ def check_inputs(value: torch.Tensor, spatial_shapes: torch.Tensor, level_start_
     flat = torch.cat([spatial_shapes.flatten(), level_start_index]).tolist()  # one host sync
     hw = [flat[2 * i] * flat[2 * i + 1] for i in range(n_levels)]
     if any(flat[2 * i] < 1 or flat[2 * i + 1] < 1 for i in range(n_levels)):
-        raise ValueError(f"ms_deform_attn: spatial_shapes must be positive (H, W) pairs, got {flat[:2 * n_levels]}")
+        raise ValueError(f"ms_deform_attn: spatial_shapes must be positive (H, W) pairs, got {flat[: 2 * n_levels]}")
     if sum(hw) != s:
         raise ValueError(f"ms_deform_attn: value has S={s} positions but spatial_shapes give sum(H*W)={sum(hw)}")
     starts = [sum(hw[:i]) for i in range(n_levels)]
-    if flat[2 * n_levels:] != starts:
-        raise ValueError(f"ms_deform_attn: level_start_index must be {starts} (cumulative H*W of spatial_shapes), "
-                         f"got {flat[2 * n_levels:]}")
+    if flat[2 * n_levels :] != starts:
+        raise ValueError(
+            f"ms_deform_attn: level_start_index must be {starts} (cumulative H*W of spatial_shapes), "
+            f"got {flat[2 * n_levels :]}"
+        )
 
 
 class MSDeformAttnFunction(torch.autograd.Function):
@@ -123,16 +144,23 @@ class MSDeformAttnFunction(torch.autograd.Function):
             raise RuntimeError(f"MSDeformAttnFunction: {_ext_error}")
         ctx.im2col_step = int(im2col_step)
         ctx.save_for_backward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
-        return ext.forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-                           ctx.im2col_step)
+        return ext.forward(
+            value, spatial_shapes, level_start_index, sampling_locations, attention_weights, ctx.im2col_step
+        )
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_output):
         value, spatial_shapes, level_start_index, sampling_locations, attention_weights = ctx.saved_tensors
         grad_value, grad_loc, grad_attn = load_extension().backward(
-            value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-            grad_output.contiguous(), ctx.im2col_step)
+            value,
+            spatial_shapes,
+            level_start_index,
+            sampling_locations,
+            attention_weights,
+            grad_output.contiguous(),
+            ctx.im2col_step,
+        )
         return grad_value, None, None, grad_loc, grad_attn, None
 
 
@@ -153,9 +181,14 @@ def _promote_mixed(*tensors):
     return tuple(t if t.dtype == common else t.to(common) for t in tensors)
 
 
-def ms_deform_attn(value: torch.Tensor, spatial_shapes: torch.Tensor, level_start_index: torch.Tensor,
-                   sampling_locations: torch.Tensor, attention_weights: torch.Tensor,
-                   im2col_step: int = 64) -> torch.Tensor:
+def ms_deform_attn(
+    value: torch.Tensor,
+    spatial_shapes: torch.Tensor,
+    level_start_index: torch.Tensor,
+    sampling_locations: torch.Tensor,
+    attention_weights: torch.Tensor,
+    im2col_step: int = 64,
+) -> torch.Tensor:
     """Multi-scale deformable attention: CUDA kernels on CUDA tensors, else the reference (one warning).
 
     Args:
@@ -181,7 +214,8 @@ def ms_deform_attn(value: torch.Tensor, spatial_shapes: torch.Tensor, level_star
     value, sampling_locations, attention_weights = _promote_mixed(value, sampling_locations, attention_weights)
     check_inputs(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, im2col_step)
     if value.is_cuda and load_extension() is not None:
-        return MSDeformAttnFunction.apply(value, spatial_shapes, level_start_index, sampling_locations,
-                                          attention_weights, im2col_step)
+        return MSDeformAttnFunction.apply(
+            value, spatial_shapes, level_start_index, sampling_locations, attention_weights, im2col_step
+        )
     _warn_fallback(f"tensors on {value.device}" if not value.is_cuda else _ext_error)
     return ms_deform_attn_reference(value, spatial_shapes, sampling_locations, attention_weights)

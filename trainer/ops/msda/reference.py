@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 
 
-def ms_deform_attn_reference(value: torch.Tensor, spatial_shapes: torch.Tensor, sampling_locations: torch.Tensor,
-                             attention_weights: torch.Tensor) -> torch.Tensor:
+def ms_deform_attn_reference(
+    value: torch.Tensor, spatial_shapes: torch.Tensor, sampling_locations: torch.Tensor, attention_weights: torch.Tensor
+) -> torch.Tensor:
     """Multi-scale deformable attention by ``grid_sample``; no argument checks (see ``ms_deform_attn``).
 
     Args:

@@ -1,0 +1,119 @@
+"""Environment lifecycle and network, from the synthesized templates: what ``cdk destroy`` leaves behind, that an
+environment can be deployed again under the same name, EFA's self-referencing egress, and the decisions of
+infra review item 9 (vendedlogs log groups, Lustre 2.15, immutable commit tags).
+
+moto cannot show these: its CloudFormation cannot deploy the buckets' auto-delete custom resource (its code is
+a CDK asset in the bootstrap bucket) and deletes the data stack's VPC before its dependencies
+(DependencyViolation), so the rules are checked on the templates CloudFormation would get.
+"""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from tests.infra_helpers import REPO, resources, synth
+
+PR = {"env": "pr-7", "ephemeral": "true", "fsx": "PERSISTENT_2"}
+#: Properties that fix a resource's physical name: a retained resource holding one blocks a re-deploy.
+NAME_PROPERTIES = ("BucketName", "FileSystemName", "RepositoryName", "LogGroupName", "VolumeName", "TopicName")
+
+
+@pytest.fixture(scope="module")
+def pr_env(tmp_path_factory):
+    return synth(PR, tmp_path_factory.mktemp("cdk-pr"))[2]
+
+
+@pytest.fixture(scope="module")
+def default_env(tmp_path_factory):
+    return synth({"env": "dev", "fsx": "SCRATCH_2"}, tmp_path_factory.mktemp("cdk-dev"))[2]
+
+
+def _left_behind(templates: dict) -> dict[str, str]:
+    """Logical id -> DeletionPolicy of every resource ``cdk destroy`` does not delete."""
+    return {
+        f"{cid}/{lid}": r["DeletionPolicy"]
+        for cid, t in templates.items()
+        for lid, r in t["Resources"].items()
+        if r.get("DeletionPolicy") in ("Retain", "Snapshot", "RetainExceptOnCreate")
+    }
+
+
+def test_pr_environment_destroy_leaves_only_the_volume_snapshot(pr_env):
+    left = _left_behind(pr_env)
+    assert list(left.values()) == ["Snapshot"] and "DataStack/DataVolume" in next(iter(left)), left
+    buckets = resources(pr_env["DataStack"], "AWS::S3::Bucket")
+    assert len(buckets) == 2 and all(b["DeletionPolicy"] == "Delete" for b in buckets.values())
+    auto_delete = resources(pr_env["DataStack"], "Custom::S3AutoDeleteObjects")
+    assert len(auto_delete) == 2  # versioned buckets are emptied (all versions) before CloudFormation deletes them
+    (fs,) = resources(pr_env["DataStack"], "AWS::FSx::FileSystem").values()
+    assert fs["DeletionPolicy"] == "Delete"  # a retained file system keeps its subnet and SG: the VPC would stay
+
+
+def test_default_environment_retains_buckets_and_snapshots_the_volume(default_env):
+    left = _left_behind(default_env)
+    kinds = sorted(default_env[k.split("/")[0]]["Resources"][k.split("/")[1]]["Type"] for k in left)
+    assert kinds == ["AWS::EC2::Volume", "AWS::S3::Bucket", "AWS::S3::Bucket"], left
+
+
+@pytest.mark.parametrize("which", ["pr_env", "default_env"])
+def test_nothing_retained_has_a_fixed_name(which, request):
+    """The same environment name can be deployed again after a destroy: nothing that survives it holds a
+    physical name the new stacks would ask for (a retained ``trainstack-NAME-...`` bucket did)."""
+    templates = request.getfixturevalue(which)
+    for cid, t in templates.items():
+        for lid, r in t["Resources"].items():
+            if r.get("DeletionPolicy") in ("Retain", "Snapshot", "RetainExceptOnCreate"):
+                named = [p for p in NAME_PROPERTIES if p in r.get("Properties", {})]
+                assert not named, (cid, lid, named)
+
+
+def test_destroy_workflow_removes_a_closed_prs_data_unless_labelled_keep_data():
+    wf = yaml.safe_load((REPO / ".github/workflows/destroy.yml").read_text())
+    steps = wf["jobs"]["destroy"]["steps"]
+    data = next(s for s in steps if "cdk destroy DataStack" in s.get("run", ""))
+    cond = data["if"]
+    assert "github.event_name == 'pull_request'" in cond and "'keep-data'" in cond and "!inputs.keep_data" in cond
+    assert wf[True]["workflow_dispatch"]["inputs"]["keep_data"]["default"] is True  # by hand: data kept by default
+    names = [s.get("run", "") for s in steps]
+    assert names.index(data["run"]) > next(i for i, r in enumerate(names) if "TrainingStack MonitoringStack" in r)
+    deploy = yaml.safe_load((REPO / ".github/workflows/deploy.yml").read_text())
+    step = next(s for s in deploy["jobs"]["deploy"]["steps"] if "cdk deploy" in s.get("run", ""))
+    assert (
+        '-c ephemeral="$EPHEMERAL"' in step["run"]
+        and step["env"]["EPHEMERAL"] == "${{ github.event_name == 'pull_request' }}"
+    )
+
+
+def test_efa_security_group_keeps_its_self_referencing_egress(default_env):
+    data = default_env["DataStack"]
+    sg_id = next(k for k in resources(data, "AWS::EC2::SecurityGroup") if k.startswith("InstanceSg"))
+    sg = data["Resources"][sg_id]["Properties"]
+    inline = sg.get("SecurityGroupEgress", [])
+    assert not any(r.get("CidrIp") == "0.0.0.0/0" and r.get("IpProtocol") == "-1" for r in inline)
+    egress = [
+        r["Properties"]
+        for r in resources(data, "AWS::EC2::SecurityGroupEgress").values()
+        if r["Properties"]["GroupId"] == {"Fn::GetAtt": [sg_id, "GroupId"]}
+    ]
+    assert any(
+        e["IpProtocol"] == "-1" and e.get("DestinationSecurityGroupId") == {"Fn::GetAtt": [sg_id, "GroupId"]}
+        for e in egress
+    ), egress
+    assert {(r.get("FromPort"), r.get("CidrIp")) for r in inline} >= {(443, "0.0.0.0/0"), (80, "0.0.0.0/0")}
+
+
+def test_review_decisions_in_the_templates(default_env):
+    """State-machine log groups under /aws/vendedlogs/ (no account log resource policy to outgrow), SCRATCH_2
+    pinned to Lustre 2.15, commit tags immutable (``latest`` excluded)."""
+    training = default_env["TrainingStack"]
+    names = [lg["Properties"].get("LogGroupName") for lg in resources(training, "AWS::Logs::LogGroup").values()]
+    assert names and all(n.startswith("/aws/vendedlogs/states/trainstack-dev-") for n in names), names
+    (fs,) = resources(default_env["DataStack"], "AWS::FSx::FileSystem").values()
+    assert fs["Properties"]["LustreConfiguration"]["DeploymentType"] == "SCRATCH_2"
+    assert fs["Properties"]["FileSystemTypeVersion"] == "2.15"
+    (repo,) = resources(training, "AWS::ECR::Repository").values()
+    assert repo["Properties"]["ImageTagMutability"] == "IMMUTABLE_WITH_EXCLUSION"
+    assert repo["Properties"]["ImageTagMutabilityExclusionFilters"] == [
+        {"ImageTagMutabilityExclusionFilterType": "WILDCARD", "ImageTagMutabilityExclusionFilterValue": "latest"}
+    ]

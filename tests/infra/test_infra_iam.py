@@ -1,0 +1,151 @@
+"""IAM: the CLI's AWS calls checked against the synthesized role policies, so a missing action fails a test.
+
+How (offline): every boto3 call the CLI makes is recorded (``before-parameter-build`` hook) as an IAM action
+and, where it matters, the resource ARN it is authorized on; the GitHub deploy role's policy is read from the
+synthesized CiStack (tokens resolved for moto's account and region) and evaluated by
+``tests.infra_helpers.is_allowed``: Allow statements, wildcard actions and resources. Conditions are not
+evaluated (they only narrow an Allow). moto's own IAM enforcement (``INITIAL_NO_AUTH_ACTION_COUNT``) was not
+used: moto 5.2 checks actions against resource ``*`` only, so every resource-scoped statement of these policies
+would read as a denial. What ``docker`` does against ECR (pull the base image, push layers) is not a boto3
+call: those actions are derived from the fake docker's recorded command lines.
+"""
+
+from __future__ import annotations
+
+import json
+import stat
+import sys
+
+import pytest
+
+from infra.cli import session as cli_session
+from infra.cli.main import main
+from tests import moto_env
+from tests.infra_helpers import CallRecorder, docker_registry_actions, is_allowed, policy_statements
+
+E = ["--env", moto_env.ENV]
+ACCOUNT, REGION = moto_env.ACCOUNT, moto_env.REGION
+
+
+@pytest.fixture(scope="module")
+def templates(tmp_path_factory):
+    return moto_env.synthesize(tmp_path_factory.mktemp("cdk-iam"), github_repo=moto_env.GITHUB_REPO)
+
+
+@pytest.fixture(scope="module")
+def deploy_role(templates):
+    """The resolved statements of the GitHub OIDC deploy role (CiStack)."""
+    return policy_statements(templates["CiStack"], "GithubDeployRoleDefaultPolicy", ACCOUNT, REGION)
+
+
+@pytest.fixture
+def aws(templates, monkeypatch):
+    with moto_env.deployed(templates, monkeypatch) as session:
+        yield session
+
+
+def _outputs(aws, stack: str) -> dict:
+    st = aws.client("cloudformation").describe_stacks(StackName=f"{moto_env.ENV}-{stack}")["Stacks"][0]
+    return {o["OutputKey"]: o["OutputValue"] for o in st.get("Outputs", [])}
+
+
+def _busy_environment(aws) -> tuple[str, str, str]:
+    """An instance with its idle alarm, a stray volume and a RUNNING execution; returns (instance, alarm,
+    execution ARN)."""
+    assert main(E + ["launch", "g5.2xlarge", "--job", "j"]) == 0
+    res = aws.client("ec2").describe_instances(Filters=[{"Name": "tag:trainstack:env", "Values": [moto_env.ENV]}])
+    iid = res["Reservations"][0]["Instances"][0]["InstanceId"]
+    alarm = f"trainstack-{moto_env.ENV}-gpu-idle-{iid}"
+    aws.client("cloudwatch").put_metric_alarm(
+        AlarmName=alarm,
+        Namespace=f"Trainstack/{moto_env.ENV}",
+        MetricName="nvidia_smi_utilization_gpu",
+        Statistic="Average",
+        Period=60,
+        EvaluationPeriods=30,
+        Threshold=5,
+        ComparisonOperator="LessThanThreshold",
+        Dimensions=[{"Name": "InstanceId", "Value": iid}],
+        AlarmActions=[f"arn:aws:automate:{REGION}:ec2:terminate"],
+    )
+    aws.client("ec2").create_volume(
+        AvailabilityZone=f"{REGION}a",
+        Size=10,
+        TagSpecifications=[{"ResourceType": "volume", "Tags": [{"Key": "trainstack:env", "Value": moto_env.ENV}]}],
+    )
+    sm = _outputs(aws, "TrainingStack")["StateMachinescalingplan"]
+    ex = aws.client("stepfunctions").start_execution(stateMachineArn=sm, input=json.dumps({"run_name": "r"}))
+    return iid, alarm, ex["executionArn"]
+
+
+def test_evaluator_denies_what_the_policy_lacks(deploy_role):
+    """The check can fail: an action or resource outside the policy is denied."""
+    execution = f"arn:aws:states:{REGION}:{ACCOUNT}:execution:trainstack-test-scaling-plan:r-1"
+    assert is_allowed(deploy_role, "states:StopExecution", execution)
+    assert not is_allowed(deploy_role, "states:StopExecution", execution.replace("trainstack-", "other-"))
+    assert not is_allowed(deploy_role, "states:DeleteStateMachine", execution)
+    without = [s for s in deploy_role if "states:StopExecution" not in json.dumps(s)]
+    assert not is_allowed(without, "states:StopExecution", execution)
+
+
+def test_teardown_runs_with_only_the_deploy_roles_permissions(aws, deploy_role, monkeypatch, capsys):
+    iid, alarm, execution = _busy_environment(aws)
+    rec = CallRecorder()
+    rec.install(monkeypatch, cli_session)
+    assert main(E + ["teardown", "--yes"]) == 0
+    out = capsys.readouterr().out
+    assert "removed 1 executions" in out and "removed 1 alarms" in out
+    actions = {a for a, _ in rec.calls}
+    assert {"states:StopExecution", "ec2:TerminateInstances", "cloudwatch:DeleteAlarms"} <= actions
+    assert rec.denied(deploy_role, ACCOUNT, REGION) == []
+    assert aws.client("stepfunctions").describe_execution(executionArn=execution)["status"] == "ABORTED"
+    assert not aws.client("cloudwatch").describe_alarms(AlarmNames=[alarm])["MetricAlarms"]
+
+
+@pytest.mark.parametrize("broken", ["ROLLBACK_COMPLETE", "UPDATE_ROLLBACK_FAILED", "DELETE_FAILED", "missing"])
+def test_teardown_works_on_a_rolled_back_or_half_deleted_environment(aws, deploy_role, monkeypatch, capsys, broken):
+    """A training stack whose deploy rolled back has no outputs (or is gone): teardown still stops what bills,
+    finding the state machines by name; other commands still refuse the stack."""
+    from moto.cloudformation.models import cloudformation_backends
+
+    iid, alarm, execution = _busy_environment(aws)
+    backend = cloudformation_backends[ACCOUNT][REGION]
+    stack = next(s for s in backend.stacks.values() if s.name == f"{moto_env.ENV}-TrainingStack")
+    if broken == "missing":
+        del backend.stacks[stack.stack_id]
+    else:
+        stack.status = broken
+        stack.output_map = {}
+    assert main(E + ["status"]) == 2
+    capsys.readouterr()
+    rec = CallRecorder()
+    rec.install(monkeypatch, cli_session)
+    assert main(E + ["teardown", "--yes"]) == 0, capsys.readouterr().err
+    assert "states:ListStateMachines" in {a for a, _ in rec.calls}
+    assert rec.denied(deploy_role, ACCOUNT, REGION) == []
+    assert aws.client("stepfunctions").describe_execution(executionArn=execution)["status"] == "ABORTED"
+    state = aws.client("ec2").describe_instances(InstanceIds=[iid])["Reservations"][0]["Instances"][0]["State"]
+    assert state["Name"] in ("shutting-down", "terminated")
+    data_volume = _outputs(aws, "DataStack")["DataVolumeId"]
+    assert data_volume in {v["VolumeId"] for v in aws.client("ec2").describe_volumes()["Volumes"]}
+
+
+def test_push_image_registry_logins_and_pulls_are_allowed(aws, deploy_role, monkeypatch, capsys, tmp_path):
+    """push-image's GetAuthorizationToken, docker's pull of the Deep Learning Container base image (account
+    763104351884) and its push to this environment's repository: all within the deploy role's policy."""
+    calls = tmp_path / "docker-calls.jsonl"
+    fake = tmp_path / "docker"
+    fake.write_text(
+        f"#!{sys.executable}\nimport json, sys\nsys.stdin.read() if 'login' in sys.argv else ''\n"
+        f"open({str(calls)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n"
+    )
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    rec = CallRecorder()
+    rec.install(monkeypatch, cli_session)
+    assert main(E + ["push-image", "--tag", "c0ffee", "--docker", str(fake)]) == 0
+    argv = [json.loads(line) for line in calls.read_text().splitlines()]
+    docker = docker_registry_actions(argv, ACCOUNT, REGION)
+    assert any(r.startswith("arn:aws:ecr:us-east-1:763104351884:repository/pytorch-training") for _, r in docker)
+    assert any(r.endswith(f":repository/trainstack-{moto_env.ENV}") for _, r in docker)
+    assert "ecr:GetAuthorizationToken" in {a for a, _ in rec.calls}
+    assert rec.denied(deploy_role, ACCOUNT, REGION, extra=docker) == []

@@ -1,0 +1,161 @@
+"""GitHub Actions workflows (schema-validated offline with check-jsonschema's vendored schema) and the OIDC
+deploy role they assume."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+from tests.infra_helpers import REPO, resources, synth
+
+WORKFLOWS = REPO / ".github" / "workflows"
+
+
+def _load(name: str) -> dict:
+    data = yaml.safe_load((WORKFLOWS / name).read_text())
+    data["on"] = data.pop(True, data.get("on"))  # YAML 1.1 reads the key `on` as True
+    return data
+
+
+def _steps(wf: dict) -> list[dict]:
+    return [s for job in wf["jobs"].values() for s in job["steps"]]
+
+
+def _runs(wf: dict) -> str:
+    return "\n".join(s.get("run", "") for s in _steps(wf))
+
+
+def _check_jsonschema(*files) -> subprocess.CompletedProcess:
+    exe = shutil.which("check-jsonschema", path=str(REPO / ".venv" / "bin")) or shutil.which("check-jsonschema")
+    assert exe, "check-jsonschema is not installed (requirements.txt)"
+    return subprocess.run(
+        [exe, "--builtin-schema", "vendor.github-workflows", *map(str, files)], capture_output=True, text=True
+    )
+
+
+def test_workflows_match_the_github_schema(tmp_path):
+    files = sorted(WORKFLOWS.glob("*.yml"))
+    assert {f.name for f in files} == {"ci.yml", "deploy.yml", "destroy.yml", "image.yml"}
+    proc = _check_jsonschema(*files)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    broken = tmp_path / "broken.yml"
+    broken.write_text("name: x\non: push\njobs:\n  a:\n    runs-on: ubuntu-latest\n    stepz: []\n")
+    assert _check_jsonschema(broken).returncode != 0  # the check can fail
+
+
+def test_ci_runs_the_readme_test_command():
+    wf = _load("ci.yml")
+    assert "bash .ci/run" in _runs(wf)
+    assert "pull_request" in wf["on"] and "push" in wf["on"]
+
+
+@pytest.mark.parametrize("name", ["deploy.yml", "destroy.yml", "image.yml"])
+def test_aws_workflows_use_oidc_not_keys(name):
+    wf = _load(name)
+    assert wf["permissions"]["id-token"] == "write"
+    creds = [s for s in _steps(wf) if s.get("uses", "").startswith("aws-actions/configure-aws-credentials@")]
+    assert creds and all("role-to-assume" in s["with"] and "aws-access-key-id" not in s["with"] for s in creds)
+    assert "concurrency" in wf
+    assert "AWS_SECRET_ACCESS_KEY" not in (WORKFLOWS / name).read_text()
+
+
+def test_deploy_targets_training_stack_per_environment():
+    wf = _load("deploy.yml")
+    assert 'npx cdk deploy TrainingStack -c env="$TRAINSTACK_ENV"' in _runs(wf)
+    assert wf["concurrency"]["cancel-in-progress"] is False  # never interrupt a CloudFormation update
+    assert set(wf["on"]) >= {"push", "pull_request", "workflow_dispatch"}
+
+
+def test_destroy_on_pr_close_removes_data_unless_kept():
+    wf = _load("destroy.yml")
+    assert wf["on"]["pull_request"]["types"] == ["closed"] and "workflow_dispatch" in wf["on"]
+    runs = _runs(wf)
+    assert "teardown --yes" in runs
+    assert "npx cdk destroy TrainingStack MonitoringStack" in runs
+    data_step = next(s for s in _steps(wf) if "DataStack" in s.get("run", ""))
+    assert "keep-data" in data_step["if"] and "!inputs.keep_data" in data_step["if"]
+    # stop billing before CloudFormation deletes the roles the instances use
+    order = [s.get("run", "") for s in _steps(wf)]
+    assert next(i for i, r in enumerate(order) if "teardown" in r) < next(
+        i for i, r in enumerate(order) if "destroy" in r
+    )
+
+
+def test_image_pushes_with_the_cli():
+    assert "python -m infra" in _runs(_load("image.yml")) and "push-image" in _runs(_load("image.yml"))
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["42", "", "main"], "pr-42"),
+        (["", "Staging", ""], "staging"),
+        (["", "", "Feature/Big_Thing-2026-long-name"], "feature-big-thing-20"),
+        (["", "", "2026-hotfix"], "hotfix"),
+    ],
+)
+def test_env_name_script_gives_valid_cdk_env_names(args, expected):
+    from infra.config import ENV_RE
+
+    out = subprocess.run(
+        ["bash", str(REPO / ".github" / "scripts" / "env-name.sh"), *args], check=True, capture_output=True, text=True
+    ).stdout.strip()
+    assert out == f"TRAINSTACK_ENV={expected}" and ENV_RE.match(expected)
+
+
+def test_github_oidc_role_is_scoped_to_the_repository(tmp_path):
+    _, _, raw = synth({"env": "dev", "github_repo": "acme/trainstack"}, tmp_path)  # cdk-nag runs here too
+    ci = raw["CiStack"]
+    (provider,) = resources(ci, "AWS::IAM::OIDCProvider").values()
+    assert provider["Properties"]["Url"] == "https://token.actions.githubusercontent.com"
+    assert provider["Properties"]["ClientIdList"] == ["sts.amazonaws.com"]
+    (role,) = resources(ci, "AWS::IAM::Role").values()
+    (stmt,) = role["Properties"]["AssumeRolePolicyDocument"]["Statement"]
+    assert stmt["Action"] == "sts:AssumeRoleWithWebIdentity"
+    assert stmt["Condition"]["StringEquals"] == {"token.actions.githubusercontent.com:aud": "sts.amazonaws.com"}
+    subs = stmt["Condition"]["StringLike"]["token.actions.githubusercontent.com:sub"]
+    assert all(s.startswith("repo:acme/trainstack:") for s in subs)
+    policy = json.dumps(next(iter(resources(ci, "AWS::IAM::Policy").values())))
+    assert "cdk-hnb659fds-*" in policy and "trainstack-*" in policy
+    _, _, raw2 = synth({"env": "dev"}, tmp_path / "no-ci")
+    assert "CiStack" not in raw2  # only when github_repo is set
+
+
+def _free_disk_step(wf: dict) -> dict:
+    return next(s for s in _steps(wf) if "MIN_FREE_GB" in s.get("run", ""))
+
+
+@pytest.mark.parametrize("free_gb, ok", [(14, False), (52, True)])
+def test_image_workflow_frees_disk_and_stops_early_when_too_little(tmp_path, free_gb, ok):
+    """The GPU base image (~28 GB unpacked) does not fit a standard hosted runner as it comes: the first step
+    frees disk and fails with a clear error (naming IMAGE_RUNNER) when still too little is free. Run here
+    under bash with stub sudo/docker/df."""
+    wf = _load("image.yml")
+    job = wf["jobs"]["image"]
+    assert "vars.IMAGE_RUNNER" in job["runs-on"]
+    steps = _steps(wf)
+    assert steps.index(_free_disk_step(wf)) < next(i for i, s in enumerate(steps) if "push-image" in s.get("run", ""))
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    log = tmp_path / "calls"
+    for name, body in (
+        ("sudo", f'echo "sudo $*" >> {log}'),
+        ("docker", f'echo "docker $*" >> {log}'),
+        ("df", f'echo "Avail"; echo " {free_gb}G"'),
+    ):
+        (stubs / name).write_text(f"#!/bin/bash\n{body}\n")
+        (stubs / name).chmod(0o755)
+    proc = subprocess.run(
+        ["bash", "-e", "-c", _free_disk_step(wf)["run"]],
+        capture_output=True,
+        text=True,
+        env={"PATH": f"{stubs}:/usr/bin:/bin", "MIN_FREE_GB": job["env"]["MIN_FREE_GB"]},
+    )
+    assert (proc.returncode == 0) == ok, proc.stdout + proc.stderr
+    assert "sudo rm -rf /usr/share/dotnet" in log.read_text() and "docker system prune" in log.read_text()
+    if not ok:
+        assert "::error::" in proc.stdout and "IMAGE_RUNNER" in proc.stdout

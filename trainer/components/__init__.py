@@ -1,1 +1,0 @@
-"""Loop components: optimizer and LR schedule, precision policy, EMA."""

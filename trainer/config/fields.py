@@ -1,0 +1,264 @@
+""":class:`TrainConfig`: every field of a training run, grouped by section (see :data:`SECTIONS`).
+
+Fields are read as flat attributes (``cfg.lr``), saved flat (:meth:`TrainConfig.to_dict`) and compared flat on
+resume; the section only says where a field goes in nested YAML, in ``--help`` and in the docs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Optional
+
+from trainer.config.schema import (
+    BUILTIN_DIGITS,
+    DEVICES,
+    FFCV_ORDERS,
+    MAX_IMAGE_SIZE,
+    OPTIMIZERS,
+    PRECISIONS,
+    SCHEDULERS,
+    SECTIONS,
+    config_field,
+    task_names,
+)
+
+_run, _data, _loader, _optim, _speed, _ckpt, _log, _cls = (
+    functools.partial(config_field, s)
+    for s in ("run", "data", "loader", "optim", "speed", "checkpoint", "logging", "classification")
+)
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run needs. Built by :func:`trainer.config.load_config`, checked by :meth:`validate`.
+
+    Units: sizes in pixels, rates per optimizer step unless stated, times in seconds or minutes as named.
+    """
+
+    # --- run: what to train, when to stop ----------------------------------------------------------
+    task: str = _run(
+        "classification", "Task plug-in (trainer/tasks); the choices are the registered tasks.", choices=task_names
+    )
+    model: str = _run("resnet50", "Any torchvision classification model name (torchvision.models.list_models).")
+    seed: int = _run(0, "Seed for weights, data order and augmentation (all ranks derive from it).")
+    device: str = _run("auto", "auto | cpu | cuda.", choices=DEVICES)
+    epochs: int = _run(90, "Number of training epochs.")
+    max_steps_per_epoch: int = _run(0, "Cap optimizer steps per epoch (0 = full epoch); for smoke runs.")
+    target_metric: Optional[str] = _run(
+        None,
+        "Validation metric that ends training early when it reaches "
+        "target_value; default: the task's target metric (classification: top1). "
+        "A name the task's evaluator reports, e.g. top1, top5, loss.",
+    )
+    target_value: Optional[float] = _run(
+        None,
+        "Stop once target_metric (EMA or raw) reaches this value (seed "
+        "003's --target-accuracy, a top-1 percentage, is an alias).",
+        aliases=("target_accuracy",),
+    )
+
+    # --- data ----------------------------------------------------------------------------------------
+    data_dir: str = _data(
+        BUILTIN_DIGITS,
+        "ImageFolder root with train/ and val/ class folders, or "
+        f"'{BUILTIN_DIGITS}' (scikit-learn's bundled digit scans, written once to a cache).",
+        flag="--data-dir",
+        aliases=("data",),
+    )
+    train_split: str = _data("train", "Sub-folder of data_dir used for training.")
+    val_split: str = _data("val", "Sub-folder of data_dir used for evaluation.")
+    use_ffcv: bool = _data(
+        False,
+        "Read FFCV .beton files (<ffcv_dir>/<train_split>.ffcv, <val_split>.ffcv) "
+        "instead of the ImageFolder (seed 003's --use-ffcv; needs the ffcv extra: make ffcv).",
+    )
+    ffcv_dir: Optional[str] = _data(
+        None,
+        "Folder of the .ffcv files that python -m trainer write-ffcv makes "
+        "(seed 003: /data/ffcv with train.ffcv and val.ffcv).",
+    )
+    ffcv_order: str = _data(
+        "random",
+        "FFCV traversal order: random (seed + epoch; single process or DDP) or "
+        "quasi_random (single process only; reads page by page, for files larger than RAM "
+        "with ffcv_os_cache off).",
+        choices=FFCV_ORDERS,
+    )
+    ffcv_os_cache: bool = _data(
+        True,
+        "FFCV: read through the OS page cache, shared by all ranks of a host "
+        "(ffcv-imagenet's in_memory=1); off = FFCV's own per-process page cache.",
+    )
+    max_bad_fraction: float = _data(
+        0.01,
+        "Abort when more than this fraction of an epoch's files cannot be "
+        "decoded (they are skipped and counted below it).",
+    )
+    image_size: int = _data(
+        224, f"Final training and evaluation resolution (pixels, square; at most {MAX_IMAGE_SIZE})."
+    )
+
+    # --- loader: batches and workers -----------------------------------------------------------------
+    batch_size: int = _loader(
+        256, "Global batch size: images per optimizer step over all ranks and accumulation steps."
+    )
+    accumulate_grad_batches: int = _loader(1, "Micro-batches accumulated per optimizer step on each rank.")
+    eval_batch_size: int = _loader(0, "Per-rank evaluation batch (0 = the training micro-batch x 2).")
+    num_workers: int = _loader(8, "DataLoader worker processes per rank.")
+    prefetch_factor: int = _loader(2, "Batches each worker loads ahead (RAM = workers x prefetch x batch bytes).")
+    pin_memory: bool = _loader(True, "Pin host batches for faster async host->GPU copies (ignored on CPU).")
+    persistent_workers: bool = _loader(True, "Keep loader workers alive between epochs.")
+
+    # --- optim ---------------------------------------------------------------------------------------
+    optimizer: str = _optim("sgd", "Optimizer.", choices=OPTIMIZERS)
+    lr: float = _optim(0.1, "Peak learning rate for the global batch (no automatic scaling).")
+    momentum: float = _optim(0.9, "SGD momentum (AdamW: beta1).")
+    weight_decay: float = _optim(1e-4, "Decoupled (AdamW) or L2 (SGD) weight decay.")
+    no_decay_norm_bias: bool = _optim(True, "Exclude normalisation weights and biases from weight decay.")
+    scheduler: str = _optim(
+        "cosine", "LR schedule after warmup (OneCycle includes its own warmup).", choices=SCHEDULERS
+    )
+    warmup_epochs: float = _optim(0.0, "Linear warmup length in epochs (fractions allowed).")
+    step_size_epochs: int = _optim(30, "step scheduler: epochs between LR drops.")
+    step_gamma: float = _optim(0.1, "step scheduler: LR multiplier at each drop.")
+    gradient_clip: float = _optim(0.0, "Clip the global gradient L2 norm to this value (0 = off).")
+    use_ema: bool = _optim(False, "Keep an exponential moving average of the weights and evaluate it too.")
+    ema_decay: float = _optim(0.9998, "EMA decay per optimizer step.")
+
+    # --- speed ---------------------------------------------------------------------------------------
+    precision: str = _speed(
+        "amp", "amp | 32 | bf16-mixed | 16-mixed (see trainer.config's module doc).", choices=PRECISIONS
+    )
+    channels_last: bool = _speed(True, "Use the channels_last memory format for model and inputs.")
+    compile: bool = _speed(False, "torch.compile the model.", aliases=("compile_model",))
+    tf32: bool = _speed(True, "Allow TF32 matmul/conv on Ampere and newer GPUs.")
+
+    # --- checkpoint ----------------------------------------------------------------------------------
+    checkpoint_dir: str = _ckpt("runs/default/checkpoints", "Where checkpoints go.")
+    checkpoint_interval: int = _ckpt(1, "Keep a checkpoint every N epochs (the latest and the best are always kept).")
+    auto_resume: bool = _ckpt(True, "At start, resume from the newest complete checkpoint in checkpoint_dir.")
+    resume: Optional[str] = _ckpt(None, "Resume from this checkpoint directory (overrides auto_resume).")
+    force_resume: bool = _ckpt(
+        False,
+        "Resume even if training-relevant config fields changed since the "
+        "checkpoint (they are listed); a changed schedule restarts at the saved step.",
+    )
+    checkpoint_every_steps: int = _ckpt(
+        0, "Also checkpoint every N optimizer steps, mid-epoch (0 = off); bounds what a SIGKILL loses."
+    )
+    checkpoint_every_minutes: float = _ckpt(
+        0.0,
+        "Also checkpoint every N minutes of training, mid-epoch (0 = off; "
+        "inside SageMaker 10 by default, since SIGTERM may not reach us there).",
+    )
+    spot_poll_interval_s: float = _ckpt(5.0, "Seconds between EC2 spot interruption-notice polls (IMDSv2).")
+    stop_on_rebalance: bool = _ckpt(False, "Also checkpoint and stop on an EC2 rebalance recommendation.")
+
+    # --- logging -------------------------------------------------------------------------------------
+    log_dir: str = _log("runs/default/logs", "Metrics JSONL, TensorBoard events and the curves PNG go here.")
+    log_every_steps: int = _log(50, "Plain progress line every N optimizer steps (no terminal attached).")
+
+    # --- classification (task section: only with task: classification) ------------------------------
+    label_smoothing: float = _cls(0.0, "Label smoothing for the cross-entropy loss, in [0, 1).")
+    mixup_alpha: float = _cls(0.0, "MixUp Beta(alpha, alpha) parameter (0 = MixUp off).")
+    cutmix_alpha: float = _cls(1.0, "CutMix Beta(alpha, alpha) parameter (0 = CutMix off).")
+    cutmix_prob: float = _cls(
+        0.0, "Share of batches mixed with CutMix; the rest use MixUp when mixup_alpha > 0, otherwise stay unmixed."
+    )
+    hflip_prob: float = _cls(0.5, "Probability of a horizontal flip in training (0 for digits or text).")
+    crop_scale_min: float = _cls(0.08, "RandomResizedCrop's lower area bound (0.08 = ImageNet default).")
+    val_resize_ratio: float = _cls(
+        0.875,
+        "Evaluation: resize shorter side to image_size/ratio, centre-crop image_size (the standard ImageNet protocol).",
+    )
+    progressive_resize: bool = _cls(
+        False,
+        "Train at low resolution first, then step up to image_size "
+        "(seed 003: 160 -> 192 -> 224 over equal thirds of the epochs).",
+    )
+    progressive_min_size: int = _cls(160, "First resolution of progressive resizing (pixels; at most image_size).")
+    progressive_stages: int = _cls(3, "Number of equal-length resolution stages in progressive resizing.")
+
+    # ------------------------------------------------------------------------------------------------
+    def validate(self) -> TrainConfig:
+        """Check every field; raise :class:`ConfigError` naming the first bad field and what is allowed.
+
+        Returns ``self`` so calls can chain. Cross-rank checks (micro-batch divisibility) live in
+        :meth:`micro_batch_size`, which needs the world size. See :func:`trainer.config.validation.validate`.
+        """
+        from trainer.config.validation import validate
+
+        return validate(self)
+
+    def micro_batch_size(self, world_size: int) -> int:
+        """Per-rank images per forward/backward: ``batch_size / (world_size * accumulate_grad_batches)``.
+
+        Raises:
+            ConfigError: the global batch does not split evenly into whole micro-batches.
+        """
+        from trainer.errors import ConfigError
+
+        denom = world_size * self.accumulate_grad_batches
+        if self.batch_size % denom:
+            raise ConfigError(
+                f"batch_size: global batch {self.batch_size} is not divisible by world_size ({world_size}) x "
+                f"accumulate_grad_batches ({self.accumulate_grad_batches}) = {denom}; choose a multiple of {denom}"
+            )
+        return self.batch_size // denom
+
+    def to_dict(self) -> dict:
+        """Plain flat dict of all fields, field name -> value (YAML/JSON-serialisable; no sections)."""
+        return dataclasses.asdict(self)
+
+    def fingerprint(self) -> str:
+        """SHA-256 (hex, 16 chars) of the fields that define the training trajectory.
+
+        Fields that only say where things go or how often to log (:data:`NON_TRAJECTORY_FIELDS`) are excluded,
+        so moving a run to another checkpoint directory does not change it.
+        """
+        d = {k: v for k, v in self.to_dict().items() if k not in NON_TRAJECTORY_FIELDS}
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+#: Fields that do not change what is computed (paths, logging, resume switches, loader tuning, early stopping).
+#: Also used to filter the keys of a saved config dict on resume, so it keeps ``target_accuracy`` (the name of
+#: ``target_value`` in checkpoints written before the rename): its presence there is not a config change.
+NON_TRAJECTORY_FIELDS = (
+    "checkpoint_dir",
+    "log_dir",
+    "auto_resume",
+    "resume",
+    "force_resume",
+    "log_every_steps",
+    "checkpoint_interval",
+    "target_metric",
+    "target_value",
+    "target_accuracy",
+    "num_workers",
+    "prefetch_factor",
+    "pin_memory",
+    "persistent_workers",
+    "data_dir",
+    "eval_batch_size",
+    "max_steps_per_epoch",
+    "device",
+    "checkpoint_every_steps",
+    "checkpoint_every_minutes",
+    "spot_poll_interval_s",
+    "stop_on_rebalance",
+    "ffcv_dir",
+    "ffcv_os_cache",
+)
+
+#: Field name -> dataclass field (its ``metadata`` holds section, help, flag, choices, aliases), in section order.
+FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+#: Alias (YAML key or hidden flag name) -> field name, e.g. ``compile_model`` -> ``compile``.
+ALIASES = {a: f.name for f in FIELDS.values() for a in f.metadata.get("aliases", ())}
+#: Section name -> its field names, in :data:`SECTIONS` order (every section has at least one field).
+FIELDS_BY_SECTION: dict[str, tuple[str, ...]] = {
+    s: tuple(n for n, f in FIELDS.items() if f.metadata["section"] == s) for s in SECTIONS
+}

@@ -1,0 +1,127 @@
+"""Value checks of a :class:`~trainer.config.TrainConfig`: each error names the field and what is allowed."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING, Optional
+
+from trainer.config.schema import BUILTIN_DIGITS, MAX_IMAGE_SIZE, choices_of, is_task_section, section_of
+from trainer.errors import ConfigError
+
+if TYPE_CHECKING:
+    from trainer.config.fields import TrainConfig
+
+
+def task_section_conflict(name: str, value: object, task: str) -> Optional[str]:
+    """Why field ``name`` may not have ``value`` under ``task`` (one phrase), or None if it may.
+
+    A field of a task section (a section named like a registered task) may differ from its default only
+    while ``task`` is that task. Returns None when ``task`` itself is not registered (its own check reports it).
+    """
+    from trainer.config.fields import FIELDS
+    from trainer.config.schema import task_names
+
+    f = FIELDS[name]
+    section = section_of(f)
+    if section == task or not is_task_section(section) or task not in task_names() or value == f.default:
+        return None
+    return (
+        f"{name} belongs to task section {section} and only applies with task: {section}, but task is "
+        f"{task}; remove it or set it to its default ({f.default!r})"
+    )
+
+
+def validate(cfg: TrainConfig) -> TrainConfig:
+    """Check every field of ``cfg``; return ``cfg`` unchanged.
+
+    Raises:
+        ConfigError: the first bad field, as ``name: got VALUE; what is allowed`` (one line).
+    """
+    for f in dataclasses.fields(cfg):
+        choices = choices_of(f)
+        value = getattr(cfg, f.name)
+        if choices and value not in choices:
+            raise ConfigError(f"{f.name}: got {value!r}; allowed: {', '.join(map(str, choices))}")
+    for f in dataclasses.fields(cfg):
+        why = task_section_conflict(f.name, getattr(cfg, f.name), cfg.task)
+        if why:
+            raise ConfigError(f"{f.name}: got {getattr(cfg, f.name)!r}; {why}")
+    _positive = (
+        "batch_size",
+        "accumulate_grad_batches",
+        "epochs",
+        "image_size",
+        "checkpoint_interval",
+        "log_every_steps",
+        "progressive_stages",
+        "progressive_min_size",
+        "step_size_epochs",
+    )
+    for name in _positive:
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"{name}: got {getattr(cfg, name)!r}; must be an integer >= 1")
+    for name in ("image_size", "progressive_min_size"):
+        if getattr(cfg, name) > MAX_IMAGE_SIZE:
+            raise ConfigError(
+                f"{name}: got {getattr(cfg, name)!r}; must be <= {MAX_IMAGE_SIZE} pixels (one side of the square image)"
+            )
+    for name in ("num_workers", "eval_batch_size", "max_steps_per_epoch", "checkpoint_every_steps"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"{name}: got {getattr(cfg, name)!r}; must be an integer >= 0")
+    if cfg.prefetch_factor < 1:
+        raise ConfigError(f"prefetch_factor: got {cfg.prefetch_factor}; must be >= 1")
+    if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
+        raise ConfigError(f"lr: got {cfg.lr!r}; must be a finite number > 0")
+    for name, lo, hi in (("label_smoothing", 0.0, 1.0), ("max_bad_fraction", 0.0, 1.0), ("ema_decay", 0.0, 1.0)):
+        v = getattr(cfg, name)
+        if not (lo <= v < hi):
+            raise ConfigError(f"{name}: got {v!r}; must be in [{lo}, {hi})")
+    for name in ("cutmix_prob", "hflip_prob", "momentum"):
+        v = getattr(cfg, name)
+        if not (0.0 <= v <= 1.0):
+            raise ConfigError(f"{name}: got {v!r}; must be in [0, 1]")
+    for name in ("crop_scale_min", "val_resize_ratio"):
+        v = getattr(cfg, name)
+        if not (0.0 < v <= 1.0):
+            raise ConfigError(f"{name}: got {v!r}; must be in (0, 1]")
+    if cfg.spot_poll_interval_s <= 0:
+        raise ConfigError(f"spot_poll_interval_s: got {cfg.spot_poll_interval_s}; must be > 0")
+    for name in (
+        "mixup_alpha",
+        "cutmix_alpha",
+        "weight_decay",
+        "gradient_clip",
+        "warmup_epochs",
+        "checkpoint_every_minutes",
+    ):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"{name}: got {getattr(cfg, name)!r}; must be >= 0")
+    if cfg.warmup_epochs >= cfg.epochs:
+        raise ConfigError(f"warmup_epochs: got {cfg.warmup_epochs}; must be < epochs ({cfg.epochs})")
+    if not 0 < cfg.step_gamma <= 1:
+        raise ConfigError(f"step_gamma: got {cfg.step_gamma}; must be in (0, 1]")
+    _check_target(cfg)
+    if cfg.progressive_resize and cfg.progressive_min_size > cfg.image_size:
+        raise ConfigError(
+            f"progressive_min_size: got {cfg.progressive_min_size}; must be <= image_size ({cfg.image_size})"
+        )
+    if not cfg.data_dir:
+        raise ConfigError("data_dir: empty; give an ImageFolder root or " + BUILTIN_DIGITS)
+    if cfg.use_ffcv and not cfg.ffcv_dir:
+        raise ConfigError(
+            "ffcv_dir: required with use_ffcv (the folder holding "
+            f"{cfg.train_split}.ffcv and {cfg.val_split}.ffcv; see python -m trainer write-ffcv)"
+        )
+    return cfg
+
+
+def _check_target(cfg: TrainConfig) -> None:
+    """``target_value`` finite; ``target_metric`` a non-empty name without spaces. Whether the metric exists
+    and which range its value may take is the task's to check (it knows what its evaluator reports)."""
+    v = cfg.target_value
+    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+        raise ConfigError(f"target_value: got {v!r}; must be a finite number")
+    m = cfg.target_metric
+    if m is not None and (not isinstance(m, str) or not m.strip() or any(c.isspace() for c in m)):
+        raise ConfigError(f"target_metric: got {m!r}; must be a metric name without spaces, e.g. top1")

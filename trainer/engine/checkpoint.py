@@ -1,0 +1,578 @@
+"""Atomic, validated, full-state checkpoints and auto-resume.
+
+On-disk format (``FORMAT_VERSION`` 1), one directory per checkpoint::
+
+    <checkpoint_dir>/
+      ckpt-000001234/          epoch-end checkpoint at global optimizer step 1234
+      ckpt-000001300-m/        mid-epoch checkpoint (stop request or periodic) at step 1300
+        state.pt               model, optimizer, scheduler, grad scaler, EMA, progress, config, fingerprint
+        ranks.pt               per-rank state: {"ranks": [{"rng": {python, numpy, torch, cuda}, ...}, ...]}
+        manifest.json          format version, progress, and {file: {bytes, sha256}} for every file above
+      latest                   text: name of the newest complete checkpoint
+      best                     text: name of the checkpoint with the best primary metric
+
+Durability (how a crash at any instant leaves a loadable checkpoint): every file is written to a temporary
+name, flushed, ``fsync``-ed and renamed; the checkpoint is assembled in ``.tmp-<name>/`` and renamed into
+place only when complete; ``latest`` moves (again by rename) only after that; older checkpoints are deleted
+only after the new one is durable. ``progress`` holds ``epoch`` (0-based epoch to continue in),
+``step_in_epoch`` (optimizer steps already done in it) and ``global_step``, so mid-epoch checkpoints fit
+the same format. Loading uses ``torch.load(weights_only=True)``.
+
+Writes are asynchronous: :meth:`CheckpointManager.save` copies the state to host memory (the only part that
+stalls training) and a background thread serialises, hashes, writes and renames; :meth:`wait` blocks until
+the last checkpoint is durable. A new save waits for the previous one first.
+
+Write failures (full disk, file size limit, I/O error): the writer removes its ``.tmp-ckpt-*`` folder, leaves
+``latest`` on the previous checkpoint and keeps a :class:`CheckpointError` naming the checkpoint and the OS
+error; :attr:`CheckpointManager.failed` is a plain attribute read, so the training loop polls it at every
+optimizer step (no device synchronisation) and stops at the next one. torch's C++ writer reports a failed
+write as an opaque ``RuntimeError`` (``unexpected pos ...``, ``basic_ios::clear``); :func:`atomic_torch_save`
+turns it back into the ``OSError`` behind it (:func:`explain_write_failure`).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from trainer.errors import CheckpointError  # noqa: F401 - re-exported
+
+FORMAT_VERSION = 1
+#: Written next to the checkpoints when a run stops on request (JSON: reason, checkpoint, global_step); a
+#: launcher that only sees torchrun's exit status can read it. Removed when the next run starts.
+INTERRUPTED_MARKER = "interrupted.json"
+_NAME = re.compile(r"^ckpt-(\d{9})(-m)?$")
+_TMP_FILE = re.compile(r"^\.(.+)\.tmp-\d+$")  # atomic_* temporary name -> the file it becomes
+_STALE_POINTER_TMP = re.compile(r"^\.(latest|best|interrupted\.json)\.tmp-\d+$")
+#: Bytes :func:`explain_write_failure` tries to append to find the OS error behind a failed torch.save.
+_PROBE_BYTES = 1 << 20
+
+
+class _Aborted(Exception):
+    """The checkpoint being written was abandoned (:meth:`CheckpointManager.abort`)."""
+
+
+def checkpoint_name(progress: dict) -> str:
+    """``ckpt-<global step>`` at an epoch end, ``ckpt-<global step>-m`` mid-epoch."""
+    return f"ckpt-{int(progress['global_step']):09d}" + ("-m" if progress.get("step_in_epoch", 0) else "")
+
+
+def _order(name: str) -> tuple[int, int]:
+    m = _NAME.match(name)
+    return (int(m.group(1)), 0 if m.group(2) else 1) if m else (-1, -1)
+
+
+# --- durable file primitives ----------------------------------------------------------------------------
+def fsync_dir(path: Path) -> None:
+    """fsync a directory so that renames inside it survive a power loss (no-op where unsupported)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via temp file + fsync + rename (readers see the old or the new file)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_torch_save(obj: Any, path: Path) -> dict:
+    """``torch.save`` straight to a temporary file, fsync, rename; returns ``{"bytes", "sha256"}``.
+
+    Saving to a path lets torch's C++ writer stream the tensors to disk; saving into ``io.BytesIO`` first
+    held the GIL for the whole copy and stalled the training thread while a checkpoint was written.
+
+    Raises:
+        OSError: the write failed (also when torch reports it as a ``RuntimeError``: see
+            :func:`explain_write_failure`). The temporary file is removed.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        try:
+            torch.save(obj, tmp)
+        except RuntimeError as e:
+            cause = explain_write_failure(tmp, _tensor_bytes(obj))
+            if cause is None:
+                raise
+            raise cause from e
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        meta = {"bytes": tmp.stat().st_size, "sha256": sha256_file(tmp)}
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+    return meta
+
+
+def explain_write_failure(path: Path, needed: int) -> Optional[OSError]:
+    """The ``OSError`` behind a write to ``path`` that torch's C++ writer reported only as a ``RuntimeError``.
+
+    Appends up to 1 MiB to ``path`` (which the caller deletes afterwards) and fsyncs it: a full disk, a file
+    size limit (``RLIMIT_FSIZE``, with SIGXFSZ ignored), a quota or an I/O error fail again there with their
+    errno. If that write succeeds, ``statvfs`` is asked whether ``needed`` bytes would still fit (ENOSPC if
+    not). Returns None when neither finds a cause (the ``RuntimeError`` was not about the disk).
+    """
+    try:
+        with open(path, "ab") as f:
+            f.write(bytes(min(_PROBE_BYTES, max(needed, 1))))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        return OSError(e.errno, e.strerror, str(path))
+    try:
+        st = os.statvfs(Path(path).parent)
+    except OSError:
+        return None
+    if st.f_bavail * st.f_frsize < needed:
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    return None
+
+
+def _tensor_bytes(obj: Any) -> int:
+    """Bytes of all tensor data in a state tree (what :func:`torch.save` has to write, at least)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+def describe_os_error(e: BaseException) -> str:
+    """``"No space left on device (ENOSPC)"`` for an ``OSError``, ``"Type: message"`` for anything else."""
+    if isinstance(e, OSError) and e.errno:
+        return f"{e.strerror or os.strerror(e.errno)} ({errno.errorcode.get(e.errno, e.errno)})"
+    return f"{type(e).__name__}: {e}"
+
+
+def snapshot(obj: Any) -> Any:
+    """Deep copy of a state tree with every tensor copied to host memory (so training can go on mutating
+    the originals while a background thread writes the copy)."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        return t.to("cpu", copy=True) if t.device.type != "cpu" else t.clone()
+    if isinstance(obj, dict):
+        return {k: snapshot(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(snapshot(v) for v in obj)
+    return obj
+
+
+def sha256_file(path: Path) -> str:
+    """Hex SHA-256 of a file, read in 4 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# --- RNG state --------------------------------------------------------------------------------------------
+def capture_rng() -> dict:
+    """RNG states of this process: python ``random``, numpy, torch CPU and (if present) every CUDA device.
+
+    Stored as tensors and plain Python values so ``torch.load(weights_only=True)`` accepts them.
+    """
+    np_state = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": {
+            "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "gauss": float(np_state[4]),
+        },
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict) -> None:
+    """Inverse of :func:`capture_rng`."""
+    random.setstate(_as_tuple(state["python"]))
+    n = state["numpy"]
+    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _as_tuple(x):
+    return tuple(_as_tuple(i) for i in x) if isinstance(x, (list, tuple)) else x
+
+
+# --- the manager ----------------------------------------------------------------------------------------
+class CheckpointManager:
+    """Save, validate, find and load checkpoints in one directory.
+
+    Collective: :meth:`save` must be called by every rank (rank 0 gathers the RNG states and writes; the
+    others only take part in the gather and the final barrier). All ranks may call :meth:`load`.
+
+    Args:
+        directory: checkpoint folder (created if missing).
+        rank, world_size: this process's place in the process group.
+        keep_every_epochs: epoch-end checkpoints with ``epoch % keep_every_epochs == 0`` are kept;
+            ``latest`` and ``best`` are always kept; every other checkpoint is deleted once a newer one is
+            durable.
+
+    Raises:
+        CheckpointError: (rank 0) the folder cannot be created or a file cannot be written in it (read-only
+            file system, no permission, a file in the way): checked here, before any training.
+    """
+
+    def __init__(self, directory: str | Path, rank: int = 0, world_size: int = 1, keep_every_epochs: int = 1):
+        self.dir = Path(directory)
+        self.rank, self.world_size, self.keep_every = rank, world_size, keep_every_epochs
+        self._writer: Optional[threading.Thread] = None
+        self._written = threading.Event()  # set when the writer's work is over (see join)
+        self._error: Optional[BaseException] = None
+        self._abort = threading.Event()
+        self.last_durable: Optional[tuple[Path, float]] = None  # (path, time.monotonic() when durable)
+        if rank == 0:
+            self._check_writable()
+            for stale in self.dir.glob(".tmp-ckpt-*"):  # a write killed mid-way (SIGKILL, power loss)
+                shutil.rmtree(stale, ignore_errors=True)
+            for stale in self.dir.iterdir():
+                if _STALE_POINTER_TMP.match(stale.name):
+                    stale.unlink(missing_ok=True)
+
+    def _check_writable(self) -> None:
+        """Create the folder and write, fsync and delete a probe file in it; CheckpointError if that fails."""
+        if self.dir.exists() and not self.dir.is_dir():
+            raise CheckpointError(
+                f"checkpoint_dir: {self.dir} exists and is not a folder; choose a folder for checkpoints"
+            )
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CheckpointError(
+                f"checkpoint_dir: cannot create {self.dir}: {describe_os_error(e)}"
+                + (f" at {e.filename}" if e.filename and str(e.filename) != str(self.dir) else "")
+                + "; choose a writable folder"
+            ) from None
+        probe = self.dir / f".write-probe-{os.getpid()}"
+        try:
+            with open(probe, "wb") as f:
+                f.write(b"trainstack")
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            raise CheckpointError(
+                f"checkpoint_dir: cannot write in {self.dir}: {describe_os_error(e)}; choose a writable folder"
+            ) from None
+        finally:
+            try:
+                probe.unlink(missing_ok=True)
+            except OSError:
+                pass
+
+    # .. saving ..........................................................................................
+    def save(
+        self,
+        state: dict,
+        progress: dict,
+        *,
+        rank_state: Optional[dict] = None,
+        is_best: bool = False,
+        blocking: bool = False,
+    ) -> Optional[Path]:
+        """Write a checkpoint of ``state`` at ``progress`` and move ``latest`` (and ``best``) to it.
+
+        Args:
+            state: rank 0's training state (tensors, dicts, numbers, strings); copied to host memory before
+                this returns, so the caller may keep training.
+            progress: ``{"epoch", "step_in_epoch", "global_step"}`` (ints).
+            rank_state: this rank's own small state (e.g. running epoch statistics); gathered with every
+                rank's RNG state into ``ranks.pt``.
+            is_best: also move the ``best`` pointer.
+            blocking: wait until the checkpoint is durable (otherwise a background thread finishes it).
+
+        Returns the checkpoint directory it will have (rank 0), None elsewhere. A failed write is raised by
+        the next :meth:`save` or :meth:`wait`; the previous checkpoints stay untouched.
+        """
+        mine = {"rng": capture_rng(), **(rank_state or {})}
+        if dist.is_available() and dist.is_initialized():
+            gathered = [None] * self.world_size if self.rank == 0 else None
+            dist.gather_object(mine, gathered, dst=0)
+        else:
+            gathered = [mine]
+        if self.rank != 0:
+            return None
+        self.wait()
+        self._abort.clear()
+        self._written.clear()
+        full = snapshot({**state, "progress": dict(progress), "format_version": FORMAT_VERSION})
+        self._writer = threading.Thread(
+            target=self._write_guarded,
+            name="checkpoint-writer",
+            daemon=True,
+            args=(full, {"ranks": gathered}, dict(progress), is_best),
+        )
+        self._writer.start()
+        if blocking:
+            self.wait()
+        return self.dir / checkpoint_name(progress)
+
+    def wait(self) -> Optional[Path]:
+        """Block until the last checkpoint write finished; re-raise its error (a :class:`CheckpointError`
+        naming the checkpoint and the OS error). Returns the last durable checkpoint's path (rank 0)."""
+        self.join()
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+        return self.last_durable[0] if self.last_durable else None
+
+    def join(self) -> None:
+        """Block until the background write (if any) finished, without raising its error.
+
+        Waits on an event the writer sets when done, not only on ``Thread.join``: in Python 3.11 a join
+        interrupted by Ctrl-C marks the thread stopped while it still runs, and a later join returns at once.
+        """
+        if self._writer is not None:
+            self._written.wait()
+            self._writer.join()
+            self._writer = None
+
+    @property
+    def failed(self) -> bool:
+        """True when a background write failed and :meth:`wait` has not raised it yet. A plain attribute
+        read (no lock, no device work): cheap enough to poll at every optimizer step."""
+        return self._error is not None
+
+    def abort(self) -> None:
+        """Abandon the checkpoint being written (a second Ctrl-C): the writer stops before its next file or
+        rename, this waits for it, and every ``.tmp-ckpt-*`` folder is removed. Checkpoints that were
+        already complete (renamed into place) stay. Safe to call more than once and on any rank."""
+        self._abort.set()
+        self.join()
+        self._error = None
+        if self.rank == 0 and self.dir.is_dir():
+            for tmp in self.dir.glob(".tmp-ckpt-*"):
+                shutil.rmtree(tmp, ignore_errors=True)
+
+    def _write_guarded(self, state: dict, rng: dict, progress: dict, is_best: bool) -> None:
+        name = checkpoint_name(progress)
+        try:
+            path = self._write(state, rng, progress, is_best)
+            self.last_durable = (path, time.monotonic())
+        except _Aborted:
+            shutil.rmtree(self.dir / f".tmp-{name}", ignore_errors=True)
+        except BaseException as e:  # noqa: BLE001 - handed to the training thread by wait()
+            shutil.rmtree(self.dir / f".tmp-{name}", ignore_errors=True)
+            self._error = self._write_error(name, progress, e) if isinstance(e, OSError) else e
+        finally:
+            self._written.set()
+
+    def _write_error(self, name: str, progress: dict, e: OSError) -> CheckpointError:
+        """One line: which checkpoint, the OS error, what is still on disk and what to do."""
+        where = " writing " + _TMP_FILE.sub(r"\1", Path(e.filename).name) if e.filename else ""
+        latest = self.pointer("latest")
+        kept = (
+            f"the previous checkpoint {self.dir / latest} is intact and 'latest' still points to it"
+            if latest
+            else "no earlier checkpoint exists in this folder"
+        )
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            todo = f"free space in {self.dir} (or choose another checkpoint_dir)"
+        elif e.errno == errno.EFBIG:
+            todo = "raise the file size limit (ulimit -f) or choose another checkpoint_dir"
+        else:
+            todo = f"fix {self.dir} (or choose another checkpoint_dir)"
+        err = CheckpointError(
+            f"{self.dir / name}: cannot write this checkpoint (global step "
+            f"{progress.get('global_step')}): {describe_os_error(e)}{where}; {kept}. "
+            f"To go on, {todo} and run the same command again"
+        )
+        err.__cause__ = e
+        return err
+
+    def _check_abort(self) -> None:
+        if self._abort.is_set():
+            raise _Aborted()
+
+    def _write(self, state: dict, rng: dict, progress: dict, is_best: bool) -> Path:
+        name = checkpoint_name(progress)
+        final, tmp = self.dir / name, self.dir / f".tmp-{name}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        files = {}
+        for fname, obj in (("state.pt", state), ("ranks.pt", rng)):
+            self._check_abort()
+            files[fname] = atomic_torch_save(obj, tmp / fname)
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "name": name,
+            "progress": progress,
+            "world_size": self.world_size,
+            "created_unix": time.time(),
+            "files": files,
+        }
+        atomic_write_bytes(tmp / "manifest.json", json.dumps(manifest, indent=2).encode())
+        self._check_abort()
+        old = None
+        if final.exists():  # same step written again (a rerun after a crash before `latest` moved)
+            old = self.dir / f".tmp-old-{name}"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+        os.replace(tmp, final)
+        fsync_dir(self.dir)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        atomic_write_bytes(self.dir / "latest", name.encode())
+        if is_best:
+            atomic_write_bytes(self.dir / "best", name.encode())
+        self._prune()
+        return final
+
+    def _prune(self) -> None:
+        keep = {self.pointer("latest"), self.pointer("best")}
+        for d in self.list():
+            if d.name in keep:
+                continue
+            try:
+                prog = json.loads((d / "manifest.json").read_text())["progress"]
+            except (OSError, ValueError, KeyError):
+                continue  # not ours to judge: leave incomplete/foreign folders alone
+            if prog.get("step_in_epoch", 0) == 0 and prog.get("epoch", 0) % self.keep_every == 0:
+                continue
+            shutil.rmtree(d, ignore_errors=True)
+
+    # .. interruption marker .............................................................................
+    def mark_interrupted(self, reason: str, path: Optional[Path], global_step: int) -> None:
+        """Write ``interrupted.json`` (reason, checkpoint name, global step) for launchers (rank 0)."""
+        marker = {
+            "reason": reason,
+            "checkpoint": path.name if path else None,
+            "global_step": global_step,
+            "time_unix": time.time(),
+        }
+        atomic_write_bytes(self.dir / INTERRUPTED_MARKER, json.dumps(marker).encode())
+
+    @staticmethod
+    def read_interrupted(directory: str | Path) -> Optional[dict]:
+        """``interrupted.json`` of a checkpoint directory without removing it; None if there is none, a
+        placeholder reason if it cannot be read or parsed."""
+        try:
+            return json.loads((Path(directory) / INTERRUPTED_MARKER).read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            return {"reason": "unknown (unreadable interrupted.json)"}
+
+    def pop_interrupted(self) -> Optional[dict]:
+        """Read and remove ``interrupted.json`` left by the previous run; None if there is none."""
+        data = self.read_interrupted(self.dir)
+        (self.dir / INTERRUPTED_MARKER).unlink(missing_ok=True)
+        return data
+
+    # .. finding and validating .........................................................................
+    def pointer(self, name: str) -> Optional[str]:
+        """Checkpoint name stored in the ``latest`` or ``best`` pointer file, or None."""
+        try:
+            return (self.dir / name).read_text().strip() or None
+        except OSError:
+            return None
+
+    def list(self) -> list[Path]:
+        """Complete-looking checkpoint directories, newest (highest global step) first."""
+        if not self.dir.is_dir():
+            return []
+        found = [p for p in self.dir.iterdir() if p.is_dir() and _NAME.match(p.name)]
+        return sorted(found, key=lambda p: _order(p.name), reverse=True)
+
+    @staticmethod
+    def validate(path: str | Path) -> dict:
+        """Check a checkpoint directory against its manifest (format, file sizes, SHA-256).
+
+        Returns the manifest. Raises :class:`CheckpointError` saying what is wrong.
+        """
+        path = Path(path)
+        try:
+            manifest = json.loads((path / "manifest.json").read_text())
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: no manifest.json (incomplete or not a checkpoint directory)") from None
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{path}/manifest.json: unreadable ({e})") from None
+        if manifest.get("format_version") != FORMAT_VERSION:
+            raise CheckpointError(
+                f"{path}: format_version {manifest.get('format_version')!r}, this trainer reads {FORMAT_VERSION}"
+            )
+        for fname, meta in manifest.get("files", {}).items():
+            f = path / fname
+            if not f.is_file():
+                raise CheckpointError(f"{f}: missing")
+            if f.stat().st_size != meta["bytes"]:
+                raise CheckpointError(f"{f}: {f.stat().st_size} bytes, manifest says {meta['bytes']} (truncated?)")
+            if sha256_file(f) != meta["sha256"]:
+                raise CheckpointError(f"{f}: SHA-256 differs from the manifest (corrupt)")
+        return manifest
+
+    def find_resume(self) -> tuple[Optional[Path], list[str]]:
+        """Newest checkpoint that validates, and log lines saying which one and why (skipped ones named).
+
+        Order: the ``latest`` pointer's target first, then every other checkpoint newest first.
+        """
+        notes = []
+        candidates = self.list()
+        latest = self.pointer("latest")
+        if latest:
+            candidates.sort(key=lambda p: p.name != latest)
+        for p in candidates:
+            try:
+                self.validate(p)
+            except CheckpointError as e:
+                notes.append(f"checkpoint: skipping {p.name}: {e}")
+                continue
+            why = "the 'latest' pointer" if p.name == latest else "the newest checkpoint that validates"
+            notes.append(f"checkpoint: resuming from {p} ({why})")
+            return p, notes
+        return None, notes
+
+    @staticmethod
+    def load(path: str | Path, rank: int = 0, map_location: Any = "cpu") -> tuple[dict, Optional[dict]]:
+        """Validate and load ``path``: returns (state, this rank's part ``{"rng": ..., ...}``, or None if the
+        checkpoint was written by fewer ranks). Raises :class:`CheckpointError`."""
+        path = Path(path)
+        CheckpointManager.validate(path)
+        try:
+            state = torch.load(path / "state.pt", map_location=map_location, weights_only=True)
+            rng = torch.load(path / "ranks.pt", map_location="cpu", weights_only=True)["ranks"]
+        except Exception as e:  # noqa: BLE001 - report any unpickling error with the path
+            raise CheckpointError(f"{path}: cannot load ({type(e).__name__}: {e})") from None
+        return state, (rng[rank] if rank < len(rng) else None)

@@ -1,0 +1,218 @@
+"""Metric sinks (rank 0 only): stdout ``key=value`` lines, a JSON-lines file, TensorBoard, the curves PNG,
+and the per-step progress display (tqdm bar on a terminal, plain lines otherwise).
+
+Epoch line format (one line per epoch, parsed by SageMaker metric definitions)::
+
+    epoch=3 step=150 lr=0.0400 train_loss=0.8123 train_top1=71.20 val_loss=0.6012 val_top1=80.40
+    val_top5=98.10 ema_val_top1=79.90 images_per_s=812.3 epoch_time_s=12.41 bad_files=0 image_size=160
+
+SageMaker ``MetricDefinitions`` regexes (documented in README.md): ``val_top1=([0-9.]+)``,
+``train_loss=([0-9.eE+-]+)``, ``images_per_s=([0-9.]+)`` and so on: every key is ``key=([0-9.eE+-]+)``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from trainer.errors import ConfigError
+
+
+def format_kv(values: dict) -> str:
+    """``key=value`` pairs separated by spaces; floats with 4 significant decimals, ints as ints."""
+    parts = []
+    for k, v in values.items():
+        if isinstance(v, float):
+            parts.append(f"{k}={v:.4f}" if abs(v) < 1e4 or v != v else f"{k}={v:.6g}")
+        else:
+            parts.append(f"{k}={v}")
+    return " ".join(parts)
+
+
+class MetricsLogger:
+    """Writes metrics on rank 0; every method is a no-op on other ranks.
+
+    Files under ``log_dir``: ``metrics.jsonl`` (one JSON object per epoch and per logged step, with
+    ``"kind": "epoch" | "step"``), ``tb/`` TensorBoard events, ``curves.png`` at the end. A resumed run calls
+    :meth:`resume_at` so that every step appears once in both.
+
+    Raises:
+        ConfigError: ``log_dir`` cannot be created or written (rank 0).
+    """
+
+    def __init__(self, log_dir: str | Path, enabled: bool, total_steps_hint: int = 0):
+        self.enabled = enabled
+        self.dir = Path(log_dir)
+        self.tty = sys.stderr.isatty()
+        self._bar = None
+        self._tb = None
+        self._jsonl = None
+        self._purge_step: Optional[int] = None
+        if enabled:
+            try:
+                self.dir.mkdir(parents=True, exist_ok=True)
+                self._jsonl = open(self.dir / "metrics.jsonl", "a", buffering=1)
+            except OSError as e:
+                raise ConfigError(
+                    f"log_dir: cannot write {e.filename or self.dir}: {e.strerror}; choose a writable folder"
+                ) from None
+
+    def resume_at(self, global_step: int) -> int:
+        """A run resumed after optimizer step ``global_step``: drop the rows a previous run logged beyond it
+        (it was stopped or killed after its last checkpoint; the steps are trained again), so every step and
+        epoch appears once in ``metrics.jsonl``; TensorBoard discards them too (``purge_step``). Unreadable
+        lines (a write cut short by SIGKILL) are dropped. The file is rewritten atomically. Returns the
+        number of rows dropped."""
+        if not self.enabled:
+            return 0
+        path = self.dir / "metrics.jsonl"
+        self._jsonl.close()
+        kept, dropped = [], 0
+        with open(path) as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                    keep = int(row.get("step", 0)) <= global_step
+                except (ValueError, TypeError, AttributeError):
+                    keep = False
+                if keep:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+                else:
+                    dropped += 1
+        if dropped:
+            tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+            with open(tmp, "w") as f:
+                f.writelines(kept)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        self._jsonl = open(path, "a", buffering=1)
+        self._purge_step = global_step + 1
+        return dropped
+
+    def _writer(self):
+        """The TensorBoard writer, created on first use (after :meth:`resume_at`, with its purge step)."""
+        if self._tb is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.dir / "tb"), purge_step=self._purge_step)
+        return self._tb
+
+    def info(self, msg: str) -> None:
+        """Print a message line (through tqdm when a bar is active so it does not break the bar)."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(msg)
+        else:
+            print(msg, flush=True)
+
+    # .. per-step progress ................................................................................
+    def start_epoch(self, epoch: int, steps: int, initial: int = 0) -> None:
+        """Open a tqdm bar for ``steps`` optimizer steps when stderr is a terminal (``epoch``: 1-based)."""
+        if self.enabled and self.tty:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=steps, initial=initial, desc=f"epoch {epoch}", dynamic_ncols=True, leave=False)
+
+    def step(self, global_step: int, values: dict, every: int) -> None:
+        """Per-step progress: bar update on a terminal; a plain ``key=value`` line every ``every`` steps
+        otherwise. ``values`` is also written to JSONL/TensorBoard at those steps."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix(
+                {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in values.items()}, refresh=False
+            )
+        if global_step % every == 0:
+            if self._bar is None:
+                print(format_kv({"step": global_step, **values}), flush=True)
+            self._record("step", global_step, values)
+
+    def end_epoch(self) -> None:
+        """Close the progress bar."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    # .. per-epoch metrics ................................................................................
+    def epoch(self, epoch: int, global_step: int, values: dict) -> None:
+        """Print the epoch's ``key=value`` line and write it to JSONL and TensorBoard."""
+        if not self.enabled:
+            return
+        self.info(format_kv({"epoch": epoch, "step": global_step, **values}))
+        self._record("epoch", global_step, {"epoch": epoch, **values})
+
+    def _record(self, kind: str, global_step: int, values: dict) -> None:
+        row = {"kind": kind, "step": global_step, "time": time.time(), **values}
+        self._jsonl.write(json.dumps(row) + "\n")
+        for k, v in values.items():
+            if isinstance(v, (int, float)) and k != "epoch" and math.isfinite(v):
+                self._writer().add_scalar(f"{kind}/{k}", v, global_step)
+
+    def close(self) -> Optional[Path]:
+        """Flush files, draw ``curves.png`` from ``metrics.jsonl`` and return its path (rank 0)."""
+        if not self.enabled:
+            return None
+        self.end_epoch()
+        self._writer().close()
+        self._jsonl.close()
+        return plot_curves(self.dir / "metrics.jsonl", self.dir / "curves.png")
+
+
+_CURVE_PREFIXES = ("train_", "val_", "ema_val_")
+_NOT_CURVES = ("_bad_files", "bad_files")
+
+
+def plot_curves(jsonl: Path, out: Path) -> Optional[Path]:
+    """PNG with loss (train/val) and accuracy (train/val/EMA val top-1, val top-5) against epoch.
+
+    Uses only the last run's rows after a restart (rows are keyed by epoch; later rows win); unreadable
+    lines are skipped. Returns None when there is no epoch row yet.
+    """
+    rows: dict[int, dict] = {}
+    with open(jsonl) as f:
+        for line in f:
+            try:
+                r = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(r, dict) and r.get("kind") == "epoch" and "epoch" in r:
+                rows[r["epoch"]] = r
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    epochs = sorted(rows)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    keys = sorted(
+        {
+            k
+            for r in rows.values()
+            for k, v in r.items()
+            if isinstance(v, (int, float)) and k.startswith(_CURVE_PREFIXES) and not k.endswith(_NOT_CURVES)
+        }
+    )
+    for key in keys:  # losses (every term) on the left, the task's metrics on the right
+        pts = [(e, rows[e][key]) for e in epochs if key in rows[e] and math.isfinite(rows[e][key])]
+        if pts:
+            (ax1 if "loss" in key else ax2).plot(*zip(*pts), marker="o", label=key)
+    ax1.set(xlabel="epoch", ylabel="loss (log scale)", title="loss", yscale="log")
+    ax2.set(xlabel="epoch", ylabel="metric", title="validation and training metrics")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        if ax.get_lines():
+            ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

@@ -1,0 +1,111 @@
+"""Run one training job from a validated config: process group, stop sources, trainer, summary, exit code."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import sys
+from pathlib import Path
+from typing import Optional
+
+from trainer import failures
+from trainer.config import TrainConfig
+from trainer.engine import distributed as dist
+from trainer.engine.interruption import SignalHandlers, SpotNoticePoller, StopFlag
+from trainer.errors import EXIT_ABORTED, EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_OK, NonFiniteLossError, exit_code
+from trainer.sagemaker import job as sagemaker
+
+
+def _summary(trainer, last: dict, plot: Optional[Path]) -> None:
+    """Rank 0's closing lines: outcome, the last durable checkpoint of this run, metrics, plot."""
+    if trainer.interrupted:
+        print(f"interrupted: exit {EXIT_INTERRUPTED} (resume me): {trainer.interrupted}", flush=True)
+    elif trainer.best is not None and last:
+        m = trainer.best_metric
+        print(f"done: best {m}={trainer.best:.2f} last val_{m}={last.get('val_' + m, float('nan')):.2f}", flush=True)
+    else:
+        print("done: nothing left to train", flush=True)
+    path = trainer.final_checkpoint()  # made durable by this run, else the one it resumed from
+    print(f"checkpoint: {path if path else '-'}", flush=True)
+    print(f"metrics: {trainer.log.dir / 'metrics.jsonl'}  tensorboard: {trainer.log.dir / 'tb'}", flush=True)
+    print(f"plot: {plot if plot else '-'}", flush=True)
+
+
+def _aborted(checkpoint_dir: str, is_main: bool, trainer=None) -> int:
+    """A second Ctrl-C: abandon the checkpoint being written, say so naming the last durable one, remove
+    half-written checkpoint folders (rank 0), return 130."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a third Ctrl-C must not interrupt the clean-up
+    try:
+        durable = trainer.abort() if trainer is not None else None
+        if is_main:
+            print(
+                "aborted by a second Ctrl-C; no checkpoint written for the current step; last durable "
+                f"checkpoint: {durable if durable else 'none'}",
+                file=sys.stderr,
+                flush=True,
+            )
+            for tmp in Path(checkpoint_dir).glob(".tmp-ckpt-*"):
+                shutil.rmtree(tmp, ignore_errors=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return EXIT_ABORTED
+
+
+def run(cfg: TrainConfig) -> int:
+    """Train with ``cfg`` in this process (one rank of torchrun, or alone).
+
+    Returns an exit code (:mod:`trainer.errors`): 0 done; 2 config, data or checkpoint error (ConfigError,
+    DataError, CheckpointError, raised anywhere from process-group set-up to the last step); 3 non-finite loss;
+    75 interrupted with a durable checkpoint (run the same command again to resume); 130 aborted by a second
+    Ctrl-C. Those errors end as one line (:func:`trainer.failures.fail`: printed by rank 0, or handed to
+    torchrun / the image's entrypoint, which show it once). Any other exception is a bug and propagates with its
+    traceback (exit 1).
+    """
+    from trainer.engine.trainer import Trainer
+
+    stop = StopFlag()
+    handlers = poller = trainer = info = None
+    failure: Optional[tuple[int, str]] = None
+    try:
+        info = dist.init(cfg.device)
+        cfg, notes = sagemaker.apply_defaults(cfg)
+        handlers = SignalHandlers(stop)
+        if info.is_main:
+            for n in notes:
+                print(n, flush=True)
+        if info.local_rank == 0:  # one poller per host
+            poller = SpotNoticePoller(
+                stop,
+                interval_s=cfg.spot_poll_interval_s,
+                rebalance=cfg.stop_on_rebalance,
+                log=lambda m: print(m, flush=True),
+            )
+            poller.start()
+        trainer = Trainer(cfg, info, stop)
+        last = trainer.fit()
+        plot = trainer.close()
+        if info.is_main:
+            _summary(trainer, last, plot)
+        if trainer.interrupted:
+            failures.report(EXIT_INTERRUPTED, f"interrupted ({trainer.interrupted})", echo=False)
+            return EXIT_INTERRUPTED
+        return EXIT_OK
+    except KeyboardInterrupt:
+        return _aborted(cfg.checkpoint_dir, info.is_main if info else failures.env_rank() == 0, trainer)
+    except Exception as e:  # noqa: BLE001 - mapped by exit_code; anything unknown is re-raised
+        code = exit_code(e)
+        if code == 1:
+            raise
+        if code == EXIT_NONFINITE and trainer is not None:
+            try:
+                trainer.close()
+            except Exception:  # noqa: BLE001 - the NaN is what the user must see
+                pass
+        failure = (code, failures.one_line(e, with_type=not isinstance(e, NonFiniteLossError)))
+    finally:
+        if poller is not None:
+            poller.stop()
+        if handlers is not None:
+            handlers.restore()
+        dist.shutdown()
+    return failures.fail(*failure)

@@ -1,0 +1,706 @@
+"""The task-agnostic training loop: DDP, precision, accumulation, clipping, EMA, schedule, evaluation,
+checkpoints, early stop. Tasks (trainer/tasks) supply data, model, loss and metrics.
+
+One optimizer step = ``accumulate_grad_batches`` micro-batches per rank; DDP gradient all-reduce happens
+only on the last micro-batch (``no_sync`` on the others). All per-step statistics stay on the device and are
+read back (one synchronisation) only every ``log_every_steps`` steps and at the end of the epoch.
+
+Log lines count epochs and steps from 1 (``epoch=1`` is the first epoch, "continuing in epoch 2 of 3");
+the checkpoint's ``progress`` fields stay 0-based (see :mod:`trainer.engine.checkpoint`).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as tdist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from trainer.config import NON_TRAJECTORY_FIELDS, ConfigError, TrainConfig
+from trainer.data.loading import build_split_loaders, iterate, shutdown_all
+from trainer.data.samples import BadSample
+from trainer.engine import distributed as dist
+from trainer.engine.checkpoint import CheckpointError, CheckpointManager, restore_rng
+from trainer.engine.evaluation import better, reached
+from trainer.engine.interruption import StopFlag
+from trainer.engine.logging import MetricsLogger
+from trainer.engine.optim import build_scheduler, linear_scaling_warning
+from trainer.engine.step import build_train_step
+from trainer.errors import DataError, NonFiniteLossError
+from trainer.tasks import build_task
+
+_NONE = 2**62  # "no non-finite loss seen" marker for the MIN all-reduce
+
+
+class _EpochStats:
+    """Running training statistics of the current epoch (device tensors + host counters), checkpointed
+    mid-epoch so a resumed epoch reports the same totals as an uninterrupted one."""
+
+    def __init__(self, device: torch.device, saved: Optional[dict] = None):
+        saved = saved or {}
+        f64 = dict(dtype=torch.float64, device=device)
+        self.loss_sum = torch.tensor(saved.get("loss_sum", 0.0), **f64)
+        self.count = torch.tensor(saved.get("count", 0.0), **f64)
+        self.extra = torch.tensor(saved["extra"], **f64) if saved.get("extra") is not None else None
+        self.terms = {k: torch.tensor(v, **f64) for k, v in (saved.get("terms") or {}).items()}
+        self.images = int(saved.get("images", 0))
+        self.data_wait = float(saved.get("data_wait", 0.0))
+        self.elapsed = float(saved.get("elapsed", 0.0))
+        self.bad = [BadSample(p, e) for p, e in saved.get("bad", [])]
+
+    def state_dict(self) -> dict:
+        return {
+            "loss_sum": self.loss_sum.item(),
+            "count": self.count.item(),
+            "extra": self.extra.tolist() if self.extra is not None else None,
+            "images": self.images,
+            "terms": {k: v.item() for k, v in self.terms.items()},
+            "data_wait": self.data_wait,
+            "elapsed": self.elapsed,
+            "bad": [[b.path, b.error] for b in self.bad],
+        }
+
+
+def _config_diff(saved: dict, current: dict) -> list[str]:
+    keys = sorted(k for k in set(saved) | set(current) if k not in NON_TRAJECTORY_FIELDS)
+    return [
+        f"{k}: checkpoint {saved.get(k)!r} -> now {current.get(k)!r}" for k in keys if saved.get(k) != current.get(k)
+    ]
+
+
+def _names(values: list, first: int = 8) -> str:
+    shown = ", ".join(map(str, values[:first]))
+    return f"[{shown}{', ...' if len(values) > first else ''}]"
+
+
+def label_space_diff(saved: dict, current: dict) -> list[str]:
+    """What differs between a checkpoint's label space and the data's, one phrase per key, e.g.
+    ``classes: checkpoint has 2 [ants, bees], data has 3 [ants, bees, wasps]; only in data: wasps``."""
+    out = []
+    for key in sorted(set(saved) | set(current)):
+        a, b = saved.get(key), current.get(key)
+        if a == b:
+            continue
+        if isinstance(a, list) and isinstance(b, list):
+            text = f"{key}: checkpoint has {len(a)} {_names(a)}, data has {len(b)} {_names(b)}"
+            only_ckpt = [x for x in a if x not in b]
+            only_data = [x for x in b if x not in a]
+            for label, items in (("only in checkpoint", only_ckpt), ("only in data", only_data)):
+                if items:
+                    text += f"; {label}: {', '.join(map(str, items[:5]))}" + (" ..." if len(items) > 5 else "")
+            if not only_ckpt and not only_data:
+                text += "; same names in another order (the outputs would mean other classes)"
+            out.append(text)
+        else:
+            out.append(f"{key}: checkpoint {a!r}, data {b!r}")
+    return out
+
+
+def state_dict_mismatch(model: torch.nn.Module, saved: dict, first: int = 3) -> Optional[str]:
+    """Summary of why ``saved`` cannot be loaded into ``model`` (missing, unexpected and differently shaped
+    keys, the first ``first`` of each), or None when every key and shape matches."""
+    mine = model.state_dict()
+    missing = [k for k in mine if k not in saved]
+    unexpected = [k for k in saved if k not in mine]
+    shapes = [
+        f"{k} {tuple(saved[k].shape)} vs {tuple(v.shape)}"
+        for k, v in mine.items()
+        if k in saved and isinstance(saved[k], torch.Tensor) and saved[k].shape != v.shape
+    ]
+    parts = []
+    for label, items in (
+        ("missing in the checkpoint", missing),
+        ("not in the model", unexpected),
+        ("of another shape (checkpoint vs model)", shapes),
+    ):
+        if items:
+            parts.append(f"{len(items)} {label}: " + ", ".join(items[:first]) + (", ..." if len(items) > first else ""))
+    return "; ".join(parts) or None
+
+
+class Trainer:
+    """Builds everything from a validated :class:`TrainConfig` and runs :meth:`fit`.
+
+    Raises (before any training step): ``ConfigError`` (bad value, e.g. a global batch that does not split
+    over ranks: checked before the data is read), ``DataError`` (unusable data), ``CheckpointError``
+    (checkpoint folder not writable; resume target invalid, of another label space or model, or config
+    changed without ``force_resume``).
+    """
+
+    def __init__(self, cfg: TrainConfig, info: dist.DistInfo, stop: Optional[StopFlag] = None):
+        self.cfg, self.info, self.device = cfg, info, info.device
+        self.stop = stop or StopFlag()  # set by signal handlers / the spot poller (trainer.engine.run)
+        self.interrupted: Optional[str] = None
+        self.resumed_from: Optional[Path] = None
+        self._resumed_epoch_stats: Optional[dict] = None
+        self._last_epoch_stats: Optional[_EpochStats] = None
+        self.log = MetricsLogger(cfg.log_dir, enabled=info.is_main)
+        torch.manual_seed(cfg.seed)
+        self.micro = cfg.micro_batch_size(info.world_size)  # config checks first: no data read yet
+        self.accum = cfg.accumulate_grad_batches
+        self.task = build_task(cfg, info)
+        self.task.check_config()
+        self.stop_metric, self.stop_direction = self.task.check_target()
+        self.best_metric = self.task.target_metric
+        self.best_direction = self.task.metric_directions()[self.best_metric]
+        self.ckpt = self._open_checkpoint_dir()
+        data = self.task.build_data()
+        self.label_space = dict(data.label_space)
+        for line in data.report:
+            self.log.info(line)
+        loaders = build_split_loaders(cfg, info, data, self.micro, cfg.eval_batch_size or 2 * self.micro)
+        self.train_loader, self.val_loader = loaders.train, loaders.val
+        self.sampler, self.val_sampler = loaders.train_order, loaders.val_order
+        per_rank = len(self.sampler)
+        self.steps_per_epoch = per_rank // self.micro // self.accum
+        if self.steps_per_epoch == 0:
+            raise ConfigError(
+                f"batch_size: global batch {cfg.batch_size} is larger than the training set "
+                f"({len(data.train)} files); lower batch_size to at most "
+                f"{per_rank * info.world_size}"
+            )
+        if cfg.max_steps_per_epoch:
+            self.steps_per_epoch = min(self.steps_per_epoch, cfg.max_steps_per_epoch)
+
+        wrap = (
+            (lambda m: DDP(m, device_ids=[self.device.index] if self.device.type == "cuda" else None))
+            if info.distributed
+            else None
+        )
+        self.step = build_train_step(cfg, self.task, self.task.build_model(data.num_outputs), self.device, wrap=wrap)
+        self.precision, self.model, self.train_model = self.step.precision, self.step.model, self.step.train_model
+        self.optimizer, self.scaler, self.ema = self.step.optimizer, self.step.scaler, self.step.ema
+        self.scheduler = build_scheduler(cfg, self.optimizer, self.steps_per_epoch)
+        self.evaluator = self.task.evaluator()
+        # Stop/periodic agreement runs on gloo over CPU tensors, so it never synchronises the GPU stream.
+        self._ctrl_group = tdist.new_group(backend="gloo") if info.distributed and self.device.type == "cuda" else None
+        self._last_save = time.monotonic()
+        self.epoch, self.step_in_epoch, self.global_step = 0, 0, 0
+        self.best: Optional[float] = None
+        self.history: list[dict] = []
+        self._resume_if_asked()
+        if self.resumed_from is not None:
+            dropped = self.log.resume_at(self.global_step)
+            if dropped:
+                self.log.info(
+                    f"metrics: dropped {dropped} row(s) of {self.log.dir / 'metrics.jsonl'} logged after "
+                    f"global step {self.global_step} by the previous run (trained again now)"
+                )
+        previous = self.ckpt.pop_interrupted() if info.is_main else None
+        if previous:
+            self.log.info(f"checkpoint: the previous run was interrupted: {previous.get('reason')}")
+        torch.manual_seed(cfg.seed * 1000 + info.rank + 1 + self.global_step)  # per-rank MixUp/CutMix stream
+        if self.global_step and self._rank_state is not None:
+            restore_rng(self._rank_state["rng"])
+
+    def _open_checkpoint_dir(self) -> CheckpointManager:
+        """The :class:`CheckpointManager`; rank 0 checks that the folder can be created and written, and every
+        rank raises its CheckpointError (collective, before any data is read)."""
+        cfg, info = self.cfg, self.info
+        ckpt, err = None, None
+        try:
+            ckpt = CheckpointManager(cfg.checkpoint_dir, info.rank, info.world_size, cfg.checkpoint_interval)
+        except CheckpointError as e:
+            err = str(e)
+        err = dist.broadcast_object(err)
+        if err:
+            raise CheckpointError(err)
+        return ckpt
+
+    # .. resume ..............................................................................................
+    def _resume_if_asked(self) -> None:
+        cfg = self.cfg
+        self._rank_state = None
+        path: Optional[Path] = None
+        if cfg.resume:
+            path = Path(cfg.resume)
+            if path.is_file() and path.name in ("state.pt", "manifest.json", "ranks.pt"):
+                path = path.parent
+            self.log.info(f"checkpoint: resuming from {path} (--resume)")
+        elif cfg.auto_resume:  # rank 0 chooses, every rank loads the same one
+            path, notes = self.ckpt.find_resume() if self.info.is_main else (None, [])
+            for n in notes:
+                self.log.info(n)
+            path = dist.broadcast_object(path)
+        if path is None:
+            return
+        state, self._rank_state = CheckpointManager.load(path, self.info.rank, map_location=self.device)
+        self._check_label_space(path, state)
+        diff = _config_diff(state.get("config", {}), self.cfg.to_dict())
+        if diff and not cfg.force_resume:
+            raise CheckpointError(
+                f"{path}: the config changed since this checkpoint was written; "
+                f"refusing to resume (pass --force-resume to accept): " + "; ".join(diff)
+            )
+        if diff:
+            self.log.info("checkpoint: config changed (accepted by --force-resume): " + "; ".join(diff))
+        self._load_weights(path, state)
+        fresh = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (ValueError, KeyError, RuntimeError) as e:
+            raise CheckpointError(
+                f"{path}: the optimizer state does not fit this run's optimizer "
+                f"({cfg.optimizer}, no_decay_norm_bias={cfg.no_decay_norm_bias}): "
+                f"{str(e).splitlines()[0]}"
+            ) from None
+        if diff:  # keep the new hyperparameters (lr, momentum, ...) and schedule, moved to the saved step
+            for g, f in zip(self.optimizer.param_groups, fresh):
+                g.update(f)
+            self._fast_forward_scheduler(state["progress"]["global_step"])
+        else:
+            try:
+                self.scheduler.load_state_dict(state["scheduler"])
+            except (KeyError, ValueError, TypeError):  # written by another schedule implementation
+                self.log.info(
+                    "checkpoint: the LR schedule's saved state is of another format; recomputed it for the saved step"
+                )
+                self._fast_forward_scheduler(state["progress"]["global_step"])
+        self.scaler.load_state_dict(state["scaler"])
+        if self.ema is not None and state.get("ema") is not None:
+            try:
+                self.ema.load_state_dict(state["ema"])
+            except RuntimeError:
+                raise CheckpointError(
+                    f"{path}: the EMA weights do not fit model {cfg.model}: "
+                    f"{state_dict_mismatch(self.ema, state['ema'])}"
+                ) from None
+        p = state["progress"]
+        self.epoch, self.step_in_epoch, self.global_step = p["epoch"], p["step_in_epoch"], p["global_step"]
+        self.best = state.get("best_metric")
+        self.history = list(state.get("history", []))
+        self.resumed_from = Path(path)
+        saved_ws = state.get("world_size", self.info.world_size)
+        if self.info.world_size != saved_ws:
+            self._rank_state = None  # other rank layout: fresh per-rank streams and epoch statistics
+            position = (
+                f"the position in epoch {self.epoch + 1} is kept (its first {self.step_in_epoch} steps' "
+                f"samples are skipped, so the rest of the epoch is the same data, up to wrap-around "
+                f"padding) but its train statistics count only the steps from here; "
+                if self.step_in_epoch
+                else ""
+            )
+            self.log.info(
+                f"checkpoint: world size changed (checkpoint {saved_ws} rank(s) -> now "
+                f"{self.info.world_size}): {position}per-rank random streams (MixUp/CutMix, RNG) restart "
+                f"fresh, so the run is not bit-identical to one without the change"
+            )
+        if p["step_in_epoch"] and self._rank_state is not None:
+            self._resumed_epoch_stats = self._rank_state.get("epoch_stats")
+        if self.epoch >= cfg.epochs:
+            self.log.info(
+                f"checkpoint: all {cfg.epochs} epoch(s) of this config are done (global step "
+                f"{self.global_step}); nothing left to train"
+            )
+        elif self.step_in_epoch >= self.steps_per_epoch:
+            self.log.info(
+                f"checkpoint: epoch {self.epoch + 1} of {cfg.epochs} is trained (global step "
+                f"{self.global_step}); evaluating it"
+            )
+        else:
+            self.log.info(
+                f"checkpoint: continuing in epoch {self.epoch + 1} of {cfg.epochs} at step "
+                f"{self.step_in_epoch + 1} of {self.steps_per_epoch} (after global step {self.global_step})"
+            )
+
+    def _check_label_space(self, path: Path, state: dict) -> None:
+        """Refuse a checkpoint whose label space differs from the data's (``force_resume`` does not override
+        it: the model's outputs would silently mean other labels); a notice for checkpoints without one."""
+        if "label_space" not in state:
+            self.log.info(
+                f"checkpoint: {path} records no label space (written by an older trainer); "
+                f"cannot check that its classes match the data's"
+            )
+            return
+        saved = state["label_space"] or {}
+        if not saved or not self.label_space:
+            return
+        diff = label_space_diff(saved, self.label_space)
+        if diff:
+            raise CheckpointError(
+                f"{path}: the data's labels differ from the checkpoint's: "
+                + "; ".join(diff)
+                + ". Refusing to resume (--force-resume does not override this); train into "
+                "another checkpoint_dir, or restore the data's class folders"
+            )
+
+    def _load_weights(self, path: Path, state: dict) -> None:
+        """Load the model weights; CheckpointError naming the missing/unexpected/reshaped keys otherwise."""
+        saved = state.get("model")
+        what = f"{path}: the checkpoint's weights do not fit model {self.cfg.model}"
+        saved_model = state.get("config", {}).get("model")
+        if saved_model and saved_model != self.cfg.model:
+            what += f" (it was written for {saved_model})"
+        if not isinstance(saved, dict):
+            raise CheckpointError(f"{what}: it holds no model state")
+        mismatch = state_dict_mismatch(self.model, saved)
+        if mismatch:
+            raise CheckpointError(f"{what}: {mismatch}")
+        try:
+            self.model.load_state_dict(saved)
+        except RuntimeError as e:
+            raise CheckpointError(f"{what}: {str(e).splitlines()[0]}") from None
+
+    def _fast_forward_scheduler(self, steps: int) -> None:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
+            for _ in range(steps):
+                self.scheduler.step()
+
+    def _state(self) -> dict:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "ema": self.ema.state_dict() if self.ema is not None else None,
+            "config": self.cfg.to_dict(),
+            "fingerprint": self.cfg.fingerprint(),
+            "best_metric": self.best,
+            "history": self.history,
+            "world_size": self.info.world_size,
+            "label_space": self.label_space,
+        }
+
+    def save_checkpoint(self, is_best: bool = False, epoch_stats: Optional[dict] = None) -> Optional[Path]:
+        """Write a checkpoint of the current state (collective; see :class:`CheckpointManager`).
+
+        ``epoch_stats``: this rank's running statistics of an unfinished epoch (mid-epoch saves).
+        Raises CheckpointError (every rank) when the previous checkpoint's write failed."""
+        self._writer_check(wait=True)
+        progress = {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "global_step": self.global_step}
+        path = self.ckpt.save(self._state(), progress, rank_state={"epoch_stats": epoch_stats}, is_best=is_best)
+        self._last_save = time.monotonic()
+        return path
+
+    # .. evaluation ..........................................................................................
+    @torch.no_grad()
+    def evaluate(self, model: torch.nn.Module) -> tuple[dict, int, list]:
+        """Metrics of ``model`` on the whole validation split (the task's evaluator, synchronised over ranks),
+        its bad-file count (all ranks) and this rank's undecodable files (:class:`BadSample` list)."""
+        was_training = model.training
+        model.eval()
+        bad, bad_files = 0, []
+        self.evaluator.reset()
+        self.val_sampler.set_epoch(self.epoch)
+        for batch in iterate(self.val_loader, before_fork=self.ckpt.join):
+            bad += len(batch["bad"])
+            bad_files += batch["bad"]
+            b = self.task.eval_batch(batch)
+            if b["n"] == 0:
+                continue
+            with self.precision.autocast(self.device):
+                out = self.task.predict(model, b)
+            self.evaluator.update(out, b)
+        metrics = self.evaluator.compute()
+        n_bad = torch.tensor([float(bad)], dtype=torch.float64, device=self.device)
+        dist.all_reduce_sum(n_bad)
+        model.train(was_training)
+        return metrics, int(n_bad.item()), bad_files
+
+    # .. training ............................................................................................
+    def _sync_checks(self, first_bad: torch.Tensor, bad_paths: list, where: str) -> None:
+        """Collective health check (all ranks call it at the same step, all raise together).
+
+        Raises NonFiniteLossError when any rank saw a NaN/inf loss (naming the first such global step) and
+        DataError when the epoch's undecodable files already exceed ``max_bad_fraction``.
+        """
+        t = first_bad.clone()
+        n_bad = torch.tensor([float(len(bad_paths))], dtype=torch.float64, device=self.device)
+        if self.info.distributed:
+            tdist.all_reduce(t, op=tdist.ReduceOp.MIN)
+            tdist.all_reduce(n_bad)
+        step, n_bad = int(t.item()), int(n_bad.item())
+        if step != _NONE:
+            good = self.final_checkpoint()
+            raise NonFiniteLossError(
+                f"loss became NaN/inf at global step {step} (epoch {self.epoch + 1}); stopping without saving. "
+                f"Last good checkpoint: {good if good else 'none yet'}. Lower lr, add "
+                f"warmup_epochs or gradient_clip, or try precision=32."
+            )
+        epoch_total = self.steps_per_epoch * self.accum * self.micro * self.info.world_size
+        if n_bad > self.cfg.max_bad_fraction * epoch_total:
+            examples = "; ".join(f"{b.path} ({b.error})" for b in bad_paths[:3])
+            raise DataError(
+                f"{where}: {n_bad} file(s) could not be decoded, more than max_bad_fraction="
+                f"{self.cfg.max_bad_fraction} of the {epoch_total} files of an epoch; e.g. {examples}"
+            )
+
+    def _control(self) -> tuple[bool, bool]:
+        """At an optimizer-step boundary: do all ranks agree to stop, and is a periodic checkpoint due?
+
+        One all-reduce (MAX) of three CPU ints on a gloo group (never the GPU stream): [stop requested on any
+        rank, periodic checkpoint due, rank 0's background checkpoint write failed]. Step-based periodicity is
+        the same on every rank; time-based is decided by rank 0's clock. Raises CheckpointError on every rank
+        when the write failed (so a full disk stops training at the next step, not at the next checkpoint).
+        """
+        cfg = self.cfg
+        due = bool(cfg.checkpoint_every_steps and self.global_step % cfg.checkpoint_every_steps == 0)
+        if cfg.checkpoint_every_minutes and self.info.is_main:
+            due |= time.monotonic() - self._last_save >= cfg.checkpoint_every_minutes * 60.0
+        flags = torch.tensor([int(self.stop.requested), int(due), int(self.ckpt.failed)], dtype=torch.int32)
+        if self.info.distributed:
+            tdist.all_reduce(flags, op=tdist.ReduceOp.MAX, group=self._ctrl_group)
+        if flags[2]:
+            self._raise_writer_failure()
+        return bool(flags[0]), bool(flags[1])
+
+    def _writer_check(self, wait: bool) -> None:
+        """Collective: raise CheckpointError on every rank if rank 0's checkpoint write failed (``wait``:
+        first let a write in progress finish)."""
+        if self.info.is_main and wait:
+            self.ckpt.join()
+        failed = torch.tensor([int(self.ckpt.failed)], dtype=torch.int32)
+        if self.info.distributed:
+            tdist.all_reduce(failed, op=tdist.ReduceOp.MAX, group=self._ctrl_group)
+        if failed[0]:
+            self._raise_writer_failure()
+
+    def _raise_writer_failure(self) -> None:
+        if self.info.is_main:
+            self.ckpt.wait()  # raises the writer's CheckpointError (path + OS error)
+        raise CheckpointError(f"{self.ckpt.dir}: the checkpoint write on rank 0 failed (rank 0 names the error)")
+
+    def _save_mid_epoch(self, stats: _EpochStats, first_bad: torch.Tensor) -> None:
+        self._sync_checks(first_bad, stats.bad, f"train epoch {self.epoch + 1}")
+        self.save_checkpoint(epoch_stats=stats.state_dict())
+
+    def _interrupt(self) -> None:
+        """Wait until the stop checkpoint is durable, record why, and mark the run interrupted."""
+        self._writer_check(wait=True)
+        path = self.ckpt.wait() if self.info.is_main else None
+        reason = self.stop.reason or "stop requested by another rank"
+        self.interrupted = reason
+        if self.info.is_main:
+            took = ""
+            if self.stop.requested_at is not None and self.ckpt.last_durable is not None:
+                took = f", durable {self.ckpt.last_durable[1] - self.stop.requested_at:.2f} s after the request"
+            where = (
+                f"in epoch {self.epoch + 1} of {self.cfg.epochs}, after step {self.step_in_epoch} of "
+                f"{self.steps_per_epoch}"
+                if self.step_in_epoch
+                else f"after epoch {self.epoch} of {self.cfg.epochs}"
+            )
+            self.ckpt.mark_interrupted(reason, path, self.global_step)
+            self.log.info(
+                f"interrupted: {reason}; stopped at global step {self.global_step} ({where}); "
+                f"checkpoint {path}{took}. Run the same command to resume."
+            )
+
+    def train_epoch(self) -> Optional[dict]:
+        """Run the optimizer steps of ``self.epoch`` from ``self.step_in_epoch``; return train metrics, or
+        None when the run was interrupted (a durable checkpoint exists, ``self.interrupted`` says why)."""
+        cfg, task, dev = self.cfg, self.task, self.device
+        self.sampler.set_epoch(self.epoch, start=self.step_in_epoch * self.accum * self.micro)
+        self.train_model.train()
+        st = _EpochStats(dev, self._resumed_epoch_stats)
+        self._resumed_epoch_stats = None
+        first_bad = torch.full((), _NONE, dtype=torch.int64, device=dev)
+        step_dev = torch.full((), self.global_step, dtype=torch.int64, device=dev)
+        it = iterate(self.train_loader, before_fork=self.ckpt.join)
+        t0, images0 = time.perf_counter(), st.images
+        window_loss = torch.zeros((), dtype=torch.float64, device=dev)
+        window_n = torch.zeros((), dtype=torch.float64, device=dev)
+        self.log.start_epoch(self.epoch + 1, self.steps_per_epoch, initial=self.step_in_epoch)
+        while self.step_in_epoch < self.steps_per_epoch:
+            for micro_i in range(self.accum):
+                tw = time.perf_counter()
+                batch = next(it)
+                st.data_wait += time.perf_counter() - tw
+                st.bad += batch["bad"]
+                b = task.train_batch(batch)
+                n = b["n"]
+                st.images += n
+                out = self.step.micro_step(b, sync=micro_i == self.accum - 1)
+                ld = out.loss.detach()
+                first_bad = torch.where((first_bad == _NONE) & ~torch.isfinite(ld), step_dev, first_bad)
+                st.loss_sum += ld.double() * n
+                st.count += n
+                window_loss += ld.double() * n
+                window_n += n
+                for k, v in out.terms.items():
+                    v = v.detach().double() * n
+                    st.terms[k] = st.terms[k] + v if k in st.terms else v
+                s = task.train_statistics(out, b)
+                if s is not None:
+                    st.extra = s if st.extra is None else st.extra + s
+            self.step.optimizer_step()
+            self.scheduler.step()
+            self.step_in_epoch += 1
+            self.global_step += 1
+            step_dev += 1
+            log_now = self.global_step % cfg.log_every_steps == 0
+            if log_now:
+                self._sync_checks(first_bad, st.bad, f"train epoch {self.epoch + 1}")
+            self.log.step(
+                self.global_step,
+                self._step_values(window_loss, window_n, t0, st.images - images0) if log_now else {},
+                cfg.log_every_steps,
+            )
+            if log_now:
+                window_loss.zero_()
+                window_n.zero_()
+            stop, due = self._control()
+            if stop or due:
+                st.elapsed += time.perf_counter() - t0
+                t0, images0 = time.perf_counter(), st.images
+                self._save_mid_epoch(st, first_bad)
+                if stop:
+                    self.log.end_epoch()
+                    self._interrupt()
+                    return None
+        self.log.end_epoch()
+        self._sync_checks(first_bad, st.bad, f"train epoch {self.epoch + 1}")
+        self._last_epoch_stats = st
+        elapsed = st.elapsed + time.perf_counter() - t0
+        totals = torch.stack([st.loss_sum, st.count, torch.tensor(float(st.images), dtype=torch.float64, device=dev)])
+        dist.all_reduce_sum(totals)
+        all_bad = list({b.path: b for b in self._gather_bad(st.bad)}.values())  # padding repeats a few
+        out = {"train_loss": totals[0].item() / max(totals[1].item(), 1.0), "bad_files": len(all_bad)}
+        for k, v in sorted(st.terms.items()):
+            v = v.clone()
+            dist.all_reduce_sum(v)
+            out[f"train_{k}"] = v.item() / max(totals[1].item(), 1.0)
+        if st.extra is not None:
+            dist.all_reduce_sum(st.extra)
+            out.update({f"train_{k}": v for k, v in task.train_metrics(st.extra).items()})
+        out["images_per_s"] = totals[2].item() / max(elapsed, 1e-9)
+        out["epoch_time_s"] = elapsed
+        out["data_wait_s"] = st.data_wait
+        if all_bad:
+            self.log.info(
+                f"data: {len(all_bad)} file(s) skipped this epoch: "
+                + "; ".join(f"{b.path} ({b.error})" for b in all_bad[:5])
+                + (" ..." if len(all_bad) > 5 else "")
+            )
+        return out
+
+    def _step_values(self, window_loss, window_n, t0, images) -> dict:
+        return {
+            "loss": window_loss.item() / max(window_n.item(), 1.0),
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "images_per_s": images * self.info.world_size / max(time.perf_counter() - t0, 1e-9),
+        }
+
+    def _gather_bad(self, bad_paths: list) -> list:
+        if not self.info.distributed:
+            return bad_paths
+        out = [None] * self.info.world_size
+        tdist.all_gather_object(out, bad_paths)
+        return [b for part in out for b in part]
+
+    def fit(self) -> dict:
+        """Train until ``epochs``, ``target_value`` of the target metric or an agreed stop request; return the last epoch's
+        metrics. Every checkpoint started is durable when this returns or raises, except after
+        ``KeyboardInterrupt`` (a second Ctrl-C): then the one being written is abandoned (:meth:`abort`).
+
+        Raises CheckpointError (every rank) when a checkpoint could not be written."""
+        try:
+            last = self._fit()
+        except KeyboardInterrupt:
+            self.abort()
+            raise
+        except BaseException:
+            self.ckpt.join()  # its own error, if any, must not hide the one that got us here
+            raise
+        self._writer_check(wait=True)
+        return last
+
+    def abort(self) -> Optional[Path]:
+        """Abandon the checkpoint being written (its ``.tmp-ckpt-*`` folder is removed; complete checkpoints
+        stay) and stop the loader workers. Returns :meth:`final_checkpoint`. Idempotent."""
+        self.ckpt.abort()
+        shutdown_all()
+        return self.final_checkpoint()
+
+    def final_checkpoint(self) -> Optional[Path]:
+        """The newest checkpoint this run can vouch for: the last one it made durable, else the one it
+        resumed from, else None (rank 0; on other ranks only the resumed one is known)."""
+        if self.ckpt.last_durable is not None:
+            return self.ckpt.last_durable[0]
+        return self.resumed_from
+
+    def _fit(self) -> dict:
+        cfg = self.cfg
+        warn = linear_scaling_warning(cfg)
+        if warn:
+            self.log.info("WARNING: " + warn)
+        self.log.info(
+            f"train: model={cfg.model} world_size={self.info.world_size} device={self.device} "
+            f"precision={self.precision.name} global_batch={cfg.batch_size} micro_batch={self.micro} "
+            f"accumulate={self.accum} steps_per_epoch={self.steps_per_epoch} epochs={cfg.epochs}"
+        )
+        last: dict = {}
+        metric, stop_metric = self.best_metric, self.stop_metric
+        while self.epoch < cfg.epochs:
+            train = self.train_epoch()
+            if train is None:
+                break
+            val, val_bad, val_bad_files = self.evaluate(self.model)
+            if val_bad:
+                val_bad_files = self._gather_bad(val_bad_files)
+                self._check_val_bad(val_bad, val_bad_files)
+            row = {
+                "lr": self.optimizer.param_groups[0]["lr"],
+                **train,
+                **{f"val_{k}": v for k, v in val.items()},
+                "val_bad_files": val_bad,
+            }
+            score, stop_value = val[metric], val[stop_metric]
+            if self.ema is not None:  # the better of the raw and the EMA weights counts
+                ema_val, _, _ = self.evaluate(self.ema.module)
+                row.update({f"ema_val_{k}": v for k, v in ema_val.items()})
+                if better(ema_val[metric], score, self.best_direction):
+                    score = ema_val[metric]
+                if better(ema_val[stop_metric], stop_value, self.stop_direction):
+                    stop_value = ema_val[stop_metric]
+            row.update(self.task.epoch_fields(self.epoch))
+            is_best = better(score, self.best, self.best_direction)
+            if is_best:
+                self.best = score
+            self.epoch += 1
+            self.step_in_epoch = 0
+            self.history.append({"epoch": self.epoch, **row})
+            self.log.epoch(self.epoch, self.global_step, row)
+            self.save_checkpoint(is_best=is_best)
+            last = row
+            if self._control()[0]:
+                self._interrupt()
+                break
+            if cfg.target_value is not None and reached(stop_value, cfg.target_value, self.stop_direction):
+                self.log.info(
+                    f"target reached: val {stop_metric}={stop_value:.2f} "
+                    f"{'>=' if self.stop_direction == 'max' else '<='} {cfg.target_value} after epoch "
+                    f"{self.epoch}; stopping"
+                )
+                break
+        return last
+
+    def _check_val_bad(self, n_bad: int, files: list) -> None:
+        """After an epoch's evaluation: name the undecodable val files; above ``max_bad_fraction`` save the
+        epoch's training (a checkpoint at its last step, evaluated again on resume) and raise DataError."""
+        total = getattr(self.val_sampler, "n", None) or len(self.val_sampler.indices()) * self.info.world_size
+        names = "; ".join(f"{b.path} ({b.error})" for b in files[:5]) + (" ..." if len(files) > 5 else "")
+        if n_bad <= self.cfg.max_bad_fraction * total:
+            self.log.info(f"data: {n_bad} val file(s) could not be decoded (left out of the metrics): {names}")
+            return
+        self.save_checkpoint(epoch_stats=self._last_epoch_stats.state_dict() if self._last_epoch_stats else None)
+        self._writer_check(wait=True)
+        saved = self.final_checkpoint()
+        raise DataError(
+            f"val: {n_bad} of {total} files could not be decoded, more than max_bad_fraction="
+            f"{self.cfg.max_bad_fraction} ({names}); the training of epoch {self.epoch + 1} is saved in "
+            f"{saved}: fix or remove those files and run the same command again to evaluate it"
+        )
+
+    def close(self) -> Optional[Path]:
+        """Wait for the last checkpoint, close the metric sinks and draw the curves PNG (rank 0); returns
+        the PNG's path."""
+        self.ckpt.wait()
+        shutdown_all()
+        return self.log.close()

@@ -1,0 +1,382 @@
+"""``python -m trainer probe``: measure, on the machine at hand, how large a batch fits and how fast it runs,
+how fast the loader delivers, and whether the device would wait on data (seed 001's phases 1-3, automated).
+
+Memory per batch size (:func:`measure_step`), on the trainer's own step (:mod:`trainer.engine.step`):
+
+* CUDA: ``torch.cuda.reset_peak_memory_stats`` then ``max_memory_allocated`` / ``max_memory_reserved`` over a
+  warm-up step and the timed steps; ``torch.OutOfMemoryError`` is caught (tensors freed, ``empty_cache``) and
+  counts as "does not fit". ``--memory-limit-gib`` caps the process with
+  ``torch.cuda.set_per_process_memory_fraction`` so a smaller GPU's OOM happens for real.
+* CPU: torch's CPU allocator, read through ``torch.profiler`` with ``profile_memory=True``: the peak of the
+  running sum of allocation/free events during one step, plus the bytes live before it (weights, buffers,
+  optimizer state, EMA). The process's RSS high-water mark (``VmHWM``) is reported next to it. There is no
+  OOM on CPU before the machine swaps, so ``--memory-limit-gib`` simulates one: a step whose measured peak
+  exceeds the limit counts as out of memory.
+
+Search (:func:`search_batch`): start at ``start_batch`` and double while the peak stays under
+``limit x (1 - margin)``; after the first batch that does not (OOM or over the margin), bisect between the
+last good and the first bad batch down to ``granularity`` images. The result is the largest batch that fits
+with the margin.
+
+Loader (:func:`trainer.planning.loader_probe.measure_loader`): the task's real dataset through the trainer's ``build_loader`` for each
+``num_workers`` x ``prefetch_factor``: images/s after the first batch, and host RAM as the peak summed private memory
+(USS) of the worker processes (``/proc/<pid>/smaps_rollup``).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from trainer.config import ConfigError, TrainConfig
+from trainer.engine import distributed as dist
+from trainer.engine.step import TrainStep, build_train_step
+from trainer.planning.loader_probe import measure_loader, proc_kib
+from trainer.planning.memory import GIB, predict_loader_ram
+from trainer.tasks import build_task
+
+
+@dataclass
+class ProbeOptions:
+    """Flags of ``probe`` that are not training fields (units in the names)."""
+
+    out_dir: str = "runs/probe"
+    start_batch: int = 8
+    max_batch: int = 1024
+    granularity: int = 8
+    margin: float = 0.10
+    memory_limit_gib: Optional[float] = None
+    steps: int = 3
+    workers: tuple = (0, 2, 4, 8)
+    prefetch: tuple = (2, 4)
+    loader_batches: int = 8
+
+    def validate(self) -> ProbeOptions:
+        """Raise ConfigError naming the first bad option."""
+        for name in ("start_batch", "max_batch", "granularity", "steps", "loader_batches"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"probe --{name.replace('_', '-')}: got {getattr(self, name)}; must be >= 1")
+        if self.start_batch > self.max_batch:
+            raise ConfigError(f"probe --start-batch {self.start_batch} is larger than --max-batch {self.max_batch}")
+        if not 0 <= self.margin < 1:
+            raise ConfigError(f"probe --margin: got {self.margin}; must be in [0, 1)")
+        if self.memory_limit_gib is not None and self.memory_limit_gib <= 0:
+            raise ConfigError(f"probe --memory-limit-gib: got {self.memory_limit_gib}; must be > 0")
+        if any(w < 0 for w in self.workers) or any(p < 1 for p in self.prefetch):
+            raise ConfigError("probe --workers must be >= 0 and --prefetch >= 1")
+        return self
+
+
+@dataclass
+class StepMeasurement:
+    """One batch size: peak device memory (bytes), step time (s), images/s; ``oom`` when it did not run."""
+
+    batch: int
+    peak_bytes: int = 0
+    reserved_bytes: int = 0
+    rss_hwm_bytes: int = 0
+    step_s: float = 0.0
+    images_per_s: float = 0.0
+    oom: bool = False
+    fits: bool = False
+    note: str = ""
+
+
+def _tensor_bytes(rig: TrainStep) -> int:
+    """Bytes of the distinct storages live before a step: weights, buffers, optimizer state, EMA."""
+    tensors = list(rig.model.parameters()) + list(rig.model.buffers())
+    tensors += [v for s in rig.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    if rig.ema is not None:
+        tensors += list(rig.ema.parameters()) + list(rig.ema.buffers())
+    seen = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def cpu_step_peak_bytes(rig: TrainStep, batch: dict) -> int:
+    """Peak bytes held by torch's CPU allocator during one optimizer step on the device ``batch`` (see module
+    doc): the tensors live before the step (weights, buffers, optimizer state, EMA, the batch) plus the profiled
+    allocations' high-water mark."""
+    from torch.profiler import ProfilerActivity, profile
+
+    base = _tensor_bytes(rig) + sum(v.untyped_storage().nbytes() for v in batch.values() if torch.is_tensor(v))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        rig.step(batch)
+    events = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+    )
+    cur = peak = 0
+    for _, n in events:
+        cur += n
+        peak = max(peak, cur)
+    return base + peak
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_step(
+    rig: TrainStep, batch: int, image_size: int, steps: int, limit_bytes: float, margin: float
+) -> StepMeasurement:
+    """Peak memory and time of ``steps`` optimizer steps at ``batch`` images per forward, after a warm-up step
+    (always on CUDA; on CPU only while the optimizer has no state yet, since the profiled step warms up too).
+
+    ``limit_bytes``: device memory available (CUDA: the device or the --memory-limit-gib cap; CPU: the simulated
+    limit). ``fits`` = ran and peak <= limit x (1 - margin). CUDA OOM is caught and reported as ``oom``.
+    """
+    m = StepMeasurement(batch)
+    dev = rig.device
+    x = None
+    try:
+        x = rig.example_batch(batch, image_size)
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        if dev.type == "cuda" or not rig.optimizer.state:
+            rig.step(x)  # warm-up: optimizer state (first batch size), cuDNN algorithm choice (CUDA)
+        if dev.type == "cpu":
+            m.peak_bytes = cpu_step_peak_bytes(rig, x)
+            m.rss_hwm_bytes = proc_kib("/proc/self/status", "VmHWM") * 1024
+            m.oom = m.peak_bytes > limit_bytes
+            if m.oom:
+                m.note = f"simulated OOM: measured peak > limit {limit_bytes / GIB:.3f} GiB"
+        times = []
+        for _ in range(steps):
+            _sync(dev)
+            t0 = time.perf_counter()
+            rig.step(x)
+            _sync(dev)
+            times.append(time.perf_counter() - t0)
+        if dev.type == "cuda":
+            m.peak_bytes = torch.cuda.max_memory_allocated(dev)
+            m.reserved_bytes = torch.cuda.max_memory_reserved(dev)
+        m.step_s = statistics.median(times)
+        m.images_per_s = batch * rig.cfg.accumulate_grad_batches / m.step_s
+    except torch.OutOfMemoryError as e:
+        m.oom, m.note = True, "CUDA OOM: " + str(e).splitlines()[0][:160]
+    finally:
+        del x
+        rig.optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    held = max(m.peak_bytes, m.reserved_bytes)
+    m.fits = not m.oom and held <= limit_bytes * (1 - margin)
+    return m
+
+
+def search_batch(
+    measure: Callable[[int], StepMeasurement], start: int, max_batch: int, granularity: int
+) -> tuple[Optional[int], list[StepMeasurement]]:
+    """Largest batch in [start, max_batch] for which ``measure(batch).fits``: doubling from ``start``, then
+    bisection between the last fitting and the first failing batch until they are ``granularity`` apart.
+
+    Returns ``(best batch or None if even ``start`` does not fit, every measurement in the order taken)``.
+    """
+    taken: list[StepMeasurement] = []
+    good, bad, b = None, None, start
+    while b <= max_batch:
+        m = measure(b)
+        taken.append(m)
+        if not m.fits:
+            bad = b
+            break
+        good, b = b, b * 2
+    if good is None or bad is None:
+        return good, taken
+    while bad - good > granularity:
+        mid = (good + bad) // 2 // granularity * granularity
+        if mid <= good:
+            break
+        m = measure(mid)
+        taken.append(m)
+        good, bad = (mid, bad) if m.fits else (good, mid)
+    return good, taken
+
+
+@dataclass
+class ProbeResult:
+    """Everything ``probe`` measured; written as JSON (bytes, seconds, images/s)."""
+
+    config: dict
+    precision: str
+    device: str
+    device_name: str
+    image_size: int
+    limit_bytes: float
+    limit_source: str
+    margin: float
+    best_batch: Optional[int]
+    best_images_per_s: Optional[float]
+    measurements: list = field(default_factory=list)
+    loader: list = field(default_factory=list)
+    loader_ram_prediction: Optional[dict] = None
+    gpu_waits_on_data: Optional[bool] = None
+    data_verdict: str = ""
+    memory_method: str = ""
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _device_limit(device: torch.device, opts: ProbeOptions) -> tuple[float, str]:
+    if opts.memory_limit_gib is not None:
+        return opts.memory_limit_gib * GIB, f"--memory-limit-gib {opts.memory_limit_gib}"
+    if device.type == "cuda":
+        return float(torch.cuda.mem_get_info(device)[1]), "torch.cuda.mem_get_info total"
+    return proc_kib("/proc/meminfo", "MemAvailable") * 1024.0, "MemAvailable (/proc/meminfo)"
+
+
+def run_probe(cfg: TrainConfig, opts: ProbeOptions, log: Callable[[str], None] = print) -> ProbeResult:
+    """Measure memory/speed per batch size and the loader on this machine; return a :class:`ProbeResult`.
+
+    Raises ConfigError / DataError (from the task) before anything is measured.
+    """
+    t_start = time.perf_counter()
+    device = dist.resolve_device(cfg.device, 0)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    limit, source = _device_limit(device, opts)
+    if device.type == "cuda" and opts.memory_limit_gib is not None:
+        total = torch.cuda.mem_get_info(device)[1]
+        torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), device)
+    task = build_task(cfg, dist.DistInfo(0, 0, 1, device))
+    data = task.build_data()
+    torch.manual_seed(cfg.seed)
+    rig = build_train_step(cfg, task, task.build_model(data.num_outputs), device, num_outputs=data.num_outputs)
+    size = cfg.image_size
+    log(
+        f"probe: {cfg.model} at {size} px on {device}, precision {rig.precision.name}, limit "
+        f"{limit / GIB:.2f} GiB ({source}), margin {opts.margin:.0%}"
+    )
+
+    def measure(b: int) -> StepMeasurement:
+        m = measure_step(rig, b, size, opts.steps, limit, opts.margin)
+        log(
+            f"probe: batch {b}: peak {m.peak_bytes / GIB:.3f} GiB, {m.images_per_s:.1f} images/s"
+            + (" OOM" if m.oom else "")
+            + ("" if m.fits else " (does not fit with margin)")
+        )
+        return m
+
+    best, taken = search_batch(measure, opts.start_batch, opts.max_batch, opts.granularity)
+    best_m = next((m for m in reversed(taken) if m.batch == best and m.fits), None)
+    loader_batch = best or opts.start_batch
+    loader = []
+    for w in sorted(set(opts.workers)):
+        for p in sorted(set(opts.prefetch)) if w else [min(opts.prefetch)]:
+            r = measure_loader(data.train, data.collate, cfg, loader_batch, w, p, opts.loader_batches)
+            log(
+                f"probe: loader workers={w} prefetch={p}: {r['images_per_s']:.0f} images/s, workers private "
+                f"{r['workers_private_bytes'] / GIB:.3f} GiB"
+            )
+            loader.append(r)
+    cfg_row = next((r for r in loader if r["num_workers"] == cfg.num_workers), None)
+    measured = [r for r in loader if r["num_workers"]]
+    overhead = int(statistics.median([r["worker_overhead_bytes"] for r in measured])) if measured else None
+    ram = predict_loader_ram(
+        loader_batch,
+        size,
+        cfg.num_workers,
+        cfg.prefetch_factor,
+        bytes_per_sample=loader[0]["bytes_per_sample"] if loader else None,
+        worker_overhead_bytes=overhead,
+    )
+    res = ProbeResult(
+        config=cfg.to_dict(),
+        precision=rig.precision.name,
+        device=device.type,
+        device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        image_size=size,
+        limit_bytes=limit,
+        limit_source=source,
+        margin=opts.margin,
+        best_batch=best,
+        best_images_per_s=best_m.images_per_s if best_m else None,
+        measurements=[asdict(m) for m in taken],
+        loader=loader,
+        loader_ram_prediction=ram.to_dict(),
+        memory_method=(
+            "torch.cuda.max_memory_allocated/reserved"
+            if device.type == "cuda"
+            else "torch CPU allocator via torch.profiler(profile_memory=True) + live tensors; "
+            "OOM simulated against the limit"
+        ),
+    )
+    if best_m and loader:
+        best_loader = max(loader, key=lambda r: r["images_per_s"])
+        row = cfg_row or best_loader
+        res.gpu_waits_on_data = row["images_per_s"] < best_m.images_per_s
+        res.data_verdict = (
+            f"loader at num_workers={row['num_workers']} prefetch={row['prefetch_factor']}: "
+            f"{row['images_per_s']:.0f} images/s vs step {best_m.images_per_s:.0f} images/s at batch {best}: "
+            + ("the device WAITS on data" if res.gpu_waits_on_data else "the loader keeps up")
+            + f"; best loader setting measured: num_workers={best_loader['num_workers']} "
+            f"prefetch={best_loader['prefetch_factor']} ({best_loader['images_per_s']:.0f} images/s)"
+            + (" (CPU device: loader and step share the same cores here)" if device.type == "cpu" else "")
+        )
+    res.seconds = time.perf_counter() - t_start
+    return res
+
+
+#: The files ``probe`` writes into its ``--out-dir``.
+OUTPUT_FILES = {"json": "probe.json", "md": "probe.md", "png": "probe.png"}
+
+
+def check_out_dir(out_dir: str | Path) -> Path:
+    """Create ``out_dir`` if needed and make sure the probe's files can be written there, before anything is
+    measured (a probe takes minutes; its results must not be lost at the end). Returns the folder.
+
+    Raises:
+        ConfigError: naming the path: it exists and is not a folder, cannot be created, is not writable, or
+            one of :data:`OUTPUT_FILES` is a folder.
+    """
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(
+            f"--out-dir {out}: exists and is not a folder; give a folder for {', '.join(OUTPUT_FILES.values())}"
+        )
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--out-dir {out}: cannot create the folder ({e.strerror or e})") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out-dir {out}: folder is not writable")
+    for name in OUTPUT_FILES.values():
+        if (out / name).is_dir():
+            raise ConfigError(f"--out-dir {out}: {out / name} is a folder; the probe writes a file of that name")
+    return out
+
+
+def write_probe(res: ProbeResult, out_dir: str | Path) -> dict[str, Path]:
+    """Write ``probe.json``, ``probe.md`` and ``probe.png`` into ``out_dir``; return their paths."""
+    from trainer.planning.report import render_markdown, render_plot
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {kind: out / name for kind, name in OUTPUT_FILES.items()}
+    paths["json"].write_text(json.dumps(res.to_dict(), indent=2) + "\n")
+    paths["md"].write_text(render_markdown(res.to_dict()))
+    render_plot(res.to_dict(), paths["png"])
+    return paths
+
+
+def default_workers(cfg: TrainConfig) -> tuple:
+    """0, 2, 4 and the config's num_workers, capped at this machine's CPU count."""
+    cap = os.cpu_count() or 1
+    return tuple(sorted({w for w in (0, 2, 4, cfg.num_workers) if w <= max(cap, 2)}))

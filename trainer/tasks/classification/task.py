@@ -1,0 +1,301 @@
+"""Image classification: ImageFolder data, any torchvision classification model, cross-entropy with label
+smoothing, MixUp/CutMix (torchvision.transforms.v2), top-1/top-5 accuracy."""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import warnings
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+import torchvision
+from torch import nn
+from torchvision.transforms import v2
+
+from trainer.config import BUILTIN_DIGITS, ConfigError
+from trainer.data.formats.digits import ensure_digits
+from trainer.data.formats.imagefolder import ImageFolderDataset, check_same_classes, check_split, scan_split
+from trainer.data.samples import collate_skip_bad
+from trainer.data.transforms import normalize_on_device, train_size_for_epoch, train_transform, val_transform
+from trainer.engine.evaluation import SumEvaluator
+from trainer.tasks.base import StepOutput, Task, TaskData
+
+
+def classification_models() -> list[str]:
+    """Names accepted by ``model``: torchvision's classification builders (``torchvision.models``)."""
+    return sorted(torchvision.models.list_models(module=torchvision.models))
+
+
+def build_classifier(name: str, num_classes: int) -> nn.Module:
+    """``torchvision.models.get_model(name, weights=None, num_classes=num_classes)``.
+
+    Raises:
+        ConfigError: ``name`` is not a torchvision classification model (closest names suggested).
+    """
+    names = classification_models()
+    if name not in names:
+        close = difflib.get_close_matches(name, names, n=4)
+        raise ConfigError(
+            f"model: unknown classification model {name!r}"
+            + (f"; did you mean {', '.join(close)}?" if close else "")
+            + " (see torchvision.models.list_models(module=torchvision.models))"
+        )
+    return torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+
+
+def check_input_size(name: str, sizes: dict[int, str]) -> None:
+    """Check that torchvision model ``name`` accepts square images of each size in ``sizes``.
+
+    ``sizes`` maps a size (pixels) to where it comes from (config fields, for the message). The model is
+    built on the meta device and run once on a (1, 3, S, S) meta tensor per size: shapes only, no memory, no
+    weights (about 0.3 s for resnet50 or vit_b_16 on one CPU core). Models that cannot be built on the meta
+    device (they read tensor values while building, e.g. the RegNets) are not checked.
+
+    Raises:
+        ConfigError: unknown model name; or the model rejects a size (fixed-size models such as the ViTs, or
+            a size too small for the model's downsampling), naming ``model``, the size's fields and the
+            model's own message.
+    """
+    with warnings.catch_warnings():  # googlenet/inception warn about their init; the real build warns once
+        warnings.simplefilter("ignore")
+        try:
+            with torch.device("meta"):
+                model = build_classifier(name, 10).eval()
+        except ConfigError:
+            raise
+        except Exception:  # noqa: BLE001 - not buildable on meta: nothing to check here
+            return
+        for size, fields in sorted(sizes.items()):
+            try:
+                with torch.no_grad():
+                    model(torch.empty(1, 3, size, size, device="meta"))
+            except NotImplementedError:  # an op without a meta kernel: cannot tell
+                return
+            except (AssertionError, RuntimeError, ValueError, IndexError) as e:
+                msg = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+                raise ConfigError(
+                    f"model: {name} cannot take {size}x{size} images ({fields}): {msg}; "
+                    "choose another image_size or model"
+                ) from None
+
+
+class _TrainTransformForEpoch:
+    """Picklable ``epoch -> transform`` for the loader workers (progressive resize aware)."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def __call__(self, epoch: int):
+        return train_transform(train_size_for_epoch(self.cfg, epoch), self.cfg.crop_scale_min, self.cfg.hflip_prob)
+
+
+class _ValTransformForEpoch:
+    def __init__(self, cfg):
+        self.size, self.ratio = cfg.image_size, cfg.val_resize_ratio
+
+    def __call__(self, epoch: int):
+        return val_transform(self.size, self.ratio)
+
+
+class ClassificationTask(Task):
+    """ImageFolder classification. Batches: ``image`` uint8 (B,3,H,W), ``label`` int64 (B,).
+
+    Targets in training are int64 class indices, or float32 (B, num_classes) soft labels when MixUp/CutMix
+    is on. Eval statistics vector: [loss_sum, top1_correct, top5_correct, count] (float64).
+    """
+
+    name = "classification"
+    target_metric = "top1"
+
+    @functools.cached_property
+    def _mix(self):
+        cfg, n = self.cfg, self.num_classes
+        cutmix = (
+            v2.CutMix(alpha=cfg.cutmix_alpha, num_classes=n) if cfg.cutmix_alpha > 0 and cfg.cutmix_prob > 0 else None
+        )
+        mixup = v2.MixUp(alpha=cfg.mixup_alpha, num_classes=n) if cfg.mixup_alpha > 0 else None
+        if cutmix and mixup:
+            return v2.RandomChoice([cutmix, mixup], p=[cfg.cutmix_prob, 1.0 - cfg.cutmix_prob])
+        if cutmix:
+            return v2.RandomApply([cutmix], p=cfg.cutmix_prob)  # unmixed batches keep int labels
+        return mixup
+
+    def check_config(self) -> None:
+        """Before the data scan: ``model`` is a torchvision classifier that accepts ``image_size`` and, with
+        progressive resizing, every training size (:func:`check_input_size`). Raises :class:`ConfigError`."""
+        cfg = self.cfg
+        sizes = {cfg.image_size: f"image_size={cfg.image_size}"}
+        if cfg.progressive_resize:
+            for e in range(cfg.epochs):
+                sizes.setdefault(
+                    train_size_for_epoch(cfg, e),
+                    f"progressive resizing in epoch {e + 1}: "
+                    f"progressive_min_size={cfg.progressive_min_size}, image_size={cfg.image_size}",
+                )
+        check_input_size(cfg.model, sizes)
+        metric, _ = self.check_target()
+        if cfg.target_value is not None and metric != "loss" and not 0 < cfg.target_value <= 100:
+            raise ConfigError(
+                f"target_value: got {cfg.target_value}; {metric} is a percentage: give a value in (0, 100]"
+            )
+
+    def build_data(self) -> TaskData:
+        """Scan (or open, with FFCV) both splits; check the val files up front and leave bad ones out.
+
+        The label space stored in checkpoints is ``{"classes": [class folder names]}`` (FFCV: the names in
+        ``<split>.json``, else ``["0", "1", ...]``).
+        """
+        cfg = self.cfg
+        if cfg.use_ffcv:  # checked .ffcv files, read by FFCV's own loaders (trainer/data/formats/ffcv.py)
+            from trainer.data.formats.ffcv import build_loaders, open_splits
+
+            train, val, self.num_classes, report = open_splits(cfg)
+            classes = list(train.classes) if train.classes else [str(i) for i in range(self.num_classes)]
+            return TaskData(
+                train,
+                val,
+                collate_skip_bad,
+                self.num_classes,
+                report,
+                label_space={"classes": classes},
+                loaders=build_loaders,
+            )
+        root = ensure_digits() if cfg.data_dir == BUILTIN_DIGITS else cfg.data_dir
+        train_scan = scan_split(root, cfg.train_split)
+        val_scan = scan_split(root, cfg.val_split)
+        check_same_classes(train_scan, val_scan)
+        self.num_classes = len(train_scan.classes)
+        if self.num_classes < 2:
+            raise ConfigError(f"data_dir: {root} has {self.num_classes} class; classification needs >= 2")
+        report = [
+            f"data: {root}",
+            f"data: {cfg.train_split}: {train_scan.census()}",
+            f"data: {cfg.val_split}: {val_scan.census()}",
+        ]
+        odd = {ext: n for ext, n in train_scan.formats.items() if ext not in (".jpg", ".jpeg", ".png")}
+        if odd:
+            report.append(
+                f"data: note: non-JPEG/PNG files in {cfg.train_split} are decoded too: "
+                + ", ".join(f"{n} {e}" for e, n in odd.items())
+            )
+        val_scan, val_report = check_split(val_scan, cfg.max_bad_fraction)  # bad val files: named, left out
+        report += val_report
+        train = ImageFolderDataset(train_scan, _TrainTransformForEpoch(cfg), seed=cfg.seed)
+        val = ImageFolderDataset(val_scan, _ValTransformForEpoch(cfg), seed=cfg.seed, replace_bad=False)
+        return TaskData(
+            train, val, collate_skip_bad, self.num_classes, report, label_space={"classes": list(train_scan.classes)}
+        )
+
+    def build_model(self, num_outputs: int) -> nn.Module:
+        return build_classifier(self.cfg.model, num_outputs)
+
+    def epoch_fields(self, epoch: int) -> dict:
+        """``image_size``: the training resolution of epoch ``epoch`` (0-based; progressive resizing aware)."""
+        return {"image_size": train_size_for_epoch(self.cfg, epoch)}
+
+    def _images(self, batch: dict) -> torch.Tensor:
+        return normalize_on_device(batch["image"], self.dist.device, self.cfg.channels_last)
+
+    def train_batch(self, batch: dict) -> dict:
+        """``{"image": float32 (B,3,H,W) normalised, "label": int64 (B,) or float32 (B, classes) after
+        MixUp/CutMix, "n": B}`` on the device."""
+        x = self._images(batch)
+        y = batch["label"].to(self.dist.device, non_blocking=True)
+        if self._mix is not None and x.shape[0] > 1:
+            x, y = self._mix(x, y)
+            if y.is_floating_point():
+                y = y.float()
+        return {"image": x, "label": y, "n": x.shape[0]}
+
+    def eval_batch(self, batch: dict) -> dict:
+        """``{"image": float32 (B,3,H,W), "label": int64 (B,), "n": B}`` on the device (B may be 0)."""
+        return {
+            "image": self._images(batch),
+            "label": batch["label"].to(self.dist.device, non_blocking=True),
+            "n": batch["label"].shape[0],
+        }
+
+    def model_step(self, model: nn.Module, batch: dict) -> StepOutput:
+        """Logits (B, classes) and the cross-entropy with ``label_smoothing`` (float32 mean)."""
+        out = model(batch["image"])
+        loss = F.cross_entropy(out.float(), batch["label"], label_smoothing=self.cfg.label_smoothing)
+        return StepOutput(loss=loss, outputs=out, n=batch["n"])
+
+    def predict(self, model: nn.Module, batch: dict) -> torch.Tensor:
+        """Logits (B, classes)."""
+        return model(batch["image"])
+
+    @classmethod
+    def evaluator_class(cls):
+        return TopKEvaluator
+
+    def train_statistics(self, out: StepOutput, batch: dict) -> torch.Tensor:
+        """float64 [top-1 correct, count] of one micro-batch (soft labels: their argmax)."""
+        labels = batch["label"]
+        labels = labels.argmax(dim=1) if labels.is_floating_point() else labels
+        top1, _ = _correct(out.outputs.detach(), labels)
+        return torch.stack(
+            [top1.double(), torch.tensor(float(labels.shape[0]), dtype=torch.float64, device=labels.device)]
+        )
+
+    def train_metrics(self, sums: torch.Tensor) -> dict[str, float]:
+        return {"top1": 100.0 * sums[0].item() / max(sums[1].item(), 1.0)}
+
+    def example_batch(
+        self,
+        batch_size: int,
+        *,
+        image_size: Optional[int] = None,
+        num_outputs: int = 1000,
+        train: bool = True,
+        mixed_targets: Optional[bool] = None,
+    ) -> dict:
+        """A device batch as :meth:`train_batch` returns it, without a loader: ``image`` float32
+        (batch_size, 3, S, S) in the normalised range (channels_last when configured), ``label`` int64
+        (batch_size,) class indices, or float32 (batch_size, num_outputs) soft labels when MixUp/CutMix is on
+        (``mixed_targets`` None: decided by the config; always hard labels for ``train=False``)."""
+        cfg, dev = self.cfg, self.dist.device
+        size = image_size or cfg.image_size
+        if mixed_targets is None:
+            mixed_targets = train and (cfg.mixup_alpha > 0 or (cfg.cutmix_prob > 0 and cfg.cutmix_alpha > 0))
+        u8 = torch.randint(0, 256, (batch_size, 3, size, size), dtype=torch.uint8, device=dev)
+        if cfg.channels_last:
+            u8 = u8.contiguous(memory_format=torch.channels_last)
+        x = u8.float().sub_(127.5).div_(64.0)
+        if mixed_targets:
+            y = torch.softmax(torch.randn(batch_size, num_outputs, device=dev), dim=1)
+        else:
+            y = torch.randint(0, num_outputs, (batch_size,), device=dev)
+        return {"image": x, "label": y, "n": batch_size}
+
+
+def _correct(outputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(top-1 correct, top-5 correct) counts as 0-d int64 tensors; top-5 is top-k for fewer than 5 classes."""
+    k = min(5, outputs.shape[1])
+    topk = outputs.topk(k, dim=1).indices
+    hit = topk.eq(labels.view(-1, 1))
+    return hit[:, :1].sum(), hit.any(dim=1).sum()
+
+
+class TopKEvaluator(SumEvaluator):
+    """Validation loss (mean cross-entropy, no smoothing), top-1 and top-5 accuracy (%), summed over ranks.
+
+    Statistics vector (float64): [loss_sum, top1_correct, top5_correct, count].
+    """
+
+    size = 4
+    directions = {"loss": "min", "top1": "max", "top5": "max"}
+
+    def statistics(self, outputs: torch.Tensor, batch: dict) -> torch.Tensor:
+        labels = batch["label"]
+        loss_sum = F.cross_entropy(outputs.float(), labels, reduction="sum")
+        top1, top5 = _correct(outputs, labels)
+        n = torch.tensor(float(labels.shape[0]), dtype=torch.float64, device=outputs.device)
+        return torch.stack([loss_sum.double(), top1.double(), top5.double(), n])
+
+    def metrics(self, sums: torch.Tensor) -> dict[str, float]:
+        loss_sum, top1, top5, n = sums.tolist()
+        n = max(n, 1.0)
+        return {"loss": loss_sum / n, "top1": 100.0 * top1 / n, "top5": 100.0 * top5 / n}
