@@ -28,13 +28,11 @@ from aws_cdk import aws_stepfunctions as sfn
 from constructs import Construct
 
 from catalog import InstanceType
+from catalog.metrics import metric_definitions
 from infra.config import PHASE_RE
 
-#: SageMaker MetricDefinitions for the trainer's ``key=value`` epoch lines (README, "Outputs").
-METRIC_DEFINITIONS = [
-    {"Name": name, "Regex": f"{name}=([0-9.eE+-]+)"}
-    for name in ("train_loss", "val_loss", "val_top1", "val_top5", "ema_val_top1", "images_per_s", "epoch_time_s")
-]
+#: SageMaker MetricDefinitions for the trainer's ``key=value`` epoch lines, every task's keys (catalog/metrics.py).
+METRIC_DEFINITIONS = metric_definitions()
 CHECKPOINT_LOCAL_PATH = "/opt/ml/checkpoints"
 
 

@@ -23,11 +23,13 @@ from aws_cdk import aws_sns as sns
 from aws_cdk import aws_sns_subscriptions as subs
 from constructs import Construct
 
+from catalog.metrics import headline_metrics
 from infra.config import InfraConfig
 from infra.constructs import cloudwatch_agent as agent
 
 EC2_EVENTS = ("EC2 Spot Instance Interruption Warning", "EC2 Instance Rebalance Recommendation")
-TRAINING_METRICS = ("val_top1", "train_loss", "images_per_s")
+#: Metrics filtered from EC2 runs' metric logs and graphed: each task's headline metric, train_loss, images_per_s.
+TRAINING_METRICS = headline_metrics()
 
 
 def idle_alarm_name(cfg: InfraConfig) -> str:

@@ -244,26 +244,20 @@ def test_scaling_plan_runs_seed001_phases_in_order(default):
 
 
 def test_metric_definitions_match_trainer_output():
+    """Every definition extracts its own key's value from a real epoch line, never a longer key's
+    (``val_top1`` must not read ``ema_val_top1``), and stays within SageMaker's 40."""
+    from catalog.metrics import MAX_METRIC_DEFINITIONS, metric_names
     from infra.constructs.sagemaker_job import METRIC_DEFINITIONS
     from trainer.engine.logging import format_kv
 
-    line = format_kv(
-        {
-            "epoch": 3,
-            "train_loss": 1.234567,
-            "val_loss": 0.9,
-            "val_top1": 76.54,
-            "val_top5": 93.1,
-            "ema_val_top1": 77.0,
-            "images_per_s": 1234.5,
-            "epoch_time_s": 61.2,
-            "lr": 1e-3,
-        }
-    )
+    values = {name: 10.0 + i for i, name in enumerate(metric_names())}
+    line = format_kv({"epoch": 3, **values, "lr": 1e-3})
+    assert [m["Name"] for m in METRIC_DEFINITIONS] == list(values)
+    assert len(METRIC_DEFINITIONS) <= MAX_METRIC_DEFINITIONS
     for m in METRIC_DEFINITIONS:
         found = re.search(m["Regex"], line)
         assert found, (m, line)
-        assert float(found.group(1)) > 0
+        assert float(found.group(1)) == values[m["Name"]], (m, line)
 
 
 # ---------------------------------------------------------------- monitoring stack
