@@ -121,3 +121,14 @@ def test_summing_and_gathering_evaluators_synchronise_two_ranks(tmp_path):
         res = torch.load(tmp_path / f"r{r}.pt")
         assert res["sum"] == {"mean": 7.0, "n": 10.0}
         assert res["gather"] == {"median": 4.0, "n": 10.0, "max": 14.0}  # torch's median: the lower middle
+
+
+def test_lr_scales_split_the_parameter_groups_and_a_plain_run_keeps_its_two_groups():
+    from trainer.engine.optim import param_groups
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 2))
+    plain = param_groups(model, 1e-4, True)
+    assert [len(g["params"]) for g in plain] == [2, 4] and "lr" not in plain[0]
+    scaled = param_groups(model, 1e-4, True, lr=1e-4, lr_scales={"0.": 0.1})
+    got = sorted((g["lr"], g["weight_decay"], len(g["params"])) for g in scaled)
+    assert got == [(pytest.approx(1e-5), 0.0, 1), (pytest.approx(1e-5), 1e-4, 1), (1e-4, 0.0, 3), (1e-4, 1e-4, 1)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 from torch import nn
@@ -14,20 +15,44 @@ from trainer.config import TrainConfig
 REFERENCE_LR, REFERENCE_BATCH = 0.1, 256
 
 
-def param_groups(model: nn.Module, weight_decay: float, no_decay_norm_bias: bool) -> list[dict]:
-    """Two groups: weights with decay, and (optionally) biases + 1-D norm parameters without it."""
-    if not no_decay_norm_bias:
-        return [{"params": [p for p in model.parameters() if p.requires_grad], "weight_decay": weight_decay}]
-    decay, no_decay = [], []
-    for p in model.parameters():
+def param_groups(
+    model: nn.Module,
+    weight_decay: float,
+    no_decay_norm_bias: bool,
+    lr: float = 0.0,
+    lr_scales: Optional[dict[str, float]] = None,
+) -> list[dict]:
+    """Weights with decay and (optionally) biases + 1-D norm parameters without it; each split again by
+    ``lr_scales`` (parameter-name prefix -> multiplier of ``lr``, e.g. ``{"backbone.": 0.1}`` for DINO's backbone
+    lr 1e-5 at lr 1e-4; the first matching prefix wins). Without ``lr_scales`` the groups carry no ``lr`` (the
+    optimizer's default applies) and are exactly the one or two groups of a plain run; with them, each group
+    has its ``lr`` and empty groups are left out.
+    """
+    if not lr_scales:
+        if not no_decay_norm_bias:
+            return [{"params": [p for p in model.parameters() if p.requires_grad], "weight_decay": weight_decay}]
+        decay, no_decay = [], []
+        for p in model.parameters():
+            if p.requires_grad:
+                (no_decay if p.ndim <= 1 else decay).append(p)
+        return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    buckets: dict[tuple[float, bool], list] = {}
+    for name, p in model.named_parameters():
         if p.requires_grad:
-            (no_decay if p.ndim <= 1 else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+            scale = next((s for prefix, s in lr_scales.items() if name.startswith(prefix)), 1.0)
+            buckets.setdefault((scale, no_decay_norm_bias and p.ndim <= 1), []).append(p)
+    return [
+        {"params": params, "weight_decay": 0.0 if no_decay else weight_decay, "lr": lr * scale}
+        for (scale, no_decay), params in sorted(buckets.items())
+    ]
 
 
-def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
-    """SGD (momentum, nesterov off, as seed 003) or AdamW (betas=(momentum, 0.999))."""
-    groups = param_groups(model, cfg.weight_decay, cfg.no_decay_norm_bias)
+def build_optimizer(
+    cfg: TrainConfig, model: nn.Module, lr_scales: Optional[dict[str, float]] = None
+) -> torch.optim.Optimizer:
+    """SGD (momentum, nesterov off, as seed 003) or AdamW (betas=(momentum, 0.999)) over :func:`param_groups`
+    (``lr_scales``: the task's per-module learning-rate multipliers, e.g. a backbone at 0.1 x lr)."""
+    groups = param_groups(model, cfg.weight_decay, cfg.no_decay_norm_bias, cfg.lr, lr_scales)
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.momentum, 0.999))

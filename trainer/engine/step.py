@@ -151,7 +151,7 @@ def build_train_step(
             model = model.to(memory_format=torch.channels_last)
     model.train()
     ema = build_ema(model, cfg.ema_decay) if cfg.use_ema else None
-    optimizer = build_optimizer(cfg, model)
+    optimizer = build_optimizer(cfg, model, task.lr_scales())
     scaler = torch.amp.GradScaler(device.type, enabled=precision.use_scaler)
     if cfg.compile and compile_model:
         model.compile()  # in place: a wrapper below wraps the compiled module, state_dict keys unchanged

@@ -124,6 +124,11 @@ class Task(ABC):
     def build_model(self, num_outputs: int) -> nn.Module:
         """Create the model on CPU with freshly initialised (seeded) weights."""
 
+    def lr_scales(self) -> dict[str, float]:
+        """Per-module learning-rate multipliers: parameter-name prefix -> factor of ``lr`` (e.g. DINO's backbone at
+        0.1 x lr). Default: none (every parameter at ``lr``)."""
+        return {}
+
     def epoch_fields(self, epoch: int) -> dict:
         """Extra fields of epoch ``epoch``'s (0-based) metrics row (e.g. the training image size)."""
         return {}
