@@ -132,3 +132,13 @@ def test_lr_scales_split_the_parameter_groups_and_a_plain_run_keeps_its_two_grou
     scaled = param_groups(model, 1e-4, True, lr=1e-4, lr_scales={"0.": 0.1})
     got = sorted((g["lr"], g["weight_decay"], len(g["params"])) for g in scaled)
     assert got == [(pytest.approx(1e-5), 0.0, 1), (pytest.approx(1e-5), 1e-4, 1), (1e-4, 0.0, 3), (1e-4, 1e-4, 1)]
+
+
+def test_a_field_added_after_a_checkpoint_is_no_change_while_it_keeps_its_default():
+    from trainer.config import TrainConfig
+    from trainer.engine.trainer import _config_diff
+
+    now = TrainConfig().to_dict()
+    old = {k: v for k, v in now.items() if k != "label_smoothing"}  # as written before the field existed
+    assert _config_diff(old, now) == []
+    assert _config_diff(old, {**now, "label_smoothing": 0.1}) == ["label_smoothing: checkpoint None -> now 0.1"]

@@ -11,6 +11,7 @@ the checkpoint's ``progress`` fields stay 0-based (see :mod:`trainer.engine.chec
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 import warnings
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as tdist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from trainer.config import NON_TRAJECTORY_FIELDS, ConfigError, TrainConfig
+from trainer.config import FIELDS, NON_TRAJECTORY_FIELDS, ConfigError, TrainConfig
 from trainer.data.loading import build_split_loaders, iterate, shutdown_all
 from trainer.data.samples import BadSample
 from trainer.engine import distributed as dist
@@ -67,10 +68,21 @@ class _EpochStats:
 
 
 def _config_diff(saved: dict, current: dict) -> list[str]:
+    """Trajectory fields that differ between a checkpoint's config and this run's, one phrase each. A field the
+    checkpoint does not record (added to the schema after it was written) counts as unchanged while this run
+    keeps the field's default, which reproduces what the older trainer did."""
     keys = sorted(k for k in set(saved) | set(current) if k not in NON_TRAJECTORY_FIELDS)
     return [
-        f"{k}: checkpoint {saved.get(k)!r} -> now {current.get(k)!r}" for k in keys if saved.get(k) != current.get(k)
+        f"{k}: checkpoint {saved.get(k)!r} -> now {current.get(k)!r}"
+        for k in keys
+        if saved.get(k) != current.get(k) and not (k not in saved and k in FIELDS and _is_default(k, current.get(k)))
     ]
+
+
+def _is_default(name: str, value) -> bool:
+    f = FIELDS[name]
+    default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    return value == default
 
 
 def _names(values: list, first: int = 8) -> str:
