@@ -16,7 +16,9 @@ from typing import Optional
 COMMON = ("train_loss", "images_per_s", "epoch_time_s")
 
 #: Task name -> the keys its evaluator and training statistics add (``val_<metric>``, ``ema_val_<metric>`` with
-#: EMA on, ``train_<statistic>``); the first is the task's headline metric (graphed and filtered on EC2).
+#: EMA on, ``train_<statistic>`` and ``train_<loss term>``); the first is the task's headline metric (graphed and
+#: filtered on EC2). Per-class keys whose names come from the data (detection's ``val_ap_<category>``) are not
+#: listed: they are in the JSONL and TensorBoard, not in SageMaker's fixed list.
 TASK_METRICS: dict[str, tuple[str, ...]] = {
     "classification": (
         "val_top1",
@@ -26,6 +28,26 @@ TASK_METRICS: dict[str, tuple[str, ...]] = {
         "ema_val_top5",
         "ema_val_loss",
         "train_top1",
+    ),
+    "detection": (
+        "val_map",
+        "val_map_50",
+        "val_map_75",
+        "val_map_small",
+        "val_map_medium",
+        "val_map_large",
+        "ema_val_map",
+        "ema_val_map_50",
+        "ema_val_map_75",
+        "train_loss_ce",
+        "train_loss_bbox",
+        "train_loss_giou",
+        "train_loss_ce_dn",
+        "train_loss_bbox_dn",
+        "train_loss_giou_dn",
+        "train_loss_ce_interm",
+        "train_loss_bbox_interm",
+        "train_loss_giou_interm",
     ),
 }
 

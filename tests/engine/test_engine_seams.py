@@ -130,6 +130,7 @@ def test_lr_scales_split_the_parameter_groups_and_a_plain_run_keeps_its_two_grou
     plain = param_groups(model, 1e-4, True)
     assert [len(g["params"]) for g in plain] == [2, 4] and "lr" not in plain[0]
     scaled = param_groups(model, 1e-4, True, lr=1e-4, lr_scales={"0.": 0.1})
+    assert scaled[0]["lr"] == 1e-4  # the base lr first: the loop logs param_groups[0]["lr"]
     got = sorted((g["lr"], g["weight_decay"], len(g["params"])) for g in scaled)
     assert got == [(pytest.approx(1e-5), 0.0, 1), (pytest.approx(1e-5), 1e-4, 1), (1e-4, 0.0, 3), (1e-4, 1e-4, 1)]
 

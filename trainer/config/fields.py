@@ -26,9 +26,9 @@ from trainer.config.schema import (
     task_names,
 )
 
-_run, _data, _loader, _optim, _speed, _ckpt, _log, _cls = (
+_run, _data, _loader, _optim, _speed, _ckpt, _log, _cls, _det = (
     functools.partial(config_field, s)
-    for s in ("run", "data", "loader", "optim", "speed", "checkpoint", "logging", "classification")
+    for s in ("run", "data", "loader", "optim", "speed", "checkpoint", "logging", "classification", "detection")
 )
 
 
@@ -43,7 +43,11 @@ class TrainConfig:
     task: str = _run(
         "classification", "Task plug-in (trainer/tasks); the choices are the registered tasks.", choices=task_names
     )
-    model: str = _run("resnet50", "Any torchvision classification model name (torchvision.models.list_models).")
+    model: str = _run(
+        "resnet50",
+        "classification: any torchvision classification model (torchvision.models.list_models); "
+        "detection: DINO-4scale's ResNet backbone (resnet18, resnet34, resnet50, resnet101).",
+    )
     seed: int = _run(0, "Seed for weights, data order and augmentation (all ranks derive from it).")
     device: str = _run("auto", "auto | cpu | cuda.", choices=DEVICES)
     epochs: int = _run(90, "Number of training epochs.")
@@ -182,6 +186,35 @@ class TrainConfig:
     )
     progressive_min_size: int = _cls(160, "First resolution of progressive resizing (pixels; at most image_size).")
     progressive_stages: int = _cls(3, "Number of equal-length resolution stages in progressive resizing.")
+
+    # --- detection (task section: only with task: detection; DINO-4scale, upstream defaults) ----------
+    coco_annotations: str = _det(
+        "annotations/instances_{split}.json",
+        "COCO annotations JSON of a split, relative to data_dir; {split} becomes train_split or val_split "
+        "(facemask-coco: annotations/custom_{split}.json).",
+    )
+    coco_images: str = _det("{split}2017", "Image folder of a split, relative to data_dir; {split} as above.")
+    min_scale: int = _det(480, "Training resize: shortest side drawn from min_scale..max_scale (pixels).")
+    max_scale: int = _det(800, "Training resize: largest shortest side (pixels); the crop branch scales with it.")
+    scale_step: int = _det(32, "Training resize: step between the shortest-side choices (pixels).")
+    max_size: int = _det(1333, "Longest side after any resize, training and evaluation (pixels).")
+    eval_size: int = _det(800, "Evaluation resize: shortest side (pixels), longest at most max_size.")
+    num_queries: int = _det(900, "DINO queries (anchors from the top encoder proposals).")
+    num_select: int = _det(300, "Detections kept per image after post-processing (top-k over query x class).")
+    dn_number: int = _det(100, "Contrastive denoising queries (0 = no denoising).")
+    dn_box_noise_scale: float = _det(0.4, "Denoising box noise scale (negatives get up to twice as much).")
+    dn_label_noise_ratio: float = _det(0.5, "Share of denoising labels flipped to a random class.")
+    hidden_dim: int = _det(256, "Transformer width.")
+    dim_feedforward: int = _det(2048, "Transformer feed-forward width.")
+    nheads: int = _det(8, "Attention heads.")
+    enc_layers: int = _det(6, "Deformable encoder layers.")
+    dec_layers: int = _det(6, "Deformable decoder layers.")
+    enc_n_points: int = _det(4, "Sampling points per head and level in the encoder.")
+    dec_n_points: int = _det(4, "Sampling points per head and level in the decoder.")
+    backbone_lr_scale: float = _det(0.1, "Backbone learning rate as a multiple of lr (upstream: 1e-5 at 1e-4).")
+    pretrained_backbone: Optional[str] = _det(
+        None, "Local torchvision ResNet state_dict file (.pth) for the backbone (offline ImageNet weights)."
+    )
 
     # ------------------------------------------------------------------------------------------------
     def validate(self) -> TrainConfig:

@@ -50,6 +50,7 @@ SECTIONS: dict[str, str] = {
     "checkpoint": "Checkpoints, resuming, and stopping on spot interruption notices.",
     "logging": "Where metrics go and how often progress is printed.",
     "classification": "Task section: augmentation, loss and resolution schedule of the classification task.",
+    "detection": "Task section: COCO files, DINO-4scale's architecture, denoising and the multi-scale resize.",
 }
 
 #: Allowed values of a field: a tuple, or a function returning one (evaluated when used, e.g. the task registry).

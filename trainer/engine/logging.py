@@ -24,11 +24,13 @@ from trainer.errors import ConfigError
 
 
 def format_kv(values: dict) -> str:
-    """``key=value`` pairs separated by spaces; floats with 4 significant decimals, ints as ints."""
+    """``key=value`` pairs separated by spaces; floats with 4 decimals, or 6 significant digits when that would
+    hide them (below 1e-3, e.g. lr=0.0001 or 1e-05, or from 1e4 up); ints as ints."""
     parts = []
     for k, v in values.items():
         if isinstance(v, float):
-            parts.append(f"{k}={v:.4f}" if abs(v) < 1e4 or v != v else f"{k}={v:.6g}")
+            plain = v != v or v == 0 or 1e-3 <= abs(v) < 1e4
+            parts.append(f"{k}={v:.4f}" if plain else f"{k}={v:.6g}")
         else:
             parts.append(f"{k}={v}")
     return " ".join(parts)

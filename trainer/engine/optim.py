@@ -26,7 +26,8 @@ def param_groups(
     ``lr_scales`` (parameter-name prefix -> multiplier of ``lr``, e.g. ``{"backbone.": 0.1}`` for DINO's backbone
     lr 1e-5 at lr 1e-4; the first matching prefix wins). Without ``lr_scales`` the groups carry no ``lr`` (the
     optimizer's default applies) and are exactly the one or two groups of a plain run; with them, each group
-    has its ``lr`` and empty groups are left out.
+    has its ``lr``, empty groups are left out, and the groups at ``lr`` itself come first (``param_groups[0]["lr"]``
+    is the lr the loop logs).
     """
     if not lr_scales:
         if not no_decay_norm_bias:
@@ -43,7 +44,7 @@ def param_groups(
             buckets.setdefault((scale, no_decay_norm_bias and p.ndim <= 1), []).append(p)
     return [
         {"params": params, "weight_decay": 0.0 if no_decay else weight_decay, "lr": lr * scale}
-        for (scale, no_decay), params in sorted(buckets.items())
+        for (scale, no_decay), params in sorted(buckets.items(), key=lambda kv: (kv[0][0] != 1.0, kv[0]))
     ]
 
 

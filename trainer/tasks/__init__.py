@@ -14,6 +14,7 @@ from typing import Any
 #: task name -> "module:Class" (imported lazily)
 _REGISTRY: dict[str, str] = {
     "classification": "trainer.tasks.classification.task:ClassificationTask",
+    "detection": "trainer.tasks.detection.task:DetectionTask",
 }
 
 

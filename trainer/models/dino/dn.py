@@ -1,0 +1,157 @@
+"""Contrastive denoising (CDN) queries of DINO (Zhang et al. 2022, arXiv 2203.03605, sec. 3.2; DN-DETR).
+
+Upstream ``models/dino/dn_components.py`` (``prepare_for_cdn``, ``dn_post_process``), device-agnostic.
+
+Layout of the ``pad_size`` denoising queries placed before the matching queries in the decoder: ``num_dn_group``
+groups of ``2 * max_gt`` rows (``max_gt`` = most boxes in one image of the batch); in group g, rows
+``[2 g max_gt, 2 g max_gt + n_b)`` are image b's positives (its boxes in order) and the next ``max_gt`` rows
+start its negatives; the rows past an image's own box count are zero padding (label embedding 0, anchor logit 0).
+
+Number of groups (upstream's rule, kept): with ``d = 2 * dn_number``: ``d // (2 * max_gt)`` when ``d >= 100``
+(so DINO-4scale's 100 gives ``100 // max_gt`` groups, at least 1), ``d`` itself when ``0 < d < 100`` (upstream
+quirk: a small ``dn_number`` means that many pairs of groups, whatever ``max_gt``), 1 for a batch with no boxes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from trainer.models.dino.utils import inverse_sigmoid
+
+
+def num_dn_groups(dn_number: int, max_gt: int) -> int:
+    """Denoising groups for a batch whose largest image has ``max_gt`` boxes (upstream's rule, module docstring)."""
+    d = 2 * dn_number
+    if max_gt == 0:
+        return 1
+    if d >= 100:
+        d = d // (2 * max_gt)
+    return max(d, 1)
+
+
+def dn_attention_mask(num_groups: int, single_pad: int, num_queries: int, device=None) -> Tensor:
+    """Decoder self-attention mask, (pad + Q, pad + Q) bool, True = may NOT attend; pad = groups * 2 * single_pad.
+
+    Matching queries cannot see any denoising query (no ground truth leaks); each denoising group sees itself
+    and the matching queries but no other group.
+    """
+    group = 2 * single_pad
+    pad = num_groups * group
+    mask = torch.zeros(pad + num_queries, pad + num_queries, dtype=torch.bool, device=device)
+    mask[pad:, :pad] = True
+    for g in range(num_groups):
+        rows = slice(g * group, (g + 1) * group)
+        mask[rows, : g * group] = True
+        mask[rows, (g + 1) * group : pad] = True
+    return mask
+
+
+def check_labels(targets: Sequence[dict], num_classes: int) -> None:
+    """Raise ValueError when a target label is outside [0, num_classes) (it would index ``label_enc`` wrongly)."""
+    for i, t in enumerate(targets):
+        labels = t["labels"]
+        if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= num_classes):
+            raise ValueError(
+                f"DINO denoising: targets[{i}]['labels'] must lie in [0, num_classes={num_classes}), got "
+                f"min {int(labels.min())}, max {int(labels.max())}"
+            )
+
+
+def prepare_for_cdn(
+    targets: Sequence[dict],
+    dn_number: int,
+    label_noise_ratio: float,
+    box_noise_scale: float,
+    num_queries: int,
+    num_classes: int,
+    hidden_dim: int,
+    label_enc: nn.Embedding,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor, Tensor, dict]:
+    """Noised ground truth as denoising queries (DINO sec. 3.2), the attention mask and ``dn_meta``.
+
+    Label noise: each query's label is replaced, with probability ``label_noise_ratio / 2``, by one drawn
+    uniformly from [0, num_classes). Box noise, on the (x1, y1, x2, y2) corners: each corner moves by
+    ``sign * r * (w/2, h/2) * box_noise_scale`` with a random sign, r ~ U[0, 1) for positives and U[1, 2) for
+    negatives (so negatives lie farther from the box), then clamped to [0, 1].
+
+    Args:
+        targets: per image {"labels": int64 (N_b,) in [0, num_classes), "boxes": float (N_b, 4) cxcywh in [0, 1]}.
+        label_enc: ``nn.Embedding(num_classes + 1, hidden_dim)`` (row ``num_classes`` is never used by noise).
+        generator: optional RNG for the noise (default: the global one).
+
+    Returns:
+        input_query_label (B, pad_size, hidden_dim), input_query_bbox (B, pad_size, 4) unsigmoid,
+        attn_mask (pad_size + num_queries,) * 2 bool, dn_meta {"pad_size", "num_dn_group"}.
+
+    Raises:
+        ValueError: a label outside [0, num_classes).
+    """
+    check_labels(targets, num_classes)
+    device = label_enc.weight.device
+    batch_size = len(targets)
+    counts = [int(t["labels"].numel()) for t in targets]
+    max_gt = max(counts, default=0)
+    groups = num_dn_groups(dn_number, max_gt)
+    labels = torch.cat([t["labels"].to(device=device, dtype=torch.long) for t in targets])
+    boxes = torch.cat([t["boxes"].to(device=device, dtype=torch.float32) for t in targets])
+    batch_idx = torch.cat([torch.full((n,), i, dtype=torch.long, device=device) for i, n in enumerate(counts)])
+    n_boxes = labels.numel()
+    # 2 * groups blocks (positive, negative, positive, ...), each the batch's boxes in order
+    known_labels = labels.repeat(2 * groups)
+    known_boxes = boxes.repeat(2 * groups, 1)
+    known_bid = batch_idx.repeat(2 * groups)
+
+    if label_noise_ratio > 0 and known_labels.numel():
+        p = torch.rand(known_labels.shape, device=device, generator=generator)
+        chosen = p < label_noise_ratio * 0.5
+        new = torch.randint(0, num_classes, known_labels.shape, device=device, generator=generator)
+        known_labels = torch.where(chosen, new, known_labels)
+
+    if box_noise_scale > 0 and known_boxes.numel():
+        xyxy = torch.cat([known_boxes[:, :2] - known_boxes[:, 2:] / 2, known_boxes[:, :2] + known_boxes[:, 2:] / 2], 1)
+        diff = torch.cat([known_boxes[:, 2:] / 2, known_boxes[:, 2:] / 2], 1)
+        sign = torch.randint(0, 2, known_boxes.shape, device=device, generator=generator).float() * 2.0 - 1.0
+        part = torch.rand(known_boxes.shape, device=device, generator=generator)
+        negative = (torch.arange(known_boxes.shape[0], device=device) // max(n_boxes, 1)) % 2 == 1
+        part = part + negative[:, None].float()
+        xyxy = (xyxy + part * sign * diff * box_noise_scale).clamp(0.0, 1.0)
+        known_boxes = torch.cat([(xyxy[:, :2] + xyxy[:, 2:]) / 2, xyxy[:, 2:] - xyxy[:, :2]], 1)
+
+    single_pad = max_gt
+    pad_size = single_pad * 2 * groups
+    weight = label_enc.weight
+    input_query_label = weight.new_zeros(batch_size, pad_size, hidden_dim)
+    input_query_bbox = torch.zeros(batch_size, pad_size, 4, device=device)
+    if n_boxes:
+        within = torch.cat([torch.arange(n, device=device) for n in counts])
+        block = torch.arange(2 * groups, device=device).repeat_interleave(n_boxes)
+        rows = within.repeat(2 * groups) + block * single_pad
+        input_query_label = input_query_label.index_put((known_bid, rows), label_enc(known_labels))
+        input_query_bbox = input_query_bbox.index_put((known_bid, rows), inverse_sigmoid(known_boxes))
+    attn_mask = dn_attention_mask(groups, single_pad, num_queries, device)
+    return input_query_label, input_query_bbox, attn_mask, {"pad_size": pad_size, "num_dn_group": groups}
+
+
+def dn_post_process(outputs_class: Tensor, outputs_coord: Tensor, dn_meta: dict, aux_loss: bool = True):
+    """Split decoder outputs into the denoising part (stored in ``dn_meta``) and the matching part (returned).
+
+    Args:
+        outputs_class: (n_dec, B, pad + Q, num_classes) logits; outputs_coord: (n_dec, B, pad + Q, 4) boxes.
+        dn_meta: from :func:`prepare_for_cdn`; gains "output_known_lbs_bboxes" {"pred_logits" (B, pad, K),
+            "pred_boxes" (B, pad, 4), "aux_outputs" [per earlier layer {"pred_logits", "pred_boxes"}]}, also when
+            pad_size is 0 (0-row tensors; upstream leaves the key out then).
+
+    Returns:
+        (outputs_class, outputs_coord) of the matching queries, (n_dec, B, Q, ...).
+    """
+    pad = dn_meta["pad_size"]
+    known_class, known_coord = outputs_class[:, :, :pad], outputs_coord[:, :, :pad]
+    out = {"pred_logits": known_class[-1], "pred_boxes": known_coord[-1]}
+    if aux_loss:
+        out["aux_outputs"] = [{"pred_logits": c, "pred_boxes": b} for c, b in zip(known_class[:-1], known_coord[:-1])]
+    dn_meta["output_known_lbs_bboxes"] = out
+    return outputs_class[:, :, pad:], outputs_coord[:, :, pad:]

@@ -1,0 +1,114 @@
+"""Small building blocks of DINO shared by the transformer and the model (upstream ``models/dino/utils.py`` and
+``util/misc.py``): inverse sigmoid, MLP head, sine embedding of anchor boxes, encoder proposals.
+
+Boxes are (cx, cy, w, h) normalised to [0, 1] of the valid (un-padded) image unless said otherwise; "unsigmoid"
+means inverse-sigmoid space (logits of the normalised coordinates).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+def inverse_sigmoid(x: Tensor, eps: float = 1e-3) -> Tensor:
+    """log(x / (1 - x)) with x clamped to [0, 1] and both terms to >= eps (upstream's eps 1e-3): finite for 0 and 1."""
+    x = x.clamp(0.0, 1.0)
+    return torch.log(x.clamp(min=eps) / (1.0 - x).clamp(min=eps))
+
+
+class MLP(nn.Module):
+    """``num_layers`` Linear layers with ReLU between them (upstream ``MLP``; parameters ``layers.<i>.weight``).
+
+    Used as the box head (``bbox_embed``: hidden -> hidden -> hidden -> 4) and as ``ref_point_head``.
+    """
+
+    def __init__(self, input_dim: int, hidden_dim: int, output_dim: int, num_layers: int):
+        super().__init__()
+        self.num_layers = num_layers
+        dims_in = [input_dim] + [hidden_dim] * (num_layers - 1)
+        dims_out = [hidden_dim] * (num_layers - 1) + [output_dim]
+        self.layers = nn.ModuleList(nn.Linear(i, o) for i, o in zip(dims_in, dims_out))
+
+    def forward(self, x: Tensor) -> Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < self.num_layers - 1:
+                x = F.relu(x)
+        return x
+
+
+def _sine(coord: Tensor, num_feats: int, temperature: float = 10000.0) -> Tensor:
+    """(..., ) coordinate in [0, 1] -> (..., num_feats): sin/cos interleaved of coord * 2pi / T^(2i/num_feats)."""
+    dim_t = torch.arange(num_feats, dtype=torch.float32, device=coord.device)
+    dim_t = temperature ** (2 * torch.div(dim_t, 2, rounding_mode="floor") / num_feats)
+    pos = coord.float()[..., None] * (2 * math.pi) / dim_t
+    return torch.stack((pos[..., 0::2].sin(), pos[..., 1::2].cos()), dim=-1).flatten(-2)
+
+
+def gen_sineembed_for_position(pos_tensor: Tensor, d_model: int = 256) -> Tensor:
+    """Sine embedding of anchor boxes (DAB-DETR / DINO sec. 3.2 query positional embedding).
+
+    Args:
+        pos_tensor: (..., 2) as (x, y) or (..., 4) as (cx, cy, w, h), normalised to [0, 1].
+        d_model: hidden size; each coordinate gets ``d_model // 2`` features (upstream hard-codes 128 = 256 // 2).
+
+    Returns:
+        float32 (..., 2 * (d_model // 2)) for 2 coordinates or (..., 4 * (d_model // 2)) for 4, in the upstream
+        order (y, x) or (y, x, w, h).
+    """
+    n = d_model // 2
+    if pos_tensor.size(-1) == 2:
+        return torch.cat([_sine(pos_tensor[..., 1], n), _sine(pos_tensor[..., 0], n)], dim=-1)
+    if pos_tensor.size(-1) == 4:
+        parts = [pos_tensor[..., 1], pos_tensor[..., 0], pos_tensor[..., 2], pos_tensor[..., 3]]
+        return torch.cat([_sine(p, n) for p in parts], dim=-1)
+    raise ValueError(f"gen_sineembed_for_position: last dim must be 2 or 4, got {pos_tensor.size(-1)}")
+
+
+def gen_encoder_output_proposals(
+    memory: Tensor, memory_padding_mask: Tensor, spatial_shapes: Tensor, base_wh: float = 0.05
+) -> tuple[Tensor, Tensor]:
+    """One anchor box per encoder token (two-stage DINO / Deformable DETR sec. 4.2).
+
+    Token (i, j) of level l proposes the box centred on the pixel centre, normalised by the valid size of that
+    image at that level, with w = h = ``base_wh * 2**l``. Tokens on padding, and proposals with any coordinate
+    outside (0.01, 0.99), get +inf coordinates (upstream's marker) and a zeroed memory.
+
+    Args:
+        memory: (B, S, C) encoder output, S = sum(H_l * W_l).
+        memory_padding_mask: (B, S) bool, True on padding.
+        spatial_shapes: (L, 2) int64 (H_l, W_l).
+
+    Returns:
+        output_memory (B, S, C) (memory with invalid tokens zeroed), output_proposals float32 (B, S, 4)
+        unsigmoid (cx, cy, w, h), +inf where invalid.
+    """
+    b = memory.shape[0]
+    proposals = []
+    start = 0
+    for lvl, (h, w) in enumerate(spatial_shapes.tolist()):
+        mask_l = memory_padding_mask[:, start : start + h * w].view(b, h, w)
+        valid_h = (~mask_l[:, :, 0]).sum(1)
+        valid_w = (~mask_l[:, 0, :]).sum(1)
+        ys, xs = torch.meshgrid(
+            torch.arange(h, dtype=torch.float32, device=memory.device),
+            torch.arange(w, dtype=torch.float32, device=memory.device),
+            indexing="ij",
+        )
+        grid = torch.stack([xs, ys], -1)  # (H, W, 2) as (x, y)
+        scale = torch.stack([valid_w, valid_h], -1).view(b, 1, 1, 2).float()
+        centres = (grid.unsqueeze(0) + 0.5) / scale
+        wh = torch.full_like(centres, base_wh * (2.0**lvl))
+        proposals.append(torch.cat([centres, wh], -1).view(b, -1, 4))
+        start += h * w
+    output_proposals = torch.cat(proposals, 1)
+    valid = ((output_proposals > 0.01) & (output_proposals < 0.99)).all(-1, keepdim=True)
+    output_proposals = torch.log(output_proposals / (1 - output_proposals))
+    invalid = memory_padding_mask.unsqueeze(-1) | ~valid
+    output_proposals = output_proposals.masked_fill(invalid, float("inf"))
+    output_memory = memory.masked_fill(invalid, 0.0)
+    return output_memory, output_proposals

@@ -1,0 +1,123 @@
+"""COCO box mAP of a detection run, gathered across ranks (pycocotools' COCOeval on the split's own JSON)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+from trainer.engine.evaluation import GatherEvaluator
+
+#: COCOeval ``stats`` indices (pycocotools ``COCOeval.summarize``) -> our metric names; values in % (x 100).
+STATS = {"map": 0, "map_50": 1, "map_75": 2, "map_small": 3, "map_medium": 4, "map_large": 5}
+
+
+def metric_key(name: str) -> str:
+    """A category name as a metric key suffix: lower case, runs of other characters as ``_`` (``with mask`` ->
+    ``with_mask``), so the epoch line stays ``key=value`` pairs."""
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_") or "class"
+
+
+class CocoEvaluator(GatherEvaluator):
+    """Box mAP@[.5:.95], mAP@0.5, mAP@0.75, small/medium/large and per-class AP (``ap_<name>``), in %.
+
+    Each rank keeps one record per evaluated image: ``(image_id, detections)`` with detections as COCO results
+    ``[x, y, w, h, score, category_id]`` (pixels of the original image, the JSON's category ids); :meth:`compute`
+    gathers every rank's records and runs pycocotools' ``COCOeval`` (iouType "bbox", its standard 100 detections
+    per image, area ranges and 101-point interpolation; Lin et al. 2014 and https://cocodataset.org/#detection-eval)
+    on the images evaluated only, against the split's annotation JSON (crowd boxes are ignore regions there).
+    An empty set of detections scores 0.
+
+    Args:
+        annotations: the split's COCO JSON (the ground truth, as written; ``area`` is filled from the box when
+            missing).
+        label_to_category_id: contiguous label -> JSON category id.
+        categories: category names by label (for the per-class keys).
+    """
+
+    directions = {k: "max" for k in STATS}
+
+    def __init__(self, annotations: Optional[Path] = None, label_to_category_id: tuple = (), categories: tuple = ()):
+        super().__init__()
+        self.annotations = annotations
+        self.label_to_category_id = list(label_to_category_id)
+        self.categories = list(categories)
+        self._gt = None
+
+    def records(self, outputs: list[dict], batch: dict) -> list:
+        """``outputs``: per image {"scores" (K,), "labels" (K,) int64, "boxes" (K, 4) xyxy pixels of the original
+        image} (the post-processed predictions); ``batch["image_ids"]``: their JSON ids."""
+        out = []
+        for det, image_id in zip(outputs, batch["image_ids"]):
+            boxes = det["boxes"].float().cpu().numpy()
+            scores = det["scores"].float().cpu().numpy()
+            labels = det["labels"].cpu().numpy()
+            rows = [
+                [
+                    float(b[0]),
+                    float(b[1]),
+                    float(b[2] - b[0]),
+                    float(b[3] - b[1]),
+                    float(s),
+                    int(self.label_to_category_id[int(c)]),
+                ]
+                for b, s, c in zip(boxes, scores, labels)
+            ]
+            out.append((int(image_id), rows))
+        return out
+
+    def _ground_truth(self):
+        from pycocotools.coco import COCO
+
+        if self._gt is None:
+            data = json.loads(Path(self.annotations).read_text())
+            for a in data.get("annotations", []):
+                if "area" not in a:
+                    a["area"] = float(a["bbox"][2]) * float(a["bbox"][3])
+                a.setdefault("iscrowd", 0)
+            gt = COCO()
+            gt.dataset = data
+            with contextlib.redirect_stdout(io.StringIO()):
+                gt.createIndex()
+            self._gt = gt
+        return self._gt
+
+    def metrics(self, records: list) -> dict[str, float]:
+        from pycocotools.cocoeval import COCOeval
+
+        names = {f"ap_{metric_key(n)}": 0.0 for n in self.categories}
+        image_ids = sorted({i for i, _ in records})
+        dets = [[i, *row] for i, rows in records for row in rows]
+        if not image_ids or not dets:
+            return {**{k: 0.0 for k in STATS}, **names, "images": float(len(image_ids))}
+        gt = self._ground_truth()
+        arr = np.asarray([[d[0], d[1], d[2], d[3], d[4], d[5], d[6]] for d in dets], dtype=np.float64)
+        with contextlib.redirect_stdout(io.StringIO()):
+            dt = gt.loadRes(arr)
+            ev = COCOeval(gt, dt, iouType="bbox")
+            ev.params.imgIds = image_ids
+            ev.evaluate()
+            ev.accumulate()
+            ev.summarize()
+        out: dict[str, Any] = {k: _pct(ev.stats[i]) for k, i in STATS.items()}
+        precision = ev.eval["precision"]  # (T IoUs, R recalls, K categories, A areas, M max-dets)
+        for k, cat_id in enumerate(ev.params.catIds):
+            label = self.label_to_category_id.index(cat_id) if cat_id in self.label_to_category_id else None
+            if label is None or label >= len(self.categories):
+                continue
+            p = precision[:, :, k, 0, -1]
+            p = p[p > -1]
+            out[f"ap_{metric_key(self.categories[label])}"] = _pct(float(p.mean())) if p.size else 0.0
+        out["images"] = float(len(image_ids))
+        return out
+
+
+def _pct(x: float) -> float:
+    """COCOeval's -1 (no ground truth in that range) as 0; else x 100."""
+    return 0.0 if x is None or not math.isfinite(x) or x < 0 else 100.0 * float(x)

@@ -1,0 +1,324 @@
+"""Object detection: DINO-4scale (trainer/models/dino) on COCO-format data (trainer/data/formats/coco.py), scored
+by COCO box mAP gathered across ranks (:mod:`.evaluator`).
+
+The model sees the whole batch: in training the targets go into DINO's forward (contrastive denoising builds its
+noised queries from them), and the criterion's terms (final layer, denoising, encoder proposals) are logged as
+``train_loss_ce``, ``train_loss_bbox_dn`` ... next to their weighted sum ``train_loss``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+
+from trainer.data.transforms import normalize_on_device
+from trainer.errors import ConfigError, DataError
+from trainer.tasks.base import StepOutput, Task, TaskData
+from trainer.tasks.detection.evaluator import CocoEvaluator
+
+#: Loss terms logged per step and epoch (weighted, as they enter the total): the last decoder layer, its
+#: denoising queries and the encoder proposals. The earlier layers' auxiliary terms enter the total only.
+LOGGED_TERMS = (
+    "loss_ce",
+    "loss_bbox",
+    "loss_giou",
+    "loss_ce_dn",
+    "loss_bbox_dn",
+    "loss_giou_dn",
+    "loss_ce_interm",
+    "loss_bbox_interm",
+    "loss_giou_interm",
+)
+#: The crop branch of DINO's training resize, as fractions of the largest training scale (upstream at 800:
+#: resize to 400/500/600, then a random crop of 384..600), so small CPU runs keep the recipe's proportions.
+CROP_RESIZE_FRACTIONS = (0.5, 0.625, 0.75)
+CROP_SIZE_FRACTIONS = (0.48, 0.75)
+
+
+def training_scales(min_scale: int, max_scale: int, step: int) -> tuple[int, ...]:
+    """Shortest-side choices ``min_scale, min_scale + step, ..., max_scale`` (DINO: 480..800 step 32)."""
+    return tuple(range(min_scale, max_scale + 1, step)) or (max_scale,)
+
+
+class DetectionTask(Task):
+    """COCO-format detection with DINO-4scale.
+
+    Device batches: ``image`` float32 (B, 3, H, W) ImageNet-normalised and zero-padded, ``mask`` bool (B, H, W)
+    True on padding, ``targets`` [{"labels" int64 (N,), "boxes" float32 (N, 4) cxcywh in [0, 1]}],
+    ``orig_size`` int64 (B, 2), ``image_ids`` [int], ``n`` = B. Outputs for evaluation: per image the top
+    ``num_select`` (score, label, xyxy box in pixels of the original image).
+    """
+
+    name = "detection"
+    target_metric = "map"
+
+    # .. config ............................................................................................
+    def check_config(self) -> None:
+        """Before any data is read: the backbone name, positive sizes, the target metric.
+
+        Raises:
+            ConfigError: naming the field.
+        """
+        from trainer.models.dino.config import BACKBONES
+
+        cfg = self.cfg
+        if cfg.model not in BACKBONES:
+            raise ConfigError(
+                f"model: got {cfg.model!r}; detection (DINO-4scale) takes a ResNet backbone: " + ", ".join(BACKBONES)
+            )
+        for name in (
+            "min_scale",
+            "max_scale",
+            "scale_step",
+            "max_size",
+            "eval_size",
+            "num_queries",
+            "num_select",
+            "hidden_dim",
+            "dim_feedforward",
+            "nheads",
+            "enc_layers",
+            "dec_layers",
+            "enc_n_points",
+            "dec_n_points",
+        ):
+            if getattr(cfg, name) < 1:
+                raise ConfigError(f"{name}: got {getattr(cfg, name)}; must be an integer >= 1")
+        if cfg.min_scale > cfg.max_scale:
+            raise ConfigError(f"min_scale: got {cfg.min_scale}; must be <= max_scale ({cfg.max_scale})")
+        if cfg.hidden_dim % cfg.nheads or cfg.hidden_dim % 2:
+            raise ConfigError(f"hidden_dim: got {cfg.hidden_dim}; must be even and divisible by nheads ({cfg.nheads})")
+        if cfg.dn_number < 0 or not 0 <= cfg.dn_label_noise_ratio <= 1 or cfg.dn_box_noise_scale < 0:
+            raise ConfigError(
+                "dn_number must be >= 0, dn_label_noise_ratio in [0, 1], dn_box_noise_scale >= 0; got "
+                f"{cfg.dn_number}, {cfg.dn_label_noise_ratio}, {cfg.dn_box_noise_scale}"
+            )
+        if not 0 <= cfg.backbone_lr_scale <= 1:
+            raise ConfigError(f"backbone_lr_scale: got {cfg.backbone_lr_scale}; must be in [0, 1]")
+        if cfg.pretrained_backbone and not Path(cfg.pretrained_backbone).is_file():
+            raise ConfigError(
+                f"pretrained_backbone: {cfg.pretrained_backbone} is not a file (a torchvision ResNet "
+                "state_dict saved with torch.save)"
+            )
+        metric, _ = self.check_target()
+        if cfg.target_value is not None and not 0 < cfg.target_value <= 100:
+            raise ConfigError(
+                f"target_value: got {cfg.target_value}; {metric} is a percentage: give a value in (0, 100]"
+            )
+
+    def dino_config(self):
+        """The :class:`~trainer.models.dino.DinoConfig` of this run (upstream defaults, the config's overrides)."""
+        from trainer.models.dino.config import DinoConfig
+
+        cfg = self.cfg
+        return DinoConfig(
+            backbone=cfg.model,
+            pretrained=cfg.pretrained_backbone,
+            lr_backbone=cfg.lr * cfg.backbone_lr_scale,
+            hidden_dim=cfg.hidden_dim,
+            dim_feedforward=cfg.dim_feedforward,
+            nheads=cfg.nheads,
+            enc_layers=cfg.enc_layers,
+            dec_layers=cfg.dec_layers,
+            enc_n_points=cfg.enc_n_points,
+            dec_n_points=cfg.dec_n_points,
+            num_queries=cfg.num_queries,
+            num_select=cfg.num_select,
+            dn_number=cfg.dn_number,
+            dn_box_noise_scale=cfg.dn_box_noise_scale,
+            dn_label_noise_ratio=cfg.dn_label_noise_ratio,
+        )
+
+    def lr_scales(self) -> dict[str, float]:
+        """The backbone at ``backbone_lr_scale`` x lr (upstream: lr 1e-4, lr_backbone 1e-5)."""
+        return {"backbone.": self.cfg.backbone_lr_scale}
+
+    # .. data ...............................................................................................
+    def split_paths(self, split: str) -> tuple[Path, Path]:
+        """(annotations JSON, image folder) of ``split`` under ``data_dir`` (``coco_annotations``/``coco_images``
+        with ``{split}`` filled in)."""
+        root = Path(self.cfg.data_dir)
+        return (root / self.cfg.coco_annotations.format(split=split), root / self.cfg.coco_images.format(split=split))
+
+    def build_data(self) -> TaskData:
+        """Scan and validate both splits (trainer/data/formats/coco.py's policy), check the val images up front.
+
+        The label space stored in checkpoints: ``{"categories": names by label, "category_ids": JSON ids}``.
+
+        Raises:
+            DataError: unusable data, or train and val with different categories.
+        """
+        from trainer.data.formats.coco import (
+            CocoDetectionDataset,
+            check_coco_files,
+            collate_detection,
+            eval_transform_for_epoch,
+            scan_coco,
+            train_transform_for_epoch,
+        )
+
+        cfg = self.cfg
+        if not Path(cfg.data_dir).is_dir():
+            raise DataError(
+                f"data_dir: {cfg.data_dir} is not a folder (expected {cfg.coco_annotations} and "
+                f"{cfg.coco_images} under it, with {{split}} = {cfg.train_split} / {cfg.val_split})"
+            )
+        train = scan_coco(*self.split_paths(cfg.train_split), cfg.train_split, cfg.max_bad_fraction)
+        val = scan_coco(*self.split_paths(cfg.val_split), cfg.val_split, cfg.max_bad_fraction)
+        if (train.categories, train.label_to_category_id) != (val.categories, val.label_to_category_id):
+            raise DataError(
+                f"data: the categories of {train.annotations} and {val.annotations} differ "
+                f"({list(zip(train.label_to_category_id, train.categories))} vs "
+                f"{list(zip(val.label_to_category_id, val.categories))}); both splits need the same"
+            )
+        val, val_report = check_coco_files(val, cfg.max_bad_fraction)
+        self.val_split = val
+        self.num_classes = len(train.categories)
+        scales = training_scales(cfg.min_scale, cfg.max_scale, cfg.scale_step)
+        crop_resize = tuple(max(1, round(f * cfg.max_scale)) for f in CROP_RESIZE_FRACTIONS)
+        crop = tuple(max(1, round(f * cfg.max_scale)) for f in CROP_SIZE_FRACTIONS)
+        report = [
+            f"data: {cfg.data_dir}",
+            f"data: {cfg.train_split}: {train.census()}",
+            f"data: {cfg.val_split}: {val.census()}",
+            *train.report,
+            *val.report,
+            *val_report,
+        ]
+        train_ds = CocoDetectionDataset(
+            train, train_transform_for_epoch(scales, cfg.max_size, crop_resize, crop), seed=cfg.seed
+        )
+        val_ds = CocoDetectionDataset(
+            val, eval_transform_for_epoch(cfg.eval_size, cfg.max_size), seed=cfg.seed, replace_bad=False
+        )
+        return TaskData(
+            train_ds,
+            val_ds,
+            collate_detection,
+            self.num_classes,
+            report,
+            label_space={"categories": list(train.categories), "category_ids": list(train.label_to_category_id)},
+        )
+
+    # .. model and step .....................................................................................
+    def build_model(self, num_outputs: int) -> nn.Module:
+        """DINO-4scale for ``num_outputs`` classes; the criterion and post-processing are built beside it."""
+        from trainer.models.dino.model import build_dino
+
+        self._build_heads(num_outputs)
+        return build_dino(self.dino_config(), num_outputs)
+
+    def _build_heads(self, num_classes: int) -> None:
+        from trainer.models.dino.criterion import DinoCriterion, dino_weight_dict
+        from trainer.models.dino.matcher import HungarianMatcher
+        from trainer.models.dino.postprocess import PostProcess
+
+        d = self.dino_config()
+        matcher = HungarianMatcher(d.set_cost_class, d.set_cost_bbox, d.set_cost_giou, d.focal_alpha)
+        weights = dino_weight_dict(
+            d.dec_layers,
+            d.cls_loss_coef,
+            d.bbox_loss_coef,
+            d.giou_loss_coef,
+            d.interm_loss_coef,
+            use_dn=d.dn_number > 0,
+        )
+        self.criterion = DinoCriterion(num_classes, matcher, weights, d.focal_alpha)
+        self.postprocess = PostProcess(d.num_select)
+
+    def _device_batch(self, batch: dict) -> dict:
+        dev = self.dist.device
+        targets = [
+            {"labels": t["labels"].to(dev, non_blocking=True), "boxes": t["boxes"].to(dev, non_blocking=True)}
+            for t in batch["targets"]
+        ]
+        return {
+            "image": normalize_on_device(batch["image"], dev, False),
+            "mask": batch["mask"].to(dev, non_blocking=True),
+            "targets": targets,
+            "orig_size": torch.stack([torch.as_tensor(t["orig_size"]) for t in batch["targets"]])
+            if batch["targets"]
+            else torch.empty((0, 2), dtype=torch.int64),
+            "image_ids": [int(t["image_id"]) for t in batch["targets"]],
+            "n": len(batch["targets"]),
+        }
+
+    def train_batch(self, batch: dict) -> dict:
+        """The collated batch on the device (augmentation already ran in the loader workers)."""
+        return self._device_batch(batch)
+
+    def eval_batch(self, batch: dict) -> dict:
+        return self._device_batch(batch)
+
+    def model_step(self, model: nn.Module, batch: dict) -> StepOutput:
+        """DINO's forward with the targets (denoising), then the criterion (float32): the weighted sum and the
+        :data:`LOGGED_TERMS`."""
+        if not hasattr(self, "criterion"):
+            self._build_heads(self._num_classes_of(model))
+        out = model(batch["image"], batch["mask"], batch["targets"])
+        losses = self.criterion(out, batch["targets"])
+        total = self.criterion.total(losses)
+        return StepOutput(
+            loss=total, outputs=out, n=batch["n"], terms={k: losses[k].detach() for k in LOGGED_TERMS if k in losses}
+        )
+
+    @staticmethod
+    def _num_classes_of(model: nn.Module) -> int:
+        raw = getattr(model, "module", model)
+        return int(raw.num_classes)
+
+    def predict(self, model: nn.Module, batch: dict) -> list[dict]:
+        """Top-``num_select`` detections per image in pixels of the original image (PostProcess)."""
+        if not hasattr(self, "postprocess"):
+            self._build_heads(self._num_classes_of(model))
+        out = model(batch["image"], batch["mask"])
+        return self.postprocess(out, batch["orig_size"].to(out["pred_boxes"].device))
+
+    @classmethod
+    def evaluator_class(cls):
+        return CocoEvaluator
+
+    def evaluator(self) -> CocoEvaluator:
+        val = getattr(self, "val_split", None)
+        if val is None:
+            return CocoEvaluator()
+        return CocoEvaluator(val.annotations, tuple(val.label_to_category_id), tuple(val.categories))
+
+    # .. planning ...........................................................................................
+    def example_batch(
+        self,
+        batch_size: int,
+        *,
+        image_size: Optional[int] = None,
+        num_outputs: int = 1000,
+        train: bool = True,
+        boxes_per_image: int = 8,
+    ) -> dict:
+        """A device batch as :meth:`train_batch` returns it: images (B, 3, S, S') at the largest training size
+        (``image_size`` or ``max_scale`` on the shorter side, the longer ``max_size``-capped at 4:3), no padding,
+        ``boxes_per_image`` random boxes per image (COCO averages ~7) with labels < ``num_outputs``."""
+        cfg, dev = self.cfg, self.dist.device
+        short = image_size or (cfg.max_scale if train else cfg.eval_size)
+        long = min(cfg.max_size, round(short * 4 / 3))
+        g = torch.Generator().manual_seed(0)
+        targets = []
+        for _ in range(batch_size):
+            cxcy = torch.rand(boxes_per_image, 2, generator=g) * 0.6 + 0.2
+            wh = torch.rand(boxes_per_image, 2, generator=g) * 0.3 + 0.05
+            targets.append(
+                {
+                    "labels": torch.randint(0, num_outputs, (boxes_per_image,), generator=g).to(dev),
+                    "boxes": torch.cat([cxcy, wh], 1).to(dev),
+                }
+            )
+        return {
+            "image": torch.randn(batch_size, 3, short, long, device=dev),
+            "mask": torch.zeros(batch_size, short, long, dtype=torch.bool, device=dev),
+            "targets": targets,
+            "orig_size": torch.tensor([[short, long]] * batch_size),
+            "image_ids": list(range(batch_size)),
+            "n": batch_size,
+        }
