@@ -101,6 +101,8 @@ def run_trainer(
 #: several processes; ``gpu`` for the CUDA-only modules. ``pytest -m "not slow"`` runs the quick part in ~2 min.
 SLOW_MODULES = {
     "test_loop",
+    "test_detection",
+    "test_detection_learning",
     "test_ddp",
     "test_ffcv",
     "test_interruption",

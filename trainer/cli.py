@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import Optional
 
 from trainer.config import FIELDS, FIELDS_BY_SECTION, SECTIONS, ConfigError, choices_of, flag_of, load_config
-from trainer.errors import EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_OK, EXIT_USAGE  # noqa: F401
+from trainer.errors import EXIT_USAGE
 
 
 def _add_field_flags(group, f) -> None:

@@ -197,3 +197,24 @@ def test_a_short_detection_run_through_the_engine(shared_data, tmp_path):
     assert {"train_loss_ce", "train_loss_giou_dn", "val_map", "val_map_50", "ema_val_map"} <= set(last)
     assert t.global_step == 4 and last["val_images"] == 2.0 and t.best is not None
     assert (tmp_path / "logs" / "curves.png").is_file()
+
+
+@pytest.mark.multiprocess
+def test_two_ranks_under_torchrun_gather_every_val_image(shared_data, tmp_path):
+    """2 gloo ranks: the gathering evaluator scores all 5 val images once (3 on rank 0, 2 on rank 1)."""
+    import yaml
+    from conftest import run_trainer
+
+    overrides = {
+        **_cfg(facemask_subset(shared_data, tmp_path, 4, 5), tmp_path).to_dict(),
+        "epochs": 1,
+        "batch_size": 4,
+        "device": "cpu",
+    }
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(overrides))
+    r = run_trainer(["--config", str(tmp_path / "c.yaml")], torchrun_nproc=2, timeout=900, env={"OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    epoch = [row for row in rows if row.get("kind") == "epoch"][-1]
+    assert epoch["val_images"] == 5.0 and "val_map_50" in epoch and epoch["train_loss_ce"] > 0
+    assert "done: best map=" in r.stdout
