@@ -103,6 +103,7 @@ SLOW_MODULES = {
     "test_loop",
     "test_detection",
     "test_detection_learning",
+    "test_detection_resume",
     "test_ddp",
     "test_ffcv",
     "test_interruption",
@@ -117,7 +118,7 @@ SLOW_MODULES = {
     "test_bad_inputs_engine",
 }
 SLOW_FIXTURES = {"tiny_digits", "templates", "pr_env", "default_env", "default", "full", "executions", "moto_server"}
-MULTIPROCESS_MODULES = {"test_ddp", "test_ffcv", "test_interruption"}
+MULTIPROCESS_MODULES = {"test_ddp", "test_ffcv", "test_interruption", "test_detection_resume"}
 MULTIPROCESS_FIXTURES = {"moto_server"}
 GPU_MODULES = {"test_msda_cuda"}
 

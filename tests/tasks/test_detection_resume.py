@@ -1,0 +1,65 @@
+"""Spot safety for detection: a DINO run stopped by SIGTERM twice mid-epoch (a worker process augmenting, denoising
+noise from the global generator, EMA, AdamW) and resumed with the same command ends bit-identical to an
+uninterrupted run (same machine, same thread count)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import torch
+import yaml
+from test_detection import _cfg, facemask_subset
+from test_interruption import REPO, _env, _final_state, _run_until
+
+
+def _command(shared_data, tmp_path, name: str) -> list[str]:
+    data = facemask_subset(shared_data, tmp_path / "data", 6, 2)
+    out = tmp_path / name
+    cfg = _cfg(
+        data,
+        out,
+        epochs=2,
+        batch_size=2,
+        use_ema=True,
+        ema_decay=0.9,
+        num_workers=1,
+        log_every_steps=1,
+        scheduler="cosine",
+        warmup_epochs=0.5,
+    ).to_dict()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "c.yaml").write_text(yaml.safe_dump(cfg))
+    return [sys.executable, "-m", "trainer", "train", "--config", str(out / "c.yaml")]
+
+
+def _same(a: dict, b: dict) -> None:
+    assert a["progress"] == b["progress"]
+    for part in ("model", "ema"):
+        assert a[part].keys() == b[part].keys()
+        for k in a[part]:
+            assert torch.equal(a[part][k], b[part][k]), f"{part}.{k}"
+    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        for buf in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(sa[k][buf], sb[k][buf]), f"optimizer.{k}.{buf}"
+    assert a["scheduler"] == b["scheduler"]
+    assert [h["train_loss"] for h in a["history"]] == [h["train_loss"] for h in b["history"]]
+    assert [h["val_map"] for h in a["history"]] == [h["val_map"] for h in b["history"]]
+
+
+def test_detection_sigterm_resume_is_bit_exact(shared_data, tmp_path):
+    env = _env(OMP_NUM_THREADS="1")
+    ref = _command(shared_data, tmp_path, "reference")
+    p = subprocess.run(ref, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    cmd = _command(shared_data, tmp_path, "interrupted")
+    for step in (2, 4):  # mid-epoch 1 (3 steps per epoch), mid-epoch 2
+        rc, log = _run_until(cmd, step, signal.SIGTERM, env=env, timeout=900)
+        assert rc == 75 and "interrupted: SIGTERM" in log, log[-3000:]
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    assert "the previous run was interrupted: SIGTERM" in p.stdout
+    _same(_final_state(tmp_path / "reference"), _final_state(tmp_path / "interrupted"))
