@@ -331,10 +331,13 @@ def test_task_section_fields_only_with_their_task(two_tasks, tmp_path):
         )
         and "task is detection" in msg
     )
-    msg = _error(tmp_path, "task: detection\n", {"hflip_prob": 0.0})
-    assert msg.startswith("hflip_prob (command line): hflip_prob belongs to task section classification")
+    msg = _error(tmp_path, "task: detection\n", {"label_smoothing": 0.1})
+    assert msg.startswith("label_smoothing (command line): label_smoothing belongs to task section classification")
+    msg = _error(tmp_path, "task: classification\n", {"crop_prob": 0.0})
+    assert msg.startswith("crop_prob (command line): crop_prob belongs to task section detection")
+    assert load_config(None, {"task": "detection", "hflip_prob": 0.0}).hflip_prob == 0.0  # data section: shared
     # defaults (written out or not) are fine under another task, and any value is fine under the own task
-    cfg = _load(tmp_path, "task: detection\nclassification: {hflip_prob: 0.5, cutmix_alpha: 1.0}\nlr: 0.2\n")
+    cfg = _load(tmp_path, "task: detection\nclassification: {label_smoothing: 0.0, cutmix_alpha: 1.0}\nlr: 0.2\n")
     assert cfg.task == "detection" and cfg.lr == 0.2
     assert load_config(None, {"mixup_alpha": 0.2}).mixup_alpha == 0.2
     with pytest.raises(

@@ -81,6 +81,7 @@ COMMANDS = {
     "probe": "measure memory, speed and loader throughput on this machine",
     "plan": "rank instance types by fit, time and cost for a config",
     "write-ffcv": "convert ImageFolder splits into FFCV .beton files",
+    "predict": "run a checkpoint on a folder of images: drawn PNGs and predictions.json",
 }
 
 
@@ -112,6 +113,10 @@ def build_parser(command: Optional[str] = "train") -> argparse.ArgumentParser:
             from trainer.planning.cli import add_planning_command
 
             add_planning_command(sub, name, _add_train_flags)
+        elif name == "predict":
+            from trainer.predict import add_predict_command
+
+            add_predict_command(sub)
         else:
             from trainer.data.formats.ffcv_writer import add_write_ffcv_command
 
@@ -196,4 +201,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from trainer.data.formats.ffcv_writer import run_write_ffcv
 
         return run_write_ffcv(args)
+    if args.command == "predict":
+        from trainer.predict import run_predict
+
+        return run_predict(args)
     return EXIT_USAGE

@@ -105,6 +105,9 @@ class TrainConfig:
     image_size: int = _data(
         224, f"Final training and evaluation resolution (pixels, square; at most {MAX_IMAGE_SIZE})."
     )
+    hflip_prob: float = _data(
+        0.5, "Probability of a horizontal flip in training (0 for digits or text); classification and detection."
+    )
 
     # --- loader: batches and workers -----------------------------------------------------------------
     batch_size: int = _loader(
@@ -173,7 +176,6 @@ class TrainConfig:
     cutmix_prob: float = _cls(
         0.0, "Share of batches mixed with CutMix; the rest use MixUp when mixup_alpha > 0, otherwise stay unmixed."
     )
-    hflip_prob: float = _cls(0.5, "Probability of a horizontal flip in training (0 for digits or text).")
     crop_scale_min: float = _cls(0.08, "RandomResizedCrop's lower area bound (0.08 = ImageNet default).")
     val_resize_ratio: float = _cls(
         0.875,
@@ -194,6 +196,7 @@ class TrainConfig:
         "(facemask-coco: annotations/custom_{split}.json).",
     )
     coco_images: str = _det("{split}2017", "Image folder of a split, relative to data_dir; {split} as above.")
+    crop_prob: float = _det(0.5, "Share of training images through DINO's crop branch (resize, random crop, resize).")
     min_scale: int = _det(480, "Training resize: shortest side drawn from min_scale..max_scale (pixels).")
     max_scale: int = _det(800, "Training resize: largest shortest side (pixels); the crop branch scales with it.")
     scale_step: int = _det(32, "Training resize: step between the shortest-side choices (pixels).")
@@ -214,6 +217,12 @@ class TrainConfig:
     backbone_lr_scale: float = _det(0.1, "Backbone learning rate as a multiple of lr (upstream: 1e-5 at 1e-4).")
     pretrained_backbone: Optional[str] = _det(
         None, "Local torchvision ResNet state_dict file (.pth) for the backbone (offline ImageNet weights)."
+    )
+    init_from: Optional[str] = _det(
+        None,
+        "Upstream DINO checkpoint (.pth, e.g. checkpoint0011_4scale.pth) to fine-tune from: names mapped, shapes "
+        "checked, class heads and label_enc re-initialised when num_classes differs, the rest reported. "
+        "A resumed run takes its checkpoint's weights instead (they are loaded after the model is built).",
     )
 
     # ------------------------------------------------------------------------------------------------

@@ -77,7 +77,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         v = getattr(cfg, name)
         if not (lo <= v < hi):
             raise ConfigError(f"{name}: got {v!r}; must be in [{lo}, {hi})")
-    for name in ("cutmix_prob", "hflip_prob", "momentum"):
+    for name in ("cutmix_prob", "hflip_prob", "crop_prob", "momentum"):
         v = getattr(cfg, name)
         if not (0.0 <= v <= 1.0):
             raise ConfigError(f"{name}: got {v!r}; must be in [0, 1]")

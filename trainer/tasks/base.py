@@ -177,3 +177,31 @@ class Task(ABC):
         :meth:`eval_batch` returns it, without reading data: what the probe, the memory prediction and ``plan``
         run the real step on (images (B, 3, H, W), clips (B, T, C, H, W), images with boxes...).
         ``image_size``: side in pixels (default: the config's); ``num_outputs``: classes of the head."""
+
+    # .. prediction (python -m trainer predict) .............................................................
+    def predict_inputs(self, paths: list[str], *, first_index: int = 0) -> dict:
+        """Decode image files ``paths`` and prepare them as in evaluation (the task's eval transform, collate,
+        :meth:`eval_batch`): the device batch :meth:`predict` takes, plus ``"paths"`` (the files decoded, in the
+        batch's row order), ``"bad"`` (a :class:`~trainer.data.samples.BadSample` per file that could not be
+        decoded: left out, never raised) and what :meth:`render_predictions` needs to map outputs back to the
+        files (e.g. the decoded originals, their sizes). ``first_index``: position of ``paths[0]`` among all
+        inputs (tasks that number images use ``first_index + i``). ``"n"`` may be 0 (no file readable)."""
+        raise NotImplementedError(f"task {self.name} does not implement predict_inputs (no prediction support)")
+
+    def render_predictions(
+        self,
+        paths: list[str],
+        batch: dict,
+        outputs: Any,
+        label_space: dict,
+        out_dir: str,
+        score_threshold: float,
+        *,
+        out_names: Optional[list[str]] = None,
+    ) -> list[dict]:
+        """Draw :meth:`predict`'s ``outputs`` for the batch from :meth:`predict_inputs` (``paths`` = its
+        ``"paths"``): write one PNG per input into ``out_dir`` (file names ``out_names``, default
+        ``<stem>.png``) and return JSON-able records (what ``predictions.json`` lists); ``label_space`` is the
+        checkpoint's, ``score_threshold`` the lowest score kept where outputs are scored. ``OSError`` when a
+        file cannot be written."""
+        raise NotImplementedError(f"task {self.name} does not implement render_predictions (no prediction support)")

@@ -567,10 +567,12 @@ def train_transform(
     crop_resize_scales: tuple[int, ...] = DINO_CROP_RESIZE_SCALES,
     crop_size: tuple[int, int] = DINO_CROP_SIZE,
     hflip_prob: float = 0.5,
+    crop_prob: float = 0.5,
 ) -> v2.Compose:
     """DINO's training augmentation on ``(uint8 Image, {"boxes", "labels"})``, all sizes in pixels:
 
-    RandomHorizontalFlip(hflip_prob); then, with probability 1/2 each, either RandomShortestSize(train_scales,
+    RandomHorizontalFlip(hflip_prob); then, with probability 1 - crop_prob and crop_prob (DINO: 1/2 each), either
+    RandomShortestSize(train_scales,
     max_size) (shorter side drawn from ``train_scales``, longer side at most ``max_size``), or
     RandomShortestSize(crop_resize_scales) -> :class:`RandomSizeCrop` (``crop_size`` = (min, max)) ->
     RandomShortestSize(train_scales, max_size); then SanitizeBoundingBoxes (drops boxes under 1 px and their
@@ -589,7 +591,8 @@ def train_transform(
                     v2.Compose(
                         [v2.RandomShortestSize(list(crop_scales), antialias=True), RandomSizeCrop(lo, hi), resize]
                     ),
-                ]
+                ],
+                p=[1.0 - crop_prob, crop_prob],
             ),
             v2.SanitizeBoundingBoxes(),
         ]
@@ -611,10 +614,11 @@ class _TrainForEpoch:
     crop_resize_scales: tuple[int, ...]
     crop_size: tuple[int, int]
     hflip_prob: float
+    crop_prob: float = 0.5
 
     def __call__(self, epoch: int) -> v2.Compose:
         return train_transform(
-            self.train_scales, self.max_size, self.crop_resize_scales, self.crop_size, self.hflip_prob
+            self.train_scales, self.max_size, self.crop_resize_scales, self.crop_size, self.hflip_prob, self.crop_prob
         )
 
 
@@ -633,9 +637,11 @@ def train_transform_for_epoch(
     crop_resize_scales: Sequence[int] = DINO_CROP_RESIZE_SCALES,
     crop_size: Sequence[int] = DINO_CROP_SIZE,
     hflip_prob: float = 0.5,
+    crop_prob: float = 0.5,
 ) -> Callable[[int], v2.Compose]:
     """Picklable ``epoch -> transform`` for :class:`CocoDetectionDataset` in training (:func:`train_transform`;
-    the same every epoch). Sizes in pixels; ``crop_size`` = (min, max) side of the random crop.
+    the same every epoch). Sizes in pixels; ``crop_size`` = (min, max) side of the random crop; ``hflip_prob`` and
+    ``crop_prob`` (the crop branch's share) in [0, 1].
 
     Raises:
         ValueError: an empty or non-positive size list, ``crop_size`` not (min <= max).
@@ -646,6 +652,7 @@ def train_transform_for_epoch(
         _sizes("crop_resize_scales", crop_resize_scales),
         tuple(_sizes("crop_size", crop_size)),
         float(hflip_prob),
+        float(crop_prob),
     )
     if len(f.crop_size) != 2 or f.crop_size[0] > f.crop_size[1]:
         raise ValueError(f"crop_size: expected [min, max] with min <= max, got {list(crop_size)}")

@@ -270,6 +270,55 @@ class ClassificationTask(Task):
             y = torch.randint(0, num_outputs, (batch_size,), device=dev)
         return {"image": x, "label": y, "n": batch_size}
 
+    # .. prediction (python -m trainer predict) .............................................................
+    def predict_inputs(self, paths: list[str], *, first_index: int = 0) -> dict:
+        """Decode, evaluation transform (resize + centre crop at ``image_size``), :meth:`eval_batch`; plus
+        ``"paths"``, ``"bad"`` and ``"originals"`` (the decoded uint8 (3, H, W) images, drawn on)."""
+        from trainer.predict import read_images
+
+        transform = val_transform(self.cfg.image_size, self.cfg.val_resize_ratio)
+        kept, originals, bad = read_images(paths)
+        batch = self.eval_batch(collate_skip_bad([(transform(img), 0, ()) for img in originals]))
+        batch.update(paths=kept, bad=bad, originals=originals)
+        return batch
+
+    def render_predictions(
+        self,
+        paths: list[str],
+        batch: dict,
+        outputs: torch.Tensor,
+        label_space: dict,
+        out_dir: str,
+        score_threshold: float,
+        *,
+        out_names: Optional[list[str]] = None,
+    ) -> list[dict]:
+        """Records ``{"file", "top5": [{"label": class name, "score": softmax probability}, ...]}`` (top-k for
+        fewer than 5 classes); each input drawn with a frame captioned with the top-1 class and its score.
+        ``score_threshold`` does not apply (every image gets its top 5)."""
+        from pathlib import Path
+
+        from trainer.predict import color_of, draw_labelled_boxes, save_png
+
+        probs = outputs.float().softmax(dim=1).cpu()
+        classes = list(label_space.get("classes") or [str(i) for i in range(probs.shape[1])])
+        scores, indices = probs.topk(min(5, probs.shape[1]), dim=1)
+        records = []
+        for i, path in enumerate(paths):
+            top = [{"label": classes[j], "score": round(float(s), 4)} for s, j in zip(scores[i], indices[i].tolist())]
+            img = batch["originals"][i]
+            h, w = int(img.shape[-2]), int(img.shape[-1])
+            drawn = draw_labelled_boxes(
+                img,
+                torch.tensor([[0.0, 0.0, float(w), float(h)]]),
+                [f"{top[0]['label']} {top[0]['score']:.2f}"],
+                [color_of(int(indices[i, 0]))],
+            )
+            name = out_names[i] if out_names else f"{Path(path).stem}.png"
+            save_png(drawn, Path(out_dir) / name)
+            records.append({"file": Path(path).name, "top5": top})
+        return records
+
 
 def _correct(outputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(top-1 correct, top-5 correct) counts as 0-d int64 tensors; top-5 is top-k for fewer than 5 classes."""

@@ -103,6 +103,11 @@ class DetectionTask(Task):
                 f"pretrained_backbone: {cfg.pretrained_backbone} is not a file (a torchvision ResNet "
                 "state_dict saved with torch.save)"
             )
+        if cfg.init_from and not Path(cfg.init_from).is_file():
+            raise ConfigError(
+                f"init_from: {cfg.init_from} is not a file (an upstream DINO checkpoint such as "
+                "checkpoint0011_4scale.pth, or a DINO state_dict saved with torch.save)"
+            )
         metric, _ = self.check_target()
         if cfg.target_value is not None and not 0 < cfg.target_value <= 100:
             raise ConfigError(
@@ -189,7 +194,9 @@ class DetectionTask(Task):
             *val_report,
         ]
         train_ds = CocoDetectionDataset(
-            train, train_transform_for_epoch(scales, cfg.max_size, crop_resize, crop), seed=cfg.seed
+            train,
+            train_transform_for_epoch(scales, cfg.max_size, crop_resize, crop, cfg.hflip_prob, cfg.crop_prob),
+            seed=cfg.seed,
         )
         val_ds = CocoDetectionDataset(
             val, eval_transform_for_epoch(cfg.eval_size, cfg.max_size), seed=cfg.seed, replace_bad=False
@@ -205,11 +212,30 @@ class DetectionTask(Task):
 
     # .. model and step .....................................................................................
     def build_model(self, num_outputs: int) -> nn.Module:
-        """DINO-4scale for ``num_outputs`` classes; the criterion and post-processing are built beside it."""
+        """DINO-4scale for ``num_outputs`` classes; the criterion and post-processing are built beside it.
+
+        With ``init_from``, the upstream checkpoint's weights are loaded (trainer/models/dino/weights.py) on every
+        rank; rank 0 prints the report (``self.init_report`` keeps it). A resumed run overwrites them with its
+        checkpoint's weights afterwards. Not on the meta device (planning builds there: no weights to fill).
+
+        Raises:
+            ConfigError: ``init_from`` is unreadable, holds no state_dict or fits another architecture.
+        """
         from trainer.models.dino.model import build_dino
 
         self._build_heads(num_outputs)
-        return build_dino(self.dino_config(), num_outputs)
+        model = build_dino(self.dino_config(), num_outputs)
+        if self.cfg.init_from and not next(model.parameters()).is_meta:
+            from trainer.models.dino.weights import load_upstream
+
+            rank0 = self.dist.rank == 0
+            try:
+                self.init_report = load_upstream(
+                    model, self.cfg.init_from, log=lambda line: print(line, flush=True) if rank0 else None
+                )
+            except ValueError as e:
+                raise ConfigError(f"init_from: {e}") from None
+        return model
 
     def _build_heads(self, num_classes: int) -> None:
         from trainer.models.dino.criterion import DinoCriterion, dino_weight_dict
@@ -322,3 +348,79 @@ class DetectionTask(Task):
             "image_ids": list(range(batch_size)),
             "n": batch_size,
         }
+
+    # .. prediction (python -m trainer predict) .............................................................
+    def predict_inputs(self, paths: list[str], *, first_index: int = 0) -> dict:
+        """Decode, evaluation resize (shorter side ``eval_size``, longer at most ``max_size``), pad and collate
+        (:func:`~trainer.data.formats.coco.collate_detection`, no boxes), :meth:`eval_batch`: ``orig_size`` holds
+        each file's (H, W), so :meth:`predict` gives boxes in its pixels; ``image_ids`` = ``first_index + i``
+        (the input's position). Plus ``"paths"``, ``"bad"`` and ``"originals"`` (decoded uint8 (3, H, W))."""
+        from torchvision import tv_tensors
+
+        from trainer.data.formats.coco import collate_detection, eval_transform
+        from trainer.predict import read_images
+
+        transform = eval_transform(self.cfg.eval_size, self.cfg.max_size)
+        kept, originals, bad = read_images(paths)
+        items = []
+        for path, img in zip(kept, originals):
+            h, w = int(img.shape[-2]), int(img.shape[-1])
+            none = {
+                "boxes": tv_tensors.BoundingBoxes(torch.zeros((0, 4)), format="XYXY", canvas_size=(h, w)),
+                "labels": torch.zeros((0,), dtype=torch.int64),
+            }
+            image, target = transform(tv_tensors.Image(img), none)
+            target.update(image_id=first_index + paths.index(path), orig_size=(h, w))
+            items.append((image, target, ()))
+        batch = self.eval_batch(collate_detection(items))
+        batch.update(paths=kept, bad=bad, originals=originals)
+        return batch
+
+    def render_predictions(
+        self,
+        paths: list[str],
+        batch: dict,
+        outputs: list[dict],
+        label_space: dict,
+        out_dir: str,
+        score_threshold: float,
+        *,
+        out_names: Optional[list[str]] = None,
+    ) -> list[dict]:
+        """Records in COCO results format, one per detection scoring at least ``score_threshold``:
+        ``{"file", "image_id" (the input's position), "category_id" (the annotations' JSON id), "category",
+        "bbox" [x, y, w, h] in pixels of the file (clipped to it), "score"}``; each input drawn with those boxes,
+        captioned ``"<category> 0.87"``, one colour per category."""
+        from trainer.predict import color_of, draw_labelled_boxes, save_png
+
+        names = list(label_space.get("categories") or [])
+        ids = list(label_space.get("category_ids") or range(len(names)))
+        records = []
+        for i, (path, det) in enumerate(zip(paths, outputs)):
+            img = batch["originals"][i]
+            h, w = int(img.shape[-2]), int(img.shape[-1])
+            keep = det["scores"] >= score_threshold
+            scores = det["scores"][keep].float().cpu()
+            labels = det["labels"][keep].cpu().tolist()
+            boxes = det["boxes"][keep].float().cpu().reshape(-1, 4)
+            boxes = torch.stack(
+                [boxes[:, 0].clamp(0, w), boxes[:, 1].clamp(0, h), boxes[:, 2].clamp(0, w), boxes[:, 3].clamp(0, h)], 1
+            )
+            boxes[:, 2:] = torch.maximum(boxes[:, 2:], boxes[:, :2])
+            captions = []
+            for (x0, y0, x1, y1), label, score in zip(boxes.tolist(), labels, scores.tolist()):
+                name = names[label] if label < len(names) else str(label)
+                captions.append(f"{name} {score:.2f}")
+                records.append(
+                    {
+                        "file": Path(path).name,
+                        "image_id": int(batch["image_ids"][i]),
+                        "category_id": int(ids[label]) if label < len(ids) else int(label),
+                        "category": name,
+                        "bbox": [round(x0, 2), round(y0, 2), round(x1 - x0, 2), round(y1 - y0, 2)],
+                        "score": round(score, 4),
+                    }
+                )
+            drawn = draw_labelled_boxes(img, boxes, captions, [color_of(label) for label in labels])
+            save_png(drawn, Path(out_dir) / (out_names[i] if out_names else f"{Path(path).stem}.png"))
+        return records

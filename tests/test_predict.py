@@ -1,0 +1,249 @@
+"""``python -m trainer predict`` on real tiny checkpoints: a 1-epoch digits classifier (EMA and model weights) and
+a 1-step DINO on facemask images (boxes drawn, COCO-format records), and its bad-input table (exit 2, one line,
+no traceback; an undecodable image among good ones is skipped with a warning naming it)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from bad_input_table import Case, run_case, trainer_cmd
+from conftest import tiny_overrides
+from PIL import Image
+
+from trainer.cli import main
+from trainer.config import load_config
+from trainer.engine.distributed import DistInfo
+
+CPU = DistInfo(0, 0, 1, torch.device("cpu"))
+#: The DINO of tests/tasks/test_detection.py: small enough for CPU.
+TINY_DINO = dict(
+    model="resnet18",
+    min_scale=64,
+    max_scale=64,
+    max_size=96,
+    eval_size=64,
+    num_queries=30,
+    num_select=30,
+    dn_number=10,
+    hidden_dim=32,
+    dim_feedforward=64,
+    enc_layers=1,
+    dec_layers=2,
+    nheads=4,
+)
+
+
+def _fit(cfg):
+    from trainer.engine.trainer import Trainer
+
+    t = Trainer(cfg, CPU)
+    t.fit()
+    t.close()
+    return t
+
+
+@pytest.fixture(scope="module")
+def digits_run(tiny_digits, tmp_path_factory):
+    """(checkpoint_dir of a 1-epoch digits run with EMA, a folder of 4 val digit PNGs)."""
+    tmp = tmp_path_factory.mktemp("digits_run")
+    _fit(load_config(None, tiny_overrides(tiny_digits, tmp, epochs=1, use_ema=True, ema_decay=0.9)))
+    pngs = tmp / "pngs"
+    pngs.mkdir()
+    for c in ("1", "7"):
+        for f in sorted((tiny_digits / "val" / c).iterdir())[:2]:
+            shutil.copy(f, pngs / f"d{c}_{f.name}")
+    return tmp / "ckpt", pngs
+
+
+def test_classification_predicts_top5_class_names_and_draws_each_image(digits_run, tmp_path, capsys):
+    ckpt_dir, pngs = digits_run
+    out = tmp_path / "out"
+    assert main(["predict", "--checkpoint", str(ckpt_dir), "--images", str(pngs), "--out", str(out)]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith(f"predict: 4 images -> {out}") and "ema weights" in line
+    records = json.loads((out / "predictions.json").read_text())
+    assert [r["file"] for r in records] == sorted(p.name for p in pngs.iterdir())
+    classes = [str(i) for i in range(10)]
+    for r in records:
+        assert len(r["top5"]) == 5 and all(t["label"] in classes for t in r["top5"])
+        scores = [t["score"] for t in r["top5"]]
+        assert scores == sorted(scores, reverse=True) and 0 < sum(scores) <= 1.0001
+        drawn = np.asarray(Image.open(out / (Path(r["file"]).stem + ".png")))
+        assert drawn.shape == (256, 256, 3)  # 8x8 upscaled 32x for a legible caption
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [f"{p.stem}.png" for p in pngs.iterdir()] + ["predictions.json"]
+    )
+
+    # one checkpoint folder, the model's own weights, --limit
+    latest = ckpt_dir / (ckpt_dir / "latest").read_text().strip()
+    out2 = tmp_path / "out2"
+    argv = ["predict", "--checkpoint", str(latest), "--images", str(pngs), "--out", str(out2), "--no-ema"]
+    assert main([*argv, "--limit", "2", "--batch-size", "1"]) == 0
+    assert "model weights" in capsys.readouterr().out
+    assert len(json.loads((out2 / "predictions.json").read_text())) == 2
+
+
+def _facemask_subset(shared_data: Path, out: Path, n: int) -> tuple[dict, list]:
+    """COCO JSONs of facemask's first ``n`` train images as both splits (as tests/tasks/test_detection.py)."""
+    src = shared_data / "facemask-coco"
+    data = json.loads((src / "annotations" / "custom_train.json").read_text())
+    images = data["images"][:n]
+    ids = {i["id"] for i in images}
+    sub = {
+        "images": images,
+        "annotations": [a for a in data["annotations"] if a["image_id"] in ids],
+        "categories": data["categories"],
+    }
+    (out / "annotations").mkdir(parents=True, exist_ok=True)
+    for split in ("train", "val"):
+        (out / "annotations" / f"instances_{split}.json").write_text(json.dumps(sub))
+    return {"task": "detection", "data_dir": str(out), "coco_images": str(src / "train2017")}, images
+
+
+def test_detection_draws_boxes_and_writes_coco_results(shared_data, tmp_path, capsys):
+    data, images = _facemask_subset(shared_data, tmp_path, 2)
+    cfg = load_config(
+        None,
+        {
+            **TINY_DINO,
+            **data,
+            "optimizer": "adamw",
+            "lr": 1e-4,
+            "precision": "32",
+            "device": "cpu",
+            "batch_size": 2,
+            "epochs": 1,
+            "max_steps_per_epoch": 1,
+            "num_workers": 0,
+            "channels_last": False,
+            "checkpoint_dir": str(tmp_path / "ck"),
+            "log_dir": str(tmp_path / "logs"),
+        },
+    )
+    t = _fit(cfg)
+    label_space = t.label_space
+    src = Path(data["coco_images"])
+    pngs = tmp_path / "imgs"
+    pngs.mkdir()
+    for im in images:
+        shutil.copy(src / im["file_name"], pngs / im["file_name"])
+    out = tmp_path / "out"
+    argv = ["predict", "--checkpoint", str(tmp_path / "ck"), "--images", str(pngs), "--out", str(out)]
+    assert main([*argv, "--score-threshold", "0"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    records = json.loads((out / "predictions.json").read_text())
+    assert f"predict: 2 images -> {out} ({len(records)} detections above 0;" in line
+    assert len(records) == 2 * cfg.num_select  # threshold 0: every selected query of both images
+    sizes = {im["file_name"]: (im["width"], im["height"]) for im in images}
+    files = sorted(sizes)
+    for r in records:
+        assert set(r) == {"file", "image_id", "category_id", "category", "bbox", "score"}
+        assert r["image_id"] == files.index(r["file"])
+        k = label_space["categories"].index(r["category"])
+        assert r["category_id"] == label_space["category_ids"][k]
+        x, y, w, h = r["bbox"]
+        W, H = sizes[r["file"]]
+        assert 0 <= x <= x + w <= W + 0.01 and 0 <= y <= y + h <= H + 0.01 and w >= 0 and h >= 0
+        assert 0 <= r["score"] <= 1
+    for f in files:
+        drawn = np.asarray(Image.open(out / (Path(f).stem + ".png")).convert("RGB"))
+        original = np.asarray(Image.open(pngs / f).convert("RGB"))
+        scale = drawn.shape[0] // original.shape[0]
+        assert drawn.shape[:2] == (original.shape[0] * scale, original.shape[1] * scale)
+        upscaled = original.repeat(scale, 0).repeat(scale, 1)
+        assert (drawn != upscaled).any(axis=2).mean() > 0.001  # boxes and captions were drawn
+
+    # a higher threshold keeps a subset
+    out2 = tmp_path / "out2"
+    argv2 = ["predict", "--checkpoint", str(tmp_path / "ck"), "--images", str(pngs), "--out", str(out2)]
+    assert main([*argv2, "--score-threshold", "1"]) == 0
+    assert json.loads((out2 / "predictions.json").read_text()) == []
+    assert "(0 detections above 1;" in capsys.readouterr().out
+
+
+# --- bad inputs ---------------------------------------------------------------------------------------------
+def _corrupt_among_good(tmp: Path, ckpt: Path, pngs: Path) -> list[str]:
+    imgs = tmp / "imgs"
+    shutil.copytree(pngs, imgs)
+    (imgs / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really a png")
+    return trainer_cmd("predict", "--checkpoint", str(ckpt), "--images", "imgs", "--out", "out", "--device", "cpu")
+
+
+def _all_corrupt(tmp: Path, ckpt: Path, pngs: Path) -> list[str]:
+    (tmp / "imgs").mkdir()
+    (tmp / "imgs" / "a.jpg").write_bytes(b"garbage")
+    return trainer_cmd("predict", "--checkpoint", str(ckpt), "--images", "imgs", "--out", "out")
+
+
+def _empty_images(tmp: Path, ckpt: Path, pngs: Path) -> list[str]:
+    (tmp / "imgs").mkdir()
+    (tmp / "imgs" / "notes.txt").write_text("no images here")
+    return trainer_cmd("predict", "--checkpoint", str(ckpt), "--images", "imgs", "--out", "out")
+
+
+def _out_is_file(tmp: Path, ckpt: Path, pngs: Path) -> list[str]:
+    (tmp / "out").write_text("a file")
+    return trainer_cmd("predict", "--checkpoint", str(ckpt), "--images", str(pngs), "--out", "out")
+
+
+def _no_checkpoint(tmp: Path, ckpt: Path, pngs: Path) -> list[str]:
+    return trainer_cmd("predict", "--checkpoint", "nope", "--images", str(pngs), "--out", "out")
+
+
+def _empty_checkpoint_dir(tmp: Path, ckpt: Path, pngs: Path) -> list[str]:
+    (tmp / "ck").mkdir()
+    return trainer_cmd("predict", "--checkpoint", "ck", "--images", str(pngs), "--out", "out")
+
+
+def _corrupt_checkpoint(tmp: Path, ckpt: Path, pngs: Path) -> list[str]:
+    latest = ckpt / (ckpt / "latest").read_text().strip()
+    shutil.copytree(latest, tmp / "ckpt-x")
+    with open(tmp / "ckpt-x" / "state.pt", "r+b") as f:
+        f.seek(100)
+        f.write(b"\0" * 16)
+    return trainer_cmd("predict", "--checkpoint", "ckpt-x", "--images", str(pngs), "--out", "out")
+
+
+def _no_output(tmp: Path) -> None:
+    assert not (tmp / "out" / "predictions.json").exists()
+
+
+def _skipped_broken(tmp: Path) -> None:
+    records = json.loads((tmp / "out" / "predictions.json").read_text())
+    assert len(records) == 4 and "broken.png" not in {r["file"] for r in records}
+    assert not (tmp / "out" / "broken.png").exists()
+
+
+#: (id, setup(tmp, checkpoint_dir, pngs) -> argv, exit, fragment of the last stderr line, survived)
+ROWS = [
+    ("missing-checkpoint", _no_checkpoint, 2, "error: --checkpoint: nope does not exist", _no_output),
+    ("checkpoint-dir-without-checkpoints", _empty_checkpoint_dir, 2, "holds no valid checkpoint", _no_output),
+    ("corrupt-checkpoint", _corrupt_checkpoint, 2, "SHA-256 differs from the manifest (corrupt)", _no_output),
+    ("images-dir-without-images", _empty_images, 2, "error: --images: imgs holds no image files", _no_output),
+    ("out-is-a-file", _out_is_file, 2, "error: --out: out exists and is not a folder", None),
+    ("no-image-readable", _all_corrupt, 2, "error: --images: none of the 1 image file(s)", _no_output),
+    (
+        "one-corrupt-image-among-good",
+        _corrupt_among_good,
+        0,
+        "warning: --images: skipping imgs/broken.png",
+        _skipped_broken,
+    ),
+]
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r[0] for r in ROWS])
+def test_bad_inputs(row, digits_run, tmp_path):
+    name, setup, code, message, survived = row
+    ckpt, pngs = digits_run
+    case = Case(name, lambda t: setup(t, ckpt, pngs), code, message, survived, env={"OMP_NUM_THREADS": "1"})
+    proc = run_case(case, tmp_path)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert all(line.startswith("warning: --images: skipping ") for line in lines[: -1 if code else None]), lines
+    if code:
+        assert lines[-1].startswith("error: "), lines

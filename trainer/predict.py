@@ -1,0 +1,388 @@
+"""``python -m trainer predict``: run a trained checkpoint on a folder of images, draw what it sees, write JSON.
+
+Usage::
+
+    python -m trainer predict --checkpoint CKPT --images DIR --out DIR [--score-threshold 0.3]
+        [--ema/--no-ema] [--device auto|cpu|cuda] [--batch-size N] [--limit N]
+
+``CKPT`` is one checkpoint folder (``ckpt-*``) or a run's ``checkpoint_dir`` (then the checkpoint the trainer
+would resume from: the ``latest`` pointer's, else the newest that validates). The run's config and label space
+come from the checkpoint; the task rebuilds the model and owns how inputs are prepared
+(:meth:`trainer.tasks.base.Task.predict_inputs`) and how predictions are drawn and recorded
+(:meth:`~trainer.tasks.base.Task.render_predictions`). The image files directly in ``--images`` are read
+(not sub-folders), sorted by name. Outputs: ``<out>/<stem>.png`` per image (``<stem>_<ext>.png`` when two
+inputs share a stem) and ``<out>/predictions.json`` (the task's records; detection: COCO results format with
+a ``file`` field). Runs in float32 on one process.
+
+Exit status: 0 done (undecodable images are skipped, each named in a ``warning:`` line); 2 bad input, one line
+naming the flag: missing or invalid checkpoint, missing or empty image folder, no readable image, output folder
+not writable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+from trainer.errors import EXIT_USAGE
+
+PREDICTIONS_FILE = "predictions.json"
+#: Colours of the drawn boxes, by label (tab10).
+PALETTE = (
+    "#1f77b4",
+    "#ff7f0e",
+    "#2ca02c",
+    "#d62728",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#7f7f7f",
+    "#bcbd22",
+    "#17becf",
+)
+#: Drawn images whose shorter side is below this are upscaled (nearest, by an integer factor) so labels fit.
+MIN_DRAWN_SIDE = 256
+
+
+class PredictError(Exception):
+    """A bad input of ``predict``; the message names the flag or file (exit 2)."""
+
+
+# --- drawing helpers (used by the tasks' render_predictions) ----------------------------------------------
+def draw_labelled_boxes(image, boxes, labels: list[str], colors: list[str], min_side: int = MIN_DRAWN_SIDE):
+    """``image`` uint8 (3, H, W) with ``boxes`` (N, 4) xyxy in its pixels drawn in ``colors`` and captioned
+    with ``labels`` (``torchvision.utils.draw_bounding_boxes``). An image whose shorter side is below
+    ``min_side`` is first upscaled (nearest, integer factor; boxes scaled along) so the captions are legible.
+    Returns a uint8 (3, H', W') tensor."""
+    import torch
+    from torchvision.utils import draw_bounding_boxes
+
+    image = image.as_subclass(torch.Tensor).to("cpu", torch.uint8)
+    boxes = torch.as_tensor(boxes, dtype=torch.float32).reshape(-1, 4).cpu()
+    h, w = int(image.shape[-2]), int(image.shape[-1])
+    scale = max(1, math.ceil(min_side / max(1, min(h, w))))
+    if scale > 1:
+        image = image.repeat_interleave(scale, dim=-2).repeat_interleave(scale, dim=-1)
+        boxes = boxes * scale
+    limits = torch.tensor([image.shape[-1], image.shape[-2]] * 2, dtype=torch.float32) - 1
+    boxes = torch.minimum(boxes.clamp(min=0), limits)
+    if not len(boxes):
+        return image.contiguous()
+    width = max(1, round(min(image.shape[-2:]) / 200))
+    return draw_bounding_boxes(image, boxes, labels=labels, colors=colors, width=width, fill_labels=True)
+
+
+def read_images(paths: list[str]) -> tuple[list[str], list, list]:
+    """Decode ``paths`` for prediction: ``(decoded paths, uint8 (3, H, W) images, BadSample per unreadable
+    file)``. The header is checked with PIL first (:func:`~trainer.data.formats.imagefolder.check_header`), so a
+    file that is not an image is named by PIL's message instead of reaching the decoders (libpng prints to
+    stderr); then :func:`~trainer.data.formats.imagefolder.decode_file`. Never raises for a bad file."""
+    from trainer.data.formats.imagefolder import _describe, check_header, decode_file
+    from trainer.data.samples import BadSample
+
+    kept, images, bad = [], [], []
+    for path in paths:
+        try:
+            check_header(path)
+            img = decode_file(path)
+        except Exception as e:  # noqa: BLE001 - corrupt, truncated, too large or unsupported: named, skipped
+            bad.append(BadSample(path, _describe(e)))
+            continue
+        kept.append(path)
+        images.append(img)
+    return kept, images, bad
+
+
+def save_png(image, path: str | Path) -> Path:
+    """Write uint8 (3, H, W) ``image`` as a PNG at ``path`` (``OSError`` when it cannot be written)."""
+    from torchvision.io import encode_png
+
+    path = Path(path)
+    path.write_bytes(encode_png(image.contiguous()).numpy().tobytes())
+    return path
+
+
+def color_of(label: int) -> str:
+    """The drawing colour of class index ``label``."""
+    return PALETTE[int(label) % len(PALETTE)]
+
+
+# --- the command ------------------------------------------------------------------------------------------
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _threshold(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
+    return value
+
+
+def add_predict_command(sub) -> None:
+    """Register the ``predict`` sub-command on ``sub`` (an argparse sub-parsers object)."""
+    p = sub.add_parser(
+        "predict",
+        help="run a checkpoint on a folder of images: drawn PNGs and predictions.json",
+        description="Run a trained checkpoint on a folder of images: one drawn PNG per image and predictions.json "
+        "(docs/detection.md, Predict).",
+    )
+    p.add_argument(
+        "--checkpoint", required=True, metavar="CKPT", help="a checkpoint folder (ckpt-*) or a run's checkpoint_dir"
+    )
+    p.add_argument("--images", required=True, metavar="DIR", help="folder of image files (not searched recursively)")
+    p.add_argument(
+        "--out", required=True, metavar="DIR", help="output folder (created): <stem>.png per image, predictions.json"
+    )
+    p.add_argument(
+        "--score-threshold",
+        type=_threshold,
+        metavar="S",
+        default=0.3,
+        help="keep detections scoring at least this (detection; default 0.3)",
+    )
+    p.add_argument(
+        "--ema",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="use the EMA weights when the checkpoint has them (default), else the model's",
+    )
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: auto")
+    p.add_argument("--batch-size", type=_positive_int, metavar="N", default=8, help="images per forward (default 8)")
+    p.add_argument(
+        "--limit", type=_positive_int, metavar="N", default=None, help="predict only the first N images (by name)"
+    )
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """The checkpoint folder ``path`` names: itself (a folder with ``manifest.json``, or a file in one), else the
+    one a run in checkpoint_dir ``path`` would resume from (:meth:`CheckpointManager.find_resume`).
+
+    Raises:
+        PredictError: nothing there, or no valid checkpoint in it.
+    """
+    from trainer.engine.checkpoint import CheckpointManager
+
+    p = Path(path)
+    if not p.exists():
+        raise PredictError(f"--checkpoint: {p} does not exist")
+    if p.is_file() and p.name in ("state.pt", "ranks.pt", "manifest.json"):
+        p = p.parent
+    if not p.is_dir():
+        raise PredictError(f"--checkpoint: {p} is not a checkpoint folder (ckpt-*) or a checkpoint_dir")
+    if (p / "manifest.json").exists():
+        return p
+    # rank != 0: a reader only (no writability probe, no clean-up of the run's temporary files)
+    found, notes = CheckpointManager(p, rank=1).find_resume()
+    if found is None:
+        skipped = "; ".join(n.removeprefix("checkpoint: ") for n in notes)
+        raise PredictError(
+            f"--checkpoint: {p} holds no valid checkpoint (ckpt-* folders with a manifest.json)"
+            + (f": {skipped}" if skipped else "")
+        )
+    return found
+
+
+def list_images(folder: str | Path, limit: Optional[int] = None) -> list[str]:
+    """Image files directly in ``folder`` (by extension, case-insensitive), sorted by name; the first ``limit``.
+
+    Raises:
+        PredictError: no such folder, or no image file in it.
+    """
+    from trainer.data.formats.imagefolder import IMAGE_EXTENSIONS
+
+    d = Path(folder)
+    if not d.is_dir():
+        raise PredictError(f"--images: {d} is not a folder")
+    files = sorted(str(f) for f in d.iterdir() if f.is_file() and f.suffix.lower() in IMAGE_EXTENSIONS)
+    if not files:
+        raise PredictError(f"--images: {d} holds no image files ({', '.join(IMAGE_EXTENSIONS)})")
+    return files[:limit] if limit else files
+
+
+def output_names(paths: list[str]) -> dict[str, str]:
+    """Input path -> drawn PNG's file name: ``<stem>.png``, or ``<stem>_<ext>.png`` when stems collide."""
+    stems: dict[str, int] = {}
+    for p in paths:
+        stems[Path(p).stem] = stems.get(Path(p).stem, 0) + 1
+    names = {}
+    for p in paths:
+        f = Path(p)
+        names[p] = f"{f.stem}.png" if stems[f.stem] == 1 else f"{f.stem}_{f.suffix.lstrip('.').lower()}.png"
+    return names
+
+
+def prepare_out(out: str | Path, images: str | Path) -> Path:
+    """Create the output folder and check a file can be written in it.
+
+    Raises:
+        PredictError: it is a file, cannot be created or written, or is the image folder itself.
+    """
+    from trainer.engine.checkpoint import describe_os_error
+
+    d = Path(out)
+    if d.exists() and not d.is_dir():
+        raise PredictError(f"--out: {d} exists and is not a folder")
+    if d.exists() and d.resolve() == Path(images).resolve():
+        raise PredictError(f"--out: {d} is the --images folder (its PNGs would overwrite the inputs)")
+    probe = d / f".predict-probe-{os.getpid()}"
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"trainstack")
+    except OSError as e:
+        raise PredictError(f"--out: cannot write in {d}: {describe_os_error(e)}") from None
+    finally:
+        try:
+            probe.unlink(missing_ok=True)
+        except OSError:
+            pass
+    return d
+
+
+def num_outputs_of(label_space: dict) -> int:
+    """Outputs of the model head: the length of the label space's names (``classes``, ``categories``, else its
+    first list)."""
+    for key in ("classes", "categories"):
+        if isinstance(label_space.get(key), list):
+            return len(label_space[key])
+    lists = [v for v in label_space.values() if isinstance(v, list)]
+    if not lists:
+        raise PredictError("--checkpoint: its label space names no classes; cannot size the model's head")
+    return len(lists[0])
+
+
+def load_model(path: Path, device, use_ema: bool):
+    """(task, model on ``device`` in eval mode, label space, ``"ema"`` | ``"model"``) of checkpoint ``path``.
+
+    Raises:
+        PredictError: unreadable checkpoint, no config or label space in it, or weights that do not fit.
+    """
+    from trainer.config import FIELDS, load_config
+    from trainer.engine.checkpoint import CheckpointManager
+    from trainer.engine.distributed import DistInfo
+    from trainer.errors import CheckpointError, ConfigError
+    from trainer.tasks import build_task
+
+    try:
+        state, _ = CheckpointManager.load(path, 0, map_location="cpu")
+    except CheckpointError as e:
+        raise PredictError(f"--checkpoint: {e}") from None
+    saved, label_space = state.get("config"), state.get("label_space")
+    if not isinstance(saved, dict) or not saved.get("task"):
+        raise PredictError(f"--checkpoint: {path} holds no config (written by an older trainer?)")
+    if not isinstance(label_space, dict) or not label_space:
+        raise PredictError(f"--checkpoint: {path} holds no label space (written by an older trainer?)")
+    values = {k: v for k, v in saved.items() if k in FIELDS}
+    values["device"] = "cpu" if device.type == "cpu" else "cuda"
+    values["compile"] = False
+    for name in FIELDS:  # files the model build would read: the checkpoint's weights replace them anyway
+        if name.startswith("pretrained") or name == "init_from":
+            values[name] = FIELDS[name].default
+    try:
+        cfg = load_config(None, values)
+    except ConfigError as e:
+        raise PredictError(f"--checkpoint: {path}: its config does not load in this trainer: {e}") from None
+    try:
+        task = build_task(cfg, DistInfo(0, 0, 1, device))
+        model = task.build_model(num_outputs_of(label_space))
+    except ConfigError as e:
+        raise PredictError(f"--checkpoint: {path}: cannot rebuild its model: {e}") from None
+    which = "ema" if use_ema and isinstance(state.get("ema"), dict) else "model"
+    weights = state.get(which)
+    if not isinstance(weights, dict):
+        raise PredictError(f"--checkpoint: {path} holds no model weights")
+    if which == "ema":  # AveragedModel: the module's keys under "module.", plus its "n_averaged" counter
+        weights = {k.removeprefix("module."): v for k, v in weights.items() if k != "n_averaged"}
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as e:
+        from trainer.engine.trainer import state_dict_mismatch
+
+        why = state_dict_mismatch(model, weights) or str(e).splitlines()[0]
+        raise PredictError(f"--checkpoint: {path}: its {which} weights do not fit model {cfg.model}: {why}") from None
+    model.to(device).eval()
+    return task, model, label_space, which
+
+
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def predict(args: argparse.Namespace) -> str:
+    """Run the command; returns the summary line. Raises :class:`PredictError` for bad input."""
+    import torch
+
+    from trainer.engine.checkpoint import describe_os_error
+    from trainer.engine.distributed import resolve_device
+    from trainer.errors import ConfigError
+
+    ckpt = resolve_checkpoint(args.checkpoint)
+    paths = list_images(args.images, args.limit)
+    out = prepare_out(args.out, args.images)
+    try:
+        device = resolve_device(args.device, 0)
+    except ConfigError as e:
+        raise PredictError(f"--device: {str(e).removeprefix('device: ')}") from None
+    task, model, label_space, which = load_model(ckpt, device, args.ema)
+    names = output_names(paths)
+    records: list[dict] = []
+    done = 0
+    for start in range(0, len(paths), args.batch_size):
+        chunk = paths[start : start + args.batch_size]
+        try:
+            batch = task.predict_inputs(chunk, first_index=start)
+        except NotImplementedError as e:
+            raise PredictError(f"--checkpoint: {e}") from None
+        for bad in batch.get("bad", ()):
+            _warn(f"--images: skipping {bad.path}: {bad.error}")
+        kept = list(batch.get("paths", ()))
+        if not batch.get("n"):
+            continue
+        with torch.no_grad():
+            outputs = task.predict(model, batch)
+        try:
+            records += task.render_predictions(
+                kept, batch, outputs, label_space, out, args.score_threshold, out_names=[names[p] for p in kept]
+            )
+        except OSError as e:
+            raise PredictError(f"--out: cannot write in {out}: {describe_os_error(e)}") from None
+        done += len(kept)
+    if not done:
+        raise PredictError(f"--images: none of the {len(paths)} image file(s) in {args.images} could be read")
+    try:
+        (out / PREDICTIONS_FILE).write_text(json.dumps(records, indent=1) + "\n")
+    except OSError as e:
+        raise PredictError(f"--out: cannot write {out / PREDICTIONS_FILE}: {describe_os_error(e)}") from None
+    scored = [r for r in records if "score" in r]
+    what = (
+        f"{len(records)} detections above {args.score_threshold:g}"
+        if scored or not records
+        else f"{len(records)} records"
+    )
+    return f"predict: {done} images -> {out} ({what}; {ckpt.name}, {which} weights)"
+
+
+def run_predict(args: argparse.Namespace) -> int:
+    """``predict``'s exit status: 0, or 2 with one ``error:`` line for bad input."""
+    from trainer.failures import fail
+
+    try:
+        line = predict(args)
+    except PredictError as e:
+        return fail(EXIT_USAGE, str(e))
+    print(line, flush=True)
+    return 0
