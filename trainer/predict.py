@@ -82,8 +82,8 @@ def read_images(paths: list[str]) -> tuple[list[str], list, list]:
     file)``. The header is checked with PIL first (:func:`~trainer.data.formats.imagefolder.check_header`), so a
     file that is not an image is named by PIL's message instead of reaching the decoders (libpng prints to
     stderr); then :func:`~trainer.data.formats.imagefolder.decode_file`. Never raises for a bad file."""
-    from trainer.data.formats.imagefolder import _describe, check_header, decode_file
-    from trainer.data.samples import BadSample
+    from trainer.data.formats.imagefolder import check_header, decode_file
+    from trainer.data.samples import BadSample, describe_error
 
     kept, images, bad = [], [], []
     for path in paths:
@@ -91,7 +91,7 @@ def read_images(paths: list[str]) -> tuple[list[str], list, list]:
             check_header(path)
             img = decode_file(path)
         except Exception as e:  # noqa: BLE001 - corrupt, truncated, too large or unsupported: named, skipped
-            bad.append(BadSample(path, _describe(e)))
+            bad.append(BadSample(path, describe_error(e)))
             continue
         kept.append(path)
         images.append(img)

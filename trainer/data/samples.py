@@ -7,9 +7,14 @@ a bad file is replaced by another sample (batch shapes never change); in evaluat
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from trainer.errors import DataError
 
 
 @dataclass(frozen=True)
@@ -36,3 +41,55 @@ def collate_skip_bad(items: list) -> dict:
         images = torch.empty((0, 3, 1, 1), dtype=torch.uint8)
         labels = torch.empty((0,), dtype=torch.int64)
     return {"image": images, "label": labels, "bad": bad}
+
+
+def describe_error(e: BaseException) -> str:
+    """``"<ExceptionType>: <first line of the message, at most 200 characters>"`` for a decoder's error."""
+    msg = str(e).splitlines()[0][:200] if str(e) else ""
+    return f"{type(e).__name__}: {msg}"
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """Deterministic 63-bit seed for the augmentation of sample ``index`` in ``epoch`` (SplitMix64-style)."""
+    x = (seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9 + index * 0x94D049BB133111EB) & (2**64 - 1)
+    x ^= x >> 31
+    x = (x * 0xD6E8FEEA4DEB8F35) & (2**64 - 1)
+    return (x ^ (x >> 29)) & (2**63 - 1)
+
+
+@contextlib.contextmanager
+def seeded_for_sample(seed: int, epoch: int, index: int) -> Iterator[None]:
+    """Seed torch's default CPU generator (which torchvision.transforms.v2 draws from) with
+    :func:`sample_seed` for the body, then put the caller's state back. About 2 us, where ``torch.manual_seed``
+    also reseeds CUDA and costs ~55 us. Augmentation thereby depends on (seed, epoch, index) only."""
+    gen = torch.default_generator
+    saved = gen.get_state()
+    gen.manual_seed(sample_seed(seed, epoch, index))
+    try:
+        yield
+    finally:
+        gen.set_state(saved)
+
+
+def decode_or_replace(
+    decode: Callable[[int], Any], index: int, n: int, max_tries: int
+) -> tuple[Any, int, tuple[BadSample, ...]]:
+    """Training's rule for an undecodable file: ``decode(index)``, and when it returns a :class:`BadSample` the
+    next indices (``index + 1``, ``+ 2`` ... modulo ``n``) until one decodes, so batch shapes never change.
+
+    Returns ``(item, index used, own)`` with ``own`` = ``(the BadSample of index,)`` when it was replaced, else
+    ``()`` (each bad file is reported once, by its own index).
+
+    Raises:
+        DataError: ``min(max_tries, n)`` consecutive samples are bad (names the first).
+    """
+    item = decode(index)
+    if not isinstance(item, BadSample):
+        return item, index, ()
+    own, tries = (item,), min(max_tries, n)
+    for k in range(1, tries):
+        used = (index + k) % n
+        item = decode(used)
+        if not isinstance(item, BadSample):
+            return item, used, own
+    raise DataError(f"{tries} consecutive files cannot be decoded, starting at {own[0].path} ({own[0].error})")

@@ -63,8 +63,8 @@ from torchvision import tv_tensors
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
-from trainer.data.formats.imagefolder import _describe, check_files, decode_file, sample_seed
-from trainer.data.samples import BadSample
+from trainer.data.formats.imagefolder import check_files, decode_file
+from trainer.data.samples import BadSample, decode_or_replace, describe_error, seeded_for_sample
 from trainer.errors import DataError
 
 #: A box may overhang its image by this many pixels on any side (it is clipped); more makes the image bad.
@@ -469,7 +469,7 @@ class CocoDetectionDataset(Dataset):
         try:
             img = decode_file(path)
         except Exception as e:  # noqa: BLE001 - corrupt, truncated, too large or unsupported: skip, count, report
-            return BadSample(path, _describe(e))
+            return BadSample(path, describe_error(e))
         h, w = self.split.sizes[index]
         if tuple(img.shape[1:]) != (h, w):
             return BadSample(
@@ -492,30 +492,16 @@ class CocoDetectionDataset(Dataset):
 
     def __getitem__(self, key):
         epoch, index = key if isinstance(key, tuple) else (0, key)
-        img, used = self._decode(index), index
-        own: tuple[BadSample, ...] = ()
-        if isinstance(img, BadSample):
-            if not self.replace_bad:
+        if not self.replace_bad:
+            img, used, own = self._decode(index), index, ()
+            if isinstance(img, BadSample):
                 return img
-            own, tries = (img,), min(self.MAX_REPLACEMENTS, len(self.split))
-            for k in range(1, tries):
-                used = (index + k) % len(self.split)
-                img = self._decode(used)
-                if not isinstance(img, BadSample):
-                    break
-            else:
-                raise DataError(
-                    f"{tries} consecutive images cannot be decoded, starting at {own[0].path} ({own[0].error})"
-                )
+        else:
+            img, used, own = decode_or_replace(self._decode, index, len(self.split), self.MAX_REPLACEMENTS)
         target = self.raw_target(used)
         transform = self.transform_for_epoch(epoch)
-        gen = torch.default_generator  # seed per sample, restore the caller's state (see ImageFolderDataset)
-        saved = gen.get_state()
-        gen.manual_seed(sample_seed(self.seed, epoch, index))
-        try:
+        with seeded_for_sample(self.seed, epoch, index):
             image, out = transform(tv_tensors.Image(img), {"boxes": target["boxes"], "labels": target["labels"]})
-        finally:
-            gen.set_state(saved)
         target.update(boxes=out["boxes"], labels=out["labels"])
         return image, target, own
 

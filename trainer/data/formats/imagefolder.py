@@ -34,7 +34,14 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from trainer.data.samples import BadSample, collate_skip_bad  # noqa: F401 - re-exported
+from trainer.data.samples import (  # noqa: F401 - BadSample, collate_skip_bad, sample_seed re-exported
+    BadSample,
+    collate_skip_bad,
+    decode_or_replace,
+    describe_error,
+    sample_seed,
+    seeded_for_sample,
+)
 from trainer.errors import DataError  # noqa: F401 - re-exported
 
 #: Extensions scanned (lower-case). torchvision.io decodes JPEG/PNG/GIF/WEBP; PIL handles the rest.
@@ -281,7 +288,7 @@ def _check_one(path: str, full: bool):
             check_header(path)
         return None
     except Exception as e:  # noqa: BLE001 - any reader error makes the file bad
-        return BadSample(path, _describe(e))
+        return BadSample(path, describe_error(e))
 
 
 def check_files(paths: list[str], full: bool | None = None, threads: int = 8) -> tuple[list[BadSample], str]:
@@ -326,19 +333,6 @@ def check_split(scan: SplitScan, max_bad_fraction: float, full: bool | None = No
     dropped = {b.path for b in bad}
     kept = replace(scan, samples=[s for s in scan.samples if s[0] not in dropped])
     return kept, [f"data: {split}: {len(bad)} of {n} file(s) cannot be read ({how}); left out of evaluation: {names}"]
-
-
-def _describe(e: BaseException) -> str:
-    msg = str(e).splitlines()[0][:200] if str(e) else ""
-    return f"{type(e).__name__}: {msg}"
-
-
-def sample_seed(seed: int, epoch: int, index: int) -> int:
-    """Deterministic 63-bit seed for the augmentation of sample ``index`` in ``epoch`` (SplitMix64-style)."""
-    x = (seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9 + index * 0x94D049BB133111EB) & (2**64 - 1)
-    x ^= x >> 31
-    x = (x * 0xD6E8FEEA4DEB8F35) & (2**64 - 1)
-    return (x ^ (x >> 29)) & (2**63 - 1)
 
 
 class ImageFolderDataset(Dataset):
@@ -388,36 +382,23 @@ class ImageFolderDataset(Dataset):
         return len(self.samples)
 
     def _decode(self, index: int):
+        """``(uint8 image, label)`` of sample ``index``, or a :class:`BadSample`."""
         path, label = self.samples[index]
         try:
             return decode_file(path), label
         except Exception as e:  # noqa: BLE001 - corrupt, truncated, too large or unsupported: skip, count, report
-            return BadSample(path, _describe(e)), label
+            return BadSample(path, describe_error(e))
 
     def __getitem__(self, key):
         epoch, index = key if isinstance(key, tuple) else (0, key)
-        img, label = self._decode(index)
-        own: tuple[BadSample, ...] = ()
-        if isinstance(img, BadSample):
-            if not self.replace_bad:
-                return img
-            own, tries = (img,), min(self.MAX_REPLACEMENTS, len(self.samples))
-            for k in range(1, tries):
-                img, label = self._decode((index + k) % len(self.samples))
-                if not isinstance(img, BadSample):
-                    break
-            else:
-                raise DataError(
-                    f"{tries} consecutive files cannot be decoded, starting at {own[0].path} ({own[0].error})"
-                )
+        if not self.replace_bad:
+            item, own = self._decode(index), ()
+            if isinstance(item, BadSample):
+                return item
+        else:
+            item, _, own = decode_or_replace(self._decode, index, len(self.samples), self.MAX_REPLACEMENTS)
+        img, label = item
         transform = self.transform_for_epoch(epoch)
-        # torchvision.transforms.v2 draws from torch's default CPU generator: seed it for this sample and put
-        # the caller's state back (cheap: ~2 us, where torch.manual_seed also reseeds CUDA and costs ~55 us).
-        gen = torch.default_generator
-        saved = gen.get_state()
-        gen.manual_seed(sample_seed(self.seed, epoch, index))
-        try:
+        with seeded_for_sample(self.seed, epoch, index):
             img = transform(img)
-        finally:
-            gen.set_state(saved)
         return img, label, own
