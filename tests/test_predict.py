@@ -14,28 +14,13 @@ import torch
 from bad_input_table import Case, run_case, trainer_cmd
 from conftest import tiny_overrides
 from PIL import Image
+from test_detection import TINY as TINY_DINO
 
 from trainer.cli import main
 from trainer.config import load_config
 from trainer.engine.distributed import DistInfo
 
 CPU = DistInfo(0, 0, 1, torch.device("cpu"))
-#: The DINO of tests/tasks/test_detection.py: small enough for CPU.
-TINY_DINO = dict(
-    model="resnet18",
-    min_scale=64,
-    max_scale=64,
-    max_size=96,
-    eval_size=64,
-    num_queries=30,
-    num_select=30,
-    dn_number=10,
-    hidden_dim=32,
-    dim_feedforward=64,
-    enc_layers=1,
-    dec_layers=2,
-    nheads=4,
-)
 
 
 def _fit(cfg):

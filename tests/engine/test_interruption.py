@@ -222,8 +222,10 @@ def _assert_same_state(a: dict, b: dict) -> None:
             assert torch.equal(a[part][k], b[part][k]), f"{part}.{k}"
     sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
     assert sa.keys() == sb.keys()
-    for k in sa:
-        assert torch.equal(sa[k]["momentum_buffer"], sb[k]["momentum_buffer"]), f"optimizer.{k}"
+    for k in sa:  # every buffer of the optimizer (SGD: momentum_buffer; AdamW: step, exp_avg, exp_avg_sq)
+        assert sa[k].keys() == sb[k].keys(), f"optimizer.{k}"
+        for buf, v in sa[k].items():
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(sb[k][buf])), f"optimizer.{k}.{buf}"
     assert a["scheduler"] == b["scheduler"]
     assert [h["train_loss"] for h in a["history"]] == [h["train_loss"] for h in b["history"]]
 

@@ -15,6 +15,7 @@ import re
 
 import pytest
 import torch
+from test_dino import TINY
 
 from trainer.config import ConfigError, load_config
 from trainer.engine.distributed import DistInfo
@@ -24,16 +25,6 @@ from trainer.tasks import build_task
 
 pytestmark = pytest.mark.filterwarnings("ignore:ms_deform_attn. using the PyTorch reference:RuntimeWarning")
 
-TINY = dict(
-    backbone="resnet18",
-    hidden_dim=32,
-    dim_feedforward=64,
-    nheads=4,
-    enc_layers=2,
-    dec_layers=2,
-    num_queries=20,
-    dn_number=4,
-)
 COCO = 91  # upstream num_classes = dn_labelbook_size for COCO
 
 

@@ -8,10 +8,9 @@ import signal
 import subprocess
 import sys
 
-import torch
 import yaml
 from test_detection import _cfg, facemask_subset
-from test_interruption import REPO, _env, _final_state, _run_until
+from test_interruption import REPO, _assert_same_state, _env, _final_state, _run_until
 
 
 def _command(shared_data, tmp_path, name: str) -> list[str]:
@@ -34,22 +33,6 @@ def _command(shared_data, tmp_path, name: str) -> list[str]:
     return [sys.executable, "-m", "trainer", "train", "--config", str(out / "c.yaml")]
 
 
-def _same(a: dict, b: dict) -> None:
-    assert a["progress"] == b["progress"]
-    for part in ("model", "ema"):
-        assert a[part].keys() == b[part].keys()
-        for k in a[part]:
-            assert torch.equal(a[part][k], b[part][k]), f"{part}.{k}"
-    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
-    assert sa.keys() == sb.keys()
-    for k in sa:
-        for buf in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(sa[k][buf], sb[k][buf]), f"optimizer.{k}.{buf}"
-    assert a["scheduler"] == b["scheduler"]
-    assert [h["train_loss"] for h in a["history"]] == [h["train_loss"] for h in b["history"]]
-    assert [h["val_map"] for h in a["history"]] == [h["val_map"] for h in b["history"]]
-
-
 def test_detection_sigterm_resume_is_bit_exact(shared_data, tmp_path):
     env = _env(OMP_NUM_THREADS="1")
     ref = _command(shared_data, tmp_path, "reference")
@@ -62,4 +45,6 @@ def test_detection_sigterm_resume_is_bit_exact(shared_data, tmp_path):
     p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     assert "the previous run was interrupted: SIGTERM" in p.stdout
-    _same(_final_state(tmp_path / "reference"), _final_state(tmp_path / "interrupted"))
+    ref, resumed = _final_state(tmp_path / "reference"), _final_state(tmp_path / "interrupted")
+    _assert_same_state(ref, resumed)
+    assert [h["val_map"] for h in ref["history"]] == [h["val_map"] for h in resumed["history"]]

@@ -97,7 +97,7 @@ class CocoEvaluator(GatherEvaluator):
         if not image_ids or not dets:
             return {**{k: 0.0 for k in STATS}, **names, "images": float(len(image_ids))}
         gt = self._ground_truth()
-        arr = np.asarray([[d[0], d[1], d[2], d[3], d[4], d[5], d[6]] for d in dets], dtype=np.float64)
+        arr = np.asarray(dets, dtype=np.float64)  # (N, 7): image_id, x, y, w, h, score, category_id
         with contextlib.redirect_stdout(io.StringIO()):
             dt = gt.loadRes(arr)
             ev = COCOeval(gt, dt, iouType="bbox")

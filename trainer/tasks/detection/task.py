@@ -281,9 +281,7 @@ class DetectionTask(Task):
 
     def model_step(self, model: nn.Module, batch: dict) -> StepOutput:
         """DINO's forward with the targets (denoising), then the criterion (float32): the weighted sum and the
-        :data:`LOGGED_TERMS`."""
-        if not hasattr(self, "criterion"):
-            self._build_heads(self._num_classes_of(model))
+        :data:`LOGGED_TERMS` (the criterion is built beside the model by :meth:`build_model`)."""
         out = model(batch["image"], batch["mask"], batch["targets"])
         losses = self.criterion(out, batch["targets"])
         total = self.criterion.total(losses)
@@ -291,15 +289,8 @@ class DetectionTask(Task):
             loss=total, outputs=out, n=batch["n"], terms={k: losses[k].detach() for k in LOGGED_TERMS if k in losses}
         )
 
-    @staticmethod
-    def _num_classes_of(model: nn.Module) -> int:
-        raw = getattr(model, "module", model)
-        return int(raw.num_classes)
-
     def predict(self, model: nn.Module, batch: dict) -> list[dict]:
         """Top-``num_select`` detections per image in pixels of the original image (PostProcess)."""
-        if not hasattr(self, "postprocess"):
-            self._build_heads(self._num_classes_of(model))
         out = model(batch["image"], batch["mask"])
         return self.postprocess(out, batch["orig_size"].to(out["pred_boxes"].device))
 
