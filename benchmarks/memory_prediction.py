@@ -12,6 +12,13 @@ CPU (proves the script here; fp32, torch's CPU allocator peak read through the p
 
     PYTHONPATH=. python benchmarks/memory_prediction.py --device cpu --cases resnet18:16,64 --image-size 64 \
         --precision 32
+
+Other tasks: ``--config`` gives the task and its section (e.g. DINO's), ``--image-size 0`` the task's own largest
+input (detection: max_scale x max_size), ``--num-outputs`` the classes; ``--predict-only`` prints the prediction
+where the step cannot be measured (DINO R50 at 800 x 1333 without a GPU):
+
+    PYTHONPATH=. python benchmarks/memory_prediction.py --config configs/seed000_dino_floorplans.yaml \
+        --cases resnet50:2 --image-size 0 --num-outputs 2 --precision 32 --predict-only
 """
 
 from __future__ import annotations
@@ -31,10 +38,10 @@ from trainer.planning.probe import cpu_step_peak_bytes
 DEFAULT_CASES = "resnet50:64,128,256;convnext_tiny:64,128"
 
 
-def measure(cfg, batch: int, size: int, device: torch.device) -> tuple[int, int, int]:
+def measure(cfg, batch: int, size: int, device: torch.device, num_outputs: int) -> tuple[int, int, int]:
     """(peak allocated, peak reserved, context) bytes of one step (+ eval forward on CUDA) at ``batch``."""
     torch.manual_seed(0)
-    rig = build_single_rank_step(cfg, device, 1000)
+    rig = build_single_rank_step(cfg, device, num_outputs)
     x = rig.example_batch(batch, size)
     rig.step(x)
     if device.type == "cpu":
@@ -65,6 +72,9 @@ def main() -> None:
     p.add_argument("--cases", default=DEFAULT_CASES, help="model:batch,batch;model:batch,... (torchvision names)")
     p.add_argument("--image-size", type=int, default=224)
     p.add_argument("--precision", default="bf16-mixed", help="trainer precision: bf16-mixed | 16-mixed | 32")
+    p.add_argument("--config", default=None, help="YAML config (task, its section); --cases sets the model")
+    p.add_argument("--num-outputs", type=int, default=1000, help="classes of the head")
+    p.add_argument("--predict-only", action="store_true", help="skip the measurement")
     a = p.parse_args()
     device = torch.device(a.device)
     print(
@@ -75,32 +85,44 @@ def main() -> None:
     contexts = []
     for case in a.cases.split(";"):
         model, batches = case.split(":")
-        cfg = load_config(
-            None, {"model": model, "precision": a.precision, "image_size": a.image_size, "device": a.device}
-        )
+        over = {"model": model, "precision": a.precision, "device": a.device}
+        if a.image_size:
+            over["image_size"] = a.image_size
+        cfg = load_config(a.config, over)
+        size = a.image_size or None
         prec = resolve_precision(cfg.precision, device)
         for b in (int(x) for x in batches.split(",")):
             t0 = time.perf_counter()
             pred = predict_step_memory(
                 cfg,
                 b,
-                num_outputs=1000,
+                num_outputs=a.num_outputs,
+                image_size=size,
                 precision=prec,
                 context_bytes=0,
                 eval_batch=2 * b if device.type == "cuda" else 1,
+                cuda_kernels=device.type == "cuda" or a.predict_only,  # a CPU measurement runs the references
             )
             secs = time.perf_counter() - t0
-            alloc, reserved, ctx = measure(cfg, b, a.image_size, device)
+            px = "x".join(str(d) for d in pred.input_size)
+            if a.predict_only:
+                print(
+                    f"| {model} | {px} | {b} | {prec.name} | {pred.allocated_peak_bytes / MIB:,.0f} | - | - | "
+                    f"{pred.reserved_peak_bytes / MIB:,.0f} | - | - | {secs:.1f} |",
+                    flush=True,
+                )
+                continue
+            alloc, reserved, ctx = measure(cfg, b, size, device, a.num_outputs)
             contexts.append(ctx)
             err_a = 100 * (pred.allocated_peak_bytes / alloc - 1)
             err_r = f"{100 * (pred.reserved_peak_bytes / reserved - 1):+.1f} %" if reserved else "-"
             print(
-                f"| {model} | {a.image_size} | {b} | {prec.name} | {pred.allocated_peak_bytes / MIB:,.0f} | "
+                f"| {model} | {px} | {b} | {prec.name} | {pred.allocated_peak_bytes / MIB:,.0f} | "
                 f"{alloc / MIB:,.0f} | {err_a:+.1f} % | {pred.reserved_peak_bytes / MIB:,.0f} | "
                 f"{f'{reserved / MIB:,.0f}' if reserved else '-'} | {err_r} | {secs:.1f} |",
                 flush=True,
             )
-    if device.type == "cuda":
+    if device.type == "cuda" and contexts:
         print(
             f"\nCUDA context + library handles on {torch.cuda.get_device_name()}: "
             f"{max(contexts) / MIB:,.0f} MiB (mem_get_info used - memory_reserved; trainer/planning/memory.py "

@@ -72,6 +72,46 @@ def test_cpu_falls_back_to_reference_with_one_warning():
     assert msda.ms_deform_attn_core_pytorch is msda.ms_deform_attn_reference  # DINO's name
 
 
+def test_level_shapes_give_the_same_result_without_reading_the_shape_tensors():
+    """``level_shapes`` (Python ints, as DINO passes them): same output, no device->host copy, so the op also runs
+    on shape-only tensors (FakeTensorMode, plan's memory prediction); a level count that disagrees is named."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    value, shapes, starts, loc, attn = make_inputs(levels=((4, 5), (2, 3)))
+    pairs = [tuple(hw) for hw in shapes.tolist()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        want = msda.ms_deform_attn(value, shapes, starts, loc, attn)
+        torch.testing.assert_close(msda.ms_deform_attn(value, shapes, starts, loc, attn, level_shapes=pairs), want)
+        with pytest.raises(ValueError, match="level_shapes has 1 levels, spatial_shapes 2"):
+            msda.ms_deform_attn(value, shapes, starts, loc, attn, level_shapes=pairs[:1])
+        with FakeTensorMode() as mode:
+            fake = [mode.from_tensor(t) for t in (value, shapes, starts, loc, attn)]
+            out = msda.ms_deform_attn(*fake, level_shapes=pairs)
+    assert out.shape == want.shape and out.dtype == want.dtype
+
+
+def test_cuda_kernel_stand_in_allocates_what_the_kernels_return_on_shape_only_tensors():
+    """Under ``cuda_kernel_stand_in`` fake inputs get the kernels' output and gradient shapes and dtypes (bf16
+    in, bf16 gradients out), while tensors with values still run the reference unchanged."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    value, shapes, starts, loc, attn = make_inputs(levels=((4, 5), (2, 3)))
+    value, loc, attn = (t.to(torch.bfloat16).requires_grad_() for t in (value, loc, attn))
+    with warnings.catch_warnings(), msda.cuda_kernel_stand_in():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        real = msda.ms_deform_attn(value, shapes, starts, loc, attn)
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fake = [mode.from_tensor(t) for t in (value, loc, attn)]
+            out = msda.ms_deform_attn(fake[0], shapes, starts, fake[1], fake[2], level_shapes=[(4, 5), (2, 3)])
+            grads = torch.autograd.grad(out.float().sum(), fake)
+    assert out.shape == real.shape and out.dtype == real.dtype == torch.bfloat16
+    assert [(g.shape, g.dtype) for g in grads] == [(t.shape, torch.bfloat16) for t in (value, loc, attn)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        torch.testing.assert_close(real, msda.ms_deform_attn(value, shapes, starts, loc, attn), rtol=0, atol=0)
+
+
 def _bad(name):
     """Valid inputs as a dict with one entry replaced by ``name``'s mutation."""
     value, shapes, starts, loc, attn = make_inputs(

@@ -95,6 +95,21 @@ def test_predicted_memory_and_estimated_throughput_without_a_probe(cfg):
     assert rows["g5.xlarge"]["micro_batch"] == 64 and rows["g5.12xlarge"]["micro_batch"] == 16
 
 
+def test_detection_plan_predicts_dino_memory_at_its_largest_input(shared_data):
+    """No --model-memory-gib: plan builds the task's model (DINO here) under fake tensors at Task.input_size."""
+    from test_detection import TINY
+
+    det = load_config(
+        None, dict(TINY, task="detection", data_dir=str(shared_data / "facemask-coco"), batch_size=2, epochs=1)
+    )
+    plan = make_plan(det, PlanOptions(instances=("ml.g5.2xlarge",), dataset_size=100, num_classes=2))
+    row = _rows(plan)["ml.g5.2xlarge"]
+    assert plan["model"] == "detection resnet18 at 64x96 px" and plan["image_size"] == [64, 96]
+    assert row["memory_source"] == "predicted (bf16-mixed, trainer/planning/memory.py)" and row["fits"]
+    assert 0.6 < row["memory_per_gpu_gib"] < 1.5  # a tiny DINO: mostly the 600 MiB CUDA context
+    assert row["images_per_s"] > 0
+
+
 def test_cuda_probe_report_sets_memory_and_throughput(cfg, tmp_path):
     """A report as probe writes it on an A10G (figures invented for the test, shape real)."""
     report = {

@@ -30,6 +30,7 @@ Loader host RAM (:func:`predict_loader_ram`)
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -44,6 +45,7 @@ from trainer.config import TrainConfig
 from trainer.engine.distributed import DistInfo
 from trainer.engine.precision import Precision, resolve_precision
 from trainer.engine.step import build_train_step
+from trainer.ops.msda import cuda_kernel_stand_in
 from trainer.tasks import build_task
 
 MIB, GIB = 1024**2, 1024**3
@@ -122,7 +124,7 @@ class MemoryPrediction:
     """Predicted peak device memory of one rank (bytes), with what it includes and excludes."""
 
     micro_batch: int
-    image_size: int
+    input_size: tuple  # (H, W) pixels of the training batch's images
     precision: str
     world_size: int
     allocated_peak_bytes: int  # compare with torch.cuda.max_memory_allocated()
@@ -188,6 +190,7 @@ def predict_step_memory(
     precision: Optional[Precision] = None,
     context_bytes: int = CUDA_CONTEXT_BYTES,
     eval_batch: Optional[int] = None,
+    cuda_kernels: bool = True,
 ) -> MemoryPrediction:
     """Predict one rank's peak GPU memory for ``cfg`` at ``micro_batch`` images per forward (see module doc).
 
@@ -195,12 +198,15 @@ def predict_step_memory(
         cfg: validated config (model, optimizer, EMA, precision, channels_last, clip, accumulation).
         micro_batch: images per forward/backward on one GPU (>= 1).
         num_outputs: classes of the model head (ImageNet: 1000).
-        image_size: training resolution in pixels (default ``cfg.image_size``, the largest progressive size).
+        image_size: training resolution in pixels (default: the task's :meth:`~trainer.tasks.base.Task.input_size`,
+            e.g. ``cfg.image_size`` square, the largest progressive size; detection max_scale x max_size).
         gpu_bf16: whether the target GPU supports bf16 (catalog ``GpuModel.bf16``), for ``precision: amp``.
         world_size: DDP processes; > 1 adds DDP's gradient buckets.
         precision: force a resolved precision (e.g. fp32 to compare with a CPU measurement).
         context_bytes: CUDA context constant added to ``total_bytes`` (0 for a CPU comparison).
         eval_batch: evaluation batch per rank (default ``cfg.eval_batch_size`` or 2 x micro_batch).
+        cuda_kernels: count our CUDA ops' allocations (:func:`trainer.ops.msda.cuda_kernel_stand_in`), as a GPU
+            runs them; False counts their PyTorch reference, to compare with a CPU measurement.
     Returns:
         :class:`MemoryPrediction` (bytes). Takes about 1 s per 64 ResNet-50 images on 2 CPU cores.
     Raises:
@@ -211,45 +217,56 @@ def predict_step_memory(
 
     if micro_batch < 1:
         raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
-    size = image_size or cfg.image_size
+    size = image_size or None
     prec = precision or target_precision(cfg, gpu_bf16)
     cpu = torch.device("cpu")
     t0 = time.perf_counter()
     task = build_task(cfg, DistInfo(0, 0, 1, cpu))
-    with torch.device("meta"):
-        meta_model = task.build_model(num_outputs)
-    if cfg.channels_last:
-        meta_model = meta_model.to(memory_format=torch.channels_last)
     alloc = AllocatorModel()
     with warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=True):
         warnings.simplefilter("ignore")  # deepcopy of fake tensors (EMA) warns about data pointers
+        model = task.build_model(num_outputs)  # built as fake tensors: initialisers run on shapes only
+        example = task.example_batch(1, image_size=size, num_outputs=num_outputs)
+        shape = tuple(int(d) for d in example["image"].shape[-2:])
+        del example
+        if cfg.channels_last:  # Module.to would swap tensors, which fake tensors (weak-referenced) refuse
+            for p in model.parameters():
+                if p.dim() == 4:
+                    p.data = p.data.contiguous(memory_format=torch.channels_last)
+        alloc.track([*model.parameters(), *model.buffers()])
         with alloc:
             rig = build_train_step(
                 cfg,
                 task,
-                meta_model.to_empty(device=cpu),
+                model,
                 cpu,
                 precision=prec,
                 num_outputs=num_outputs,
                 compile_model=False,
                 place=False,
             )
-        tracker = MemTracker()
-        tracker.track_external(*[m for m in (rig.model, rig.optimizer, rig.ema) if m is not None])
-        with alloc, tracker:
+        # MemTracker hooks every parameter's gradient and refuses frozen ones (a frozen backbone stem): then the
+        # per-category breakdown is left out and the allocator model alone counts.
+        frozen = any(not p.requires_grad for p in rig.model.parameters())
+        tracker = contextlib.nullcontext() if frozen else MemTracker()
+        if not frozen:
+            tracker.track_external(*[m for m in (rig.model, rig.optimizer, rig.ema) if m is not None])
+        kernels = cuda_kernel_stand_in() if cuda_kernels else contextlib.nullcontext()
+        with alloc, tracker, kernels:
             for _ in range(2):
                 x = rig.example_batch(micro_batch, size)
                 rig.step(x, use_scaler=False)
                 del x
-                tracker.reset_mod_stats()
+                if not frozen:
+                    tracker.reset_mod_stats()
             x = rig.example_batch(eval_batch or cfg.eval_batch_size or 2 * micro_batch, size, train=False)
             rig.eval_forward(x)
             del x
-        peak = tracker.get_tracker_snapshot("peak").get(cpu, {})
+        peak = {} if frozen else tracker.get_tracker_snapshot("peak").get(cpu, {})
         grad_bytes = sum(p.numel() * 4 for p in rig.model.parameters() if p.requires_grad)
     return MemoryPrediction(
         micro_batch=micro_batch,
-        image_size=size,
+        input_size=shape,
         precision=prec.name,
         world_size=world_size,
         allocated_peak_bytes=alloc.peak_allocated,
@@ -293,7 +310,7 @@ class LoaderRamPrediction:
 
 def predict_loader_ram(
     micro_batch: int,
-    image_size: int,
+    image_size: int | tuple[int, int],
     num_workers: int,
     prefetch_factor: int,
     *,
@@ -303,16 +320,18 @@ def predict_loader_ram(
     """Host RAM of one rank's loader: ``workers x prefetch x micro_batch x bytes_per_sample + workers x overhead``.
 
     Source: seed 002 ("Total RAM buffer = num_workers x prefetch_factor x batch_memory"), with the batch in the
-    trainer's format (uint8, 3 x image_size^2 bytes per image unless a measured ``bytes_per_sample`` is given)
+    trainer's format (uint8, 3 x H x W bytes per image, ``image_size`` = side or (H, W), unless a measured
+    ``bytes_per_sample`` is given)
     and the per-worker overhead (measured by ``probe``, else :data:`WORKER_OVERHEAD_BYTES`). ``num_workers=0``
     loads in the training process: one batch, no workers. Multiply by the ranks of a host for the host's RAM.
     """
     measured = bytes_per_sample is not None
+    h, w = (image_size, image_size) if isinstance(image_size, int) else image_size
     return LoaderRamPrediction(
         micro_batch,
         num_workers,
         prefetch_factor,
-        int(bytes_per_sample if measured else 3 * image_size * image_size),
+        int(bytes_per_sample if measured else 3 * h * w),
         int(WORKER_OVERHEAD_BYTES if worker_overhead_bytes is None else worker_overhead_bytes),
         "measured (probe)" if measured else "3 x H x W uint8 (the loader's batch format)",
         "measured (probe)" if worker_overhead_bytes is not None else "WORKER_OVERHEAD_BYTES default (CPU-2)",

@@ -104,9 +104,10 @@ def gpu_model_of(device_name: str) -> Optional[str]:
     return next((g for g in sorted(catalog.GPU_MODELS, key=len, reverse=True) if g in device_name), None)
 
 
-def model_gflops(cfg: TrainConfig, image_size: int, num_outputs: int) -> float:
-    """Forward GFLOPs of one sample through ``cfg.model`` at ``image_size``: the task's predict on its example
-    batch of one (FlopCounterMode on fake tensors, so no memory and no weights)."""
+def model_gflops(cfg: TrainConfig, image_size: Optional[int], num_outputs: int) -> float:
+    """Forward GFLOPs of one sample through ``cfg.model`` at ``image_size`` (None: the task's evaluation
+    :meth:`~trainer.tasks.base.Task.input_size`): the task's predict on its example batch of one
+    (FlopCounterMode on fake tensors, so no memory and no weights)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -114,10 +115,8 @@ def model_gflops(cfg: TrainConfig, image_size: int, num_outputs: int) -> float:
     from trainer.tasks import build_task
 
     task = build_task(cfg, DistInfo(0, 0, 1, torch.device("cpu")))
-    with torch.device("meta"):
-        model = task.build_model(num_outputs)
     with FakeTensorMode(allow_non_fake_inputs=True):
-        model = model.to_empty(device="cpu").eval()
+        model = task.build_model(num_outputs).eval().requires_grad_(False)  # no autograd hooks from the counter
         batch = task.example_batch(1, image_size=image_size, num_outputs=num_outputs, train=False)
         counter = FlopCounterMode(display=False)
         with counter, torch.no_grad():
@@ -133,6 +132,7 @@ class _Inputs:
     num_outputs: int
     probe: Optional[dict]
     predict: Callable = field(repr=False, default=None)
+    input_size: tuple[int, int] = (224, 224)  # (H, W) of the largest training image (Task.input_size)
 
 
 def _throughput(inp: _Inputs, gpu: catalog.GpuModel, cache: dict) -> tuple[Optional[float], str]:
@@ -155,7 +155,7 @@ def _throughput(inp: _Inputs, gpu: catalog.GpuModel, cache: dict) -> tuple[Optio
         return None, "unknown: give --images-per-second or --probe-report"
     if "ratio" not in cache:
         ref = TrainConfig(model="resnet50")
-        cache["ratio"] = model_gflops(ref, 224, 1000) / model_gflops(inp.cfg, inp.cfg.image_size, inp.num_outputs)
+        cache["ratio"] = model_gflops(ref, 224, 1000) / model_gflops(inp.cfg, None, inp.num_outputs)
     ref = catalog.GPU_MODELS[REFERENCE_GPU]
     return (
         REFERENCE_IMAGES_PER_S * gpu.relative_throughput / ref.relative_throughput * cache["ratio"],
@@ -228,7 +228,7 @@ def plan_rows(inp: _Inputs, types: list[catalog.InstanceType]) -> list[dict]:
                 f"needs {need / GIB:.1f} GiB per GPU, has {have / GIB:.1f} GiB minus "
                 f"{opts.margin:.0%} margin: lower batch_size or raise accumulate_grad_batches"
             )
-        ram = predict_loader_ram(micro, cfg.image_size, cfg.num_workers, cfg.prefetch_factor)
+        ram = predict_loader_ram(micro, inp.input_size, cfg.num_workers, cfg.prefetch_factor)
         if procs * ram.total_bytes > it.memory_mib * MIB * (1 - opts.margin):
             row["warnings"].append(f"loader RAM {procs * ram.total_bytes / GIB:.1f} GiB > host RAM minus margin")
         if procs * cfg.num_workers > it.vcpus:
@@ -299,7 +299,11 @@ def make_plan(cfg: TrainConfig, opts: PlanOptions, predict: Callable = predict_s
     size, classes, size_source = _dataset(cfg, opts)
     if cfg.batch_size > size:
         raise PlanError(f"batch_size {cfg.batch_size} is larger than the dataset ({size} training images)")
-    rows = plan_rows(_Inputs(cfg, opts, size, classes, probe, predict), types)
+    from trainer.engine.distributed import DistInfo
+    from trainer.tasks import build_task
+
+    hw = build_task(cfg, DistInfo(0, 0, 1, torch.device("cpu"))).input_size()
+    rows = plan_rows(_Inputs(cfg, opts, size, classes, probe, predict, hw), types)
     flags = []
     if not any(r["fits"] for r in rows):
         flags.append(
@@ -314,11 +318,11 @@ def make_plan(cfg: TrainConfig, opts: PlanOptions, predict: Callable = predict_s
     model = (
         f"external model (--model-memory-gib {opts.model_memory_gib}, not built)"
         if opts.model_memory_gib is not None
-        else f"{cfg.model} at {cfg.image_size} px"
+        else f"{cfg.task} {cfg.model} at {hw[0]}x{hw[1]} px"
     )
     return {
         "model": model,
-        "image_size": cfg.image_size,
+        "image_size": list(hw),
         "batch_size": cfg.batch_size,
         "accumulate_grad_batches": cfg.accumulate_grad_batches,
         "epochs": cfg.epochs,

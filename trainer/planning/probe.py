@@ -131,13 +131,14 @@ def _sync(device: torch.device) -> None:
 
 
 def measure_step(
-    rig: TrainStep, batch: int, image_size: int, steps: int, limit_bytes: float, margin: float
+    rig: TrainStep, batch: int, image_size: Optional[int], steps: int, limit_bytes: float, margin: float
 ) -> StepMeasurement:
     """Peak memory and time of ``steps`` optimizer steps at ``batch`` images per forward, after a warm-up step
     (always on CUDA; on CPU only while the optimizer has no state yet, since the profiled step warms up too).
 
     ``limit_bytes``: device memory available (CUDA: the device or the --memory-limit-gib cap; CPU: the simulated
     limit). ``fits`` = ran and peak <= limit x (1 - margin). CUDA OOM is caught and reported as ``oom``.
+    ``image_size`` None: the task's :meth:`~trainer.tasks.base.Task.input_size`.
     """
     m = StepMeasurement(batch)
     dev = rig.device
@@ -216,7 +217,7 @@ class ProbeResult:
     precision: str
     device: str
     device_name: str
-    image_size: int
+    image_size: str  # "H x W" pixels of the measured batches' images (Task.input_size)
     limit_bytes: float
     limit_source: str
     margin: float
@@ -259,9 +260,10 @@ def run_probe(cfg: TrainConfig, opts: ProbeOptions, log: Callable[[str], None] =
     data = task.build_data()
     torch.manual_seed(cfg.seed)
     rig = build_train_step(cfg, task, task.build_model(data.num_outputs), device, num_outputs=data.num_outputs)
-    size = cfg.image_size
+    size = None  # the task's largest training input
+    shape = "x".join(str(d) for d in task.input_size())  # "224x224"
     log(
-        f"probe: {cfg.model} at {size} px on {device}, precision {rig.precision.name}, limit "
+        f"probe: {cfg.model} at {shape} px on {device}, precision {rig.precision.name}, limit "
         f"{limit / GIB:.2f} GiB ({source}), margin {opts.margin:.0%}"
     )
 
@@ -291,7 +293,7 @@ def run_probe(cfg: TrainConfig, opts: ProbeOptions, log: Callable[[str], None] =
     overhead = int(statistics.median([r["worker_overhead_bytes"] for r in measured])) if measured else None
     ram = predict_loader_ram(
         loader_batch,
-        size,
+        task.input_size(),
         cfg.num_workers,
         cfg.prefetch_factor,
         bytes_per_sample=loader[0]["bytes_per_sample"] if loader else None,
@@ -302,7 +304,7 @@ def run_probe(cfg: TrainConfig, opts: ProbeOptions, log: Callable[[str], None] =
         precision=rig.precision.name,
         device=device.type,
         device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        image_size=size,
+        image_size=shape,
         limit_bytes=limit,
         limit_source=source,
         margin=opts.margin,

@@ -169,6 +169,12 @@ class Task(ABC):
         return {}
 
     # .. planning ..........................................................................................
+    def input_size(self, train: bool = True) -> tuple[int, int]:
+        """(H, W) in pixels of the largest sample a training (``train``) or evaluation step sees: what
+        :meth:`example_batch` builds by default and what ``plan`` prices (memory, loader RAM, FLOPs). Default
+        ``(image_size, image_size)``; tasks with other shapes override it."""
+        return self.cfg.image_size, self.cfg.image_size
+
     @abstractmethod
     def example_batch(
         self, batch_size: int, *, image_size: Optional[int] = None, num_outputs: int = 1000, train: bool = True

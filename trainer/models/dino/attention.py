@@ -8,6 +8,7 @@ Upstream's ``MSDeformAttn`` (``models/dino/ops/modules/ms_deform_attn.py``) on o
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +73,7 @@ class MSDeformAttn(nn.Module):
         input_spatial_shapes: Tensor,
         input_level_start_index: Tensor,
         input_padding_mask: Tensor | None = None,
+        level_shapes: Sequence[tuple[int, int]] | None = None,
     ) -> Tensor:
         """Deformable attention of ``query`` over the flattened multi-scale ``input_flatten``.
 
@@ -84,6 +86,8 @@ class MSDeformAttn(nn.Module):
             input_spatial_shapes: (L, 2) int64 (H_l, W_l).
             input_level_start_index: (L,) int64.
             input_padding_mask: (N, S) bool, True on padding (those values are zeroed).
+            level_shapes: ``input_spatial_shapes`` as Python ints, when the caller has them: the op then reads
+                no tensor values (no GPU sync; works on shape-only tensors).
 
         Returns:
             (N, Lq, C).
@@ -113,6 +117,7 @@ class MSDeformAttn(nn.Module):
             locations.contiguous(),
             weights.contiguous(),
             _im2col_step(n, self.im2col_step),
+            level_shapes=level_shapes,
         )
         return self.output_proj(out)
 

@@ -29,9 +29,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torchvision.ops import box_convert, generalized_box_iou_loss, sigmoid_focal_loss
+from torchvision.ops import box_convert, generalized_box_iou, generalized_box_iou_loss, sigmoid_focal_loss
 
 from trainer.models.dino.matcher import MatchIndices
+from trainer.models.dino.utils import has_values
 
 __all__ = ["DinoCriterion", "dino_weight_dict", "dn_positive_indices", "LOSS_KEYS"]
 
@@ -181,10 +182,11 @@ class DinoCriterion(nn.Module):
         loss_bbox = F.l1_loss(src, tgt, reduction="sum") / num_boxes
         # Element-wise GIoU of the matched pairs (torchvision's loss form: the diagonal of the pairwise
         # generalized_box_iou upstream takes, without the N x N matrix; eps=1e-7 guards degenerate boxes).
-        loss_giou = (
-            generalized_box_iou_loss(box_convert(src, "cxcywh", "xyxy"), box_convert(tgt, "cxcywh", "xyxy"), "sum")
-            / num_boxes
-        )
+        src_xyxy, tgt_xyxy = box_convert(src, "cxcywh", "xyxy"), box_convert(tgt, "cxcywh", "xyxy")
+        if has_values(src):
+            loss_giou = generalized_box_iou_loss(src_xyxy, tgt_xyxy, "sum") / num_boxes
+        else:  # shape-only tensors: torchvision's loss masks by value; the pairwise form has no such step
+            loss_giou = (1 - generalized_box_iou(src_xyxy, tgt_xyxy).diagonal()).sum() / num_boxes
         return {"loss_bbox": loss_bbox, "loss_giou": loss_giou}
 
     @staticmethod
@@ -232,7 +234,7 @@ class DinoCriterion(nn.Module):
     def _check_labels(self, targets: Sequence[Mapping[str, Tensor]]) -> None:
         """Out-of-range labels would index past the one-hot (a device-side assert on CUDA): fail clearly, once."""
         labels = [t["labels"].reshape(-1) for t in targets if t["labels"].numel()]
-        if not labels:
+        if not labels or not has_values(labels[0]):  # shape-only tensors (plan's memory prediction)
             return
         flat = torch.cat([x.to(labels[0].device) for x in labels])
         lo, hi = torch.stack(torch.aminmax(flat)).tolist()  # one device->host sync per step

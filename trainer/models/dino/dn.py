@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from trainer.models.dino.utils import inverse_sigmoid
+from trainer.models.dino.utils import has_values, inverse_sigmoid
 
 
 def num_dn_groups(dn_number: int, max_gt: int) -> int:
@@ -50,10 +50,11 @@ def dn_attention_mask(num_groups: int, single_pad: int, num_queries: int, device
 
 
 def check_labels(targets: Sequence[dict], num_classes: int) -> None:
-    """Raise ValueError when a target label is outside [0, num_classes) (it would index ``label_enc`` wrongly)."""
+    """Raise ValueError when a target label is outside [0, num_classes) (it would index ``label_enc`` wrongly).
+    Shape-only labels (:func:`~trainer.models.dino.utils.has_values` False) cannot be checked and pass."""
     for i, t in enumerate(targets):
         labels = t["labels"]
-        if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= num_classes):
+        if labels.numel() and has_values(labels) and (int(labels.min()) < 0 or int(labels.max()) >= num_classes):
             raise ValueError(
                 f"DINO denoising: targets[{i}]['labels'] must lie in [0, num_classes={num_classes}), got "
                 f"min {int(labels.min())}, max {int(labels.max())}"

@@ -26,6 +26,8 @@ from scipy.optimize import linear_sum_assignment
 from torch import Tensor, nn
 from torchvision.ops import box_convert, generalized_box_iou
 
+from trainer.models.dino.utils import has_values
+
 __all__ = ["HungarianMatcher", "MatchIndices"]
 
 #: One image's assignment: (prediction indices into Q, target indices into N), both int64 on the CPU, equal length.
@@ -142,6 +144,10 @@ class HungarianMatcher(nn.Module):
                 if n > 0
             ]
             flat = torch.cat(blocks).cpu()
+        if not has_values(flat):
+            # Shape-only costs (plan's memory prediction): queries 0..n-1 to targets 0..n-1, the same number
+            # of matches, so the same loss-term sizes, as a real assignment.
+            return [(torch.arange(n), torch.arange(n)) for n in sizes]
         if not torch.isfinite(flat).all():
             raise ValueError("HungarianMatcher: the matching cost contains NaN or inf (non-finite predictions?)")
 

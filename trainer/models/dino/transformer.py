@@ -22,7 +22,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from trainer.models.dino.attention import MSDeformAttn
-from trainer.models.dino.utils import MLP, gen_encoder_output_proposals, gen_sineembed_for_position, inverse_sigmoid
+from trainer.models.dino.utils import (
+    MLP,
+    gen_encoder_output_proposals,
+    gen_sineembed_for_position,
+    inverse_sigmoid,
+    level_shapes,
+)
 
 
 class DeformableTransformerEncoderLayer(nn.Module):
@@ -39,9 +45,14 @@ class DeformableTransformerEncoderLayer(nn.Module):
         self.dropout3 = nn.Dropout(dropout)
         self.norm2 = nn.LayerNorm(d_model)
 
-    def forward(self, src, pos, reference_points, spatial_shapes, level_start_index, key_padding_mask=None):
-        """src, pos (B, S, C); reference_points (B, S, L, 2); key_padding_mask (B, S) bool -> (B, S, C)."""
-        src2 = self.self_attn(src + pos, reference_points, src, spatial_shapes, level_start_index, key_padding_mask)
+    def forward(
+        self, src, pos, reference_points, spatial_shapes, level_start_index, key_padding_mask=None, level_shapes=None
+    ):
+        """src, pos (B, S, C); reference_points (B, S, L, 2); key_padding_mask (B, S) bool; level_shapes: the
+        spatial_shapes as Python ints or None -> (B, S, C)."""
+        src2 = self.self_attn(
+            src + pos, reference_points, src, spatial_shapes, level_start_index, key_padding_mask, level_shapes
+        )
         src = self.norm1(src + self.dropout1(src2))
         src2 = self.linear2(self.dropout2(F.relu(self.linear1(src))))
         return self.norm2(src + self.dropout3(src2))
@@ -65,15 +76,24 @@ class DeformableTransformerDecoderLayer(nn.Module):
         self.norm3 = nn.LayerNorm(d_model)
 
     def forward(
-        self, tgt, query_pos, reference_points, memory, memory_mask, level_start_index, spatial_shapes, attn_mask
+        self,
+        tgt,
+        query_pos,
+        reference_points,
+        memory,
+        memory_mask,
+        level_start_index,
+        spatial_shapes,
+        attn_mask,
+        level_shapes=None,
     ):
         """tgt, query_pos (B, Q, C); reference_points (B, Q, L, 4); memory (B, S, C); memory_mask (B, S) bool;
-        attn_mask (Q, Q) bool (True = may not attend) or None -> (B, Q, C)."""
+        attn_mask (Q, Q) bool (True = may not attend) or None; level_shapes as the encoder's -> (B, Q, C)."""
         q = k = tgt + query_pos
         tgt2 = self.self_attn(q, k, tgt, attn_mask=attn_mask, need_weights=False)[0]
         tgt = self.norm2(tgt + self.dropout2(tgt2))
         tgt2 = self.cross_attn(
-            tgt + query_pos, reference_points, memory, spatial_shapes, level_start_index, memory_mask
+            tgt + query_pos, reference_points, memory, spatial_shapes, level_start_index, memory_mask, level_shapes
         )
         tgt = self.norm1(tgt + self.dropout1(tgt2))
         tgt2 = self.linear2(self.dropout3(F.relu(self.linear1(tgt))))
@@ -88,10 +108,11 @@ class TransformerEncoder(nn.Module):
         self.layers = nn.ModuleList(copy.deepcopy(layer) for _ in range(num_layers))
 
     @staticmethod
-    def get_reference_points(spatial_shapes: Tensor, valid_ratios: Tensor) -> Tensor:
-        """Pixel centres of every level, normalised by the valid size, seen from every level: (B, S, L, 2) (x, y)."""
+    def get_reference_points(spatial_shapes, valid_ratios: Tensor) -> Tensor:
+        """Pixel centres of every level, normalised by the valid size, seen from every level: (B, S, L, 2) (x, y).
+        ``spatial_shapes``: (L, 2) int64 tensor or (H, W) pairs of Python ints."""
         refs = []
-        for lvl, (h, w) in enumerate(spatial_shapes.tolist()):
+        for lvl, (h, w) in enumerate(level_shapes(spatial_shapes)):
             ys, xs = torch.meshgrid(
                 torch.arange(h, dtype=torch.float32, device=valid_ratios.device) + 0.5,
                 torch.arange(w, dtype=torch.float32, device=valid_ratios.device) + 0.5,
@@ -102,12 +123,15 @@ class TransformerEncoder(nn.Module):
             refs.append(torch.stack((ref_x, ref_y), -1))
         return torch.cat(refs, 1)[:, :, None] * valid_ratios[:, None]
 
-    def forward(self, src, pos, spatial_shapes, level_start_index, valid_ratios, key_padding_mask):
-        """src, pos (B, S, C); valid_ratios (B, L, 2) (w, h); key_padding_mask (B, S) -> memory (B, S, C)."""
-        reference_points = self.get_reference_points(spatial_shapes, valid_ratios)
+    def forward(self, src, pos, spatial_shapes, level_start_index, valid_ratios, key_padding_mask, level_shapes=None):
+        """src, pos (B, S, C); valid_ratios (B, L, 2) (w, h); key_padding_mask (B, S); level_shapes: the
+        spatial_shapes as Python ints or None -> memory (B, S, C)."""
+        reference_points = self.get_reference_points(
+            spatial_shapes if level_shapes is None else level_shapes, valid_ratios
+        )
         out = src
         for layer in self.layers:
-            out = layer(out, pos, reference_points, spatial_shapes, level_start_index, key_padding_mask)
+            out = layer(out, pos, reference_points, spatial_shapes, level_start_index, key_padding_mask, level_shapes)
         return out
 
 
@@ -145,8 +169,10 @@ class TransformerDecoder(nn.Module):
         spatial_shapes,
         valid_ratios,
         attn_mask=None,
+        level_shapes=None,
     ):
-        """tgt (B, Q, C) content queries; refpoints_unsigmoid (B, Q, 4) anchors in inverse-sigmoid space.
+        """tgt (B, Q, C) content queries; refpoints_unsigmoid (B, Q, 4) anchors in inverse-sigmoid space;
+        level_shapes: the spatial_shapes as Python ints or None.
 
         Returns (hs, references): hs (n_dec, B, Q, C) normed layer outputs, references (n_dec + 1, B, Q, 4)
         sigmoid anchors (index 0 the input anchors, index i+1 layer i's un-detached refinement).
@@ -160,7 +186,15 @@ class TransformerDecoder(nn.Module):
             query_sine_embed = gen_sineembed_for_position(ref_input[:, :, 0, :], self.d_model)
             query_pos = self.ref_point_head(query_sine_embed)
             output = layer(
-                output, query_pos, ref_input, memory, memory_mask, level_start_index, spatial_shapes, attn_mask
+                output,
+                query_pos,
+                ref_input,
+                memory,
+                memory_mask,
+                level_start_index,
+                spatial_shapes,
+                attn_mask,
+                level_shapes,
             )
             new_reference_points = (self.bbox_embed[lid](output) + inverse_sigmoid(reference_points)).sigmoid()
             reference_points = new_reference_points.detach()
@@ -244,18 +278,19 @@ class DeformableTransformer(nn.Module):
         """
         src_flat, mask_flat, pos_flat, shapes = [], [], [], []
         for lvl, (src, mask, pos) in enumerate(zip(srcs, masks, pos_embeds)):
-            shapes.append(src.shape[-2:])
+            shapes.append((int(src.shape[-2]), int(src.shape[-1])))
             src_flat.append(src.flatten(2).transpose(1, 2))
             mask_flat.append(mask.flatten(1))
             pos_flat.append(pos.flatten(2).transpose(1, 2) + self.level_embed[lvl].view(1, 1, -1))
         src_flatten, mask_flatten = torch.cat(src_flat, 1), torch.cat(mask_flat, 1)
         lvl_pos_embed_flatten = torch.cat(pos_flat, 1)
         spatial_shapes = torch.as_tensor(shapes, dtype=torch.long, device=src_flatten.device)
-        level_start_index = torch.cat((spatial_shapes.new_zeros((1,)), spatial_shapes.prod(1).cumsum(0)[:-1]))
+        starts = [sum(h * w for h, w in shapes[:i]) for i in range(len(shapes))]
+        level_start_index = torch.as_tensor(starts, dtype=torch.long, device=src_flatten.device)
         valid_ratios = torch.stack([self.get_valid_ratio(m) for m in masks], 1)
 
         memory = self.encoder(
-            src_flatten, lvl_pos_embed_flatten, spatial_shapes, level_start_index, valid_ratios, mask_flatten
+            src_flatten, lvl_pos_embed_flatten, spatial_shapes, level_start_index, valid_ratios, mask_flatten, shapes
         )
 
         bs, num_tokens = memory.shape[:2]
@@ -264,7 +299,7 @@ class DeformableTransformer(nn.Module):
                 f"DINO: the image gives {num_tokens} encoder tokens, fewer than num_queries ({self.num_queries}); "
                 "use larger images or fewer queries"
             )
-        output_memory, output_proposals = gen_encoder_output_proposals(memory, mask_flatten, spatial_shapes)
+        output_memory, output_proposals = gen_encoder_output_proposals(memory, mask_flatten, shapes)
         output_memory = self.enc_output_norm(self.enc_output(output_memory))
         enc_class = self.enc_out_class_embed(output_memory)
         enc_coord_unselected = self.enc_out_bbox_embed(output_memory) + output_proposals  # unsigmoid
@@ -288,5 +323,6 @@ class DeformableTransformer(nn.Module):
             spatial_shapes,
             valid_ratios,
             attn_mask,
+            shapes,
         )
         return hs, references, tgt_undetach, refpoint_undetach.sigmoid(), init_box_proposal

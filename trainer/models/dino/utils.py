@@ -14,6 +14,23 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 
+def has_values(t: Tensor) -> bool:
+    """False for shape-only tensors (``torch._subclasses.FakeTensorMode``, the ``meta`` device), whose values
+    cannot be read: value checks and the Hungarian solver skip them. ``plan``'s memory prediction runs DINO's
+    training step that way (:mod:`trainer.planning.memory`)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return t.device.type != "meta" and not is_fake(t)
+
+
+def level_shapes(spatial_shapes) -> list[tuple[int, int]]:
+    """(H_l, W_l) per level as Python ints from a (L, 2) int64 tensor (one device->host copy) or a sequence of
+    pairs (no copy; also works on shape-only tensors' models, see :func:`has_values`)."""
+    if isinstance(spatial_shapes, Tensor):
+        return [(int(h), int(w)) for h, w in spatial_shapes.tolist()]
+    return [(int(h), int(w)) for h, w in spatial_shapes]
+
+
 def inverse_sigmoid(x: Tensor, eps: float = 1e-3) -> Tensor:
     """log(x / (1 - x)) with x clamped to [0, 1] and both terms to >= eps (upstream's eps 1e-3): finite for 0 and 1."""
     x = x.clamp(0.0, 1.0)
@@ -70,7 +87,7 @@ def gen_sineembed_for_position(pos_tensor: Tensor, d_model: int = 256) -> Tensor
 
 
 def gen_encoder_output_proposals(
-    memory: Tensor, memory_padding_mask: Tensor, spatial_shapes: Tensor, base_wh: float = 0.05
+    memory: Tensor, memory_padding_mask: Tensor, spatial_shapes, base_wh: float = 0.05
 ) -> tuple[Tensor, Tensor]:
     """One anchor box per encoder token (two-stage DINO / Deformable DETR sec. 4.2).
 
@@ -81,7 +98,7 @@ def gen_encoder_output_proposals(
     Args:
         memory: (B, S, C) encoder output, S = sum(H_l * W_l).
         memory_padding_mask: (B, S) bool, True on padding.
-        spatial_shapes: (L, 2) int64 (H_l, W_l).
+        spatial_shapes: (L, 2) int64 (H_l, W_l), or those pairs as Python ints (no device->host copy).
 
     Returns:
         output_memory (B, S, C) (memory with invalid tokens zeroed), output_proposals float32 (B, S, 4)
@@ -90,7 +107,7 @@ def gen_encoder_output_proposals(
     b = memory.shape[0]
     proposals = []
     start = 0
-    for lvl, (h, w) in enumerate(spatial_shapes.tolist()):
+    for lvl, (h, w) in enumerate(level_shapes(spatial_shapes)):
         mask_l = memory_padding_mask[:, start : start + h * w].view(b, h, w)
         valid_h = (~mask_l[:, :, 0]).sum(1)
         valid_w = (~mask_l[:, 0, :]).sum(1)

@@ -4,11 +4,13 @@
   extension is built (``images/build_msda.sh``), else the PyTorch reference with one RuntimeWarning.
 - :class:`MSDeformAttnFunction`, :func:`ms_deform_attn_core_pytorch`: DINO's names, drop-in for its code.
 - :class:`MultiScaleDeformableAttention`: the same op as an ``nn.Module``.
+- :func:`cuda_kernel_stand_in`: shape-only stand-in with the kernels' allocations (GPU-memory prediction).
 """
 
 from trainer.ops.msda.function import (
     MSDeformAttnFunction,
     check_inputs,
+    cuda_kernel_stand_in,
     extension_error,
     load_extension,
     ms_deform_attn,
@@ -22,6 +24,7 @@ __all__ = [
     "MSDeformAttnFunction",
     "MultiScaleDeformableAttention",
     "check_inputs",
+    "cuda_kernel_stand_in",
     "extension_error",
     "load_extension",
     "ms_deform_attn",

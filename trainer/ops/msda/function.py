@@ -9,10 +9,13 @@ divide N). Output (N, Lq, M * D). fp32, fp64, fp16 and bf16.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Sequence
 from typing import Optional
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.autograd.function import once_differentiable
 
 from trainer.ops.msda.reference import ms_deform_attn_reference
@@ -21,6 +24,7 @@ FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _ext: Optional[object] = None
 _ext_error: Optional[str] = None
 _warned = False
+_kernel_stand_in = False
 
 
 def load_extension():
@@ -53,8 +57,13 @@ def check_inputs(
     sampling_locations: torch.Tensor,
     attention_weights: torch.Tensor,
     im2col_step: int,
+    level_shapes: Optional[Sequence[tuple[int, int]]] = None,
 ) -> None:
     """Raise a clear error naming the argument when the inputs do not fit the op's contract.
+
+    ``level_shapes``: the (H, W) of ``spatial_shapes`` as Python ints. Given, the level sizes are checked from
+    them and the values of ``spatial_shapes``/``level_start_index`` are not read (no device->host copy, so no
+    GPU sync per call, and shape-only tensors work); their agreement is the caller's promise.
 
     Raises:
         TypeError: not a tensor; value/sampling_locations/attention_weights not one of fp32/fp64/fp16/bf16 or
@@ -113,7 +122,13 @@ def check_inputs(
         raise ValueError(f"ms_deform_attn: im2col_step must be an int >= 1, got {im2col_step!r}")
     if n and n % min(n, im2col_step):
         raise ValueError(f"ms_deform_attn: im2col_step ({im2col_step}) must divide the batch size N ({n})")
-    flat = torch.cat([spatial_shapes.flatten(), level_start_index]).tolist()  # one host sync
+    if level_shapes is not None:
+        if len(level_shapes) != n_levels:
+            raise ValueError(f"ms_deform_attn: level_shapes has {len(level_shapes)} levels, spatial_shapes {n_levels}")
+        flat = [int(x) for hw in level_shapes for x in hw]
+        flat += [sum(flat[2 * j] * flat[2 * j + 1] for j in range(i)) for i in range(n_levels)]
+    else:
+        flat = torch.cat([spatial_shapes.flatten(), level_start_index]).tolist()  # one host sync
     hw = [flat[2 * i] * flat[2 * i + 1] for i in range(n_levels)]
     if any(flat[2 * i] < 1 or flat[2 * i + 1] < 1 for i in range(n_levels)):
         raise ValueError(f"ms_deform_attn: spatial_shapes must be positive (H, W) pairs, got {flat[: 2 * n_levels]}")
@@ -164,6 +179,41 @@ class MSDeformAttnFunction(torch.autograd.Function):
         return grad_value, None, None, grad_loc, grad_attn, None
 
 
+class _KernelStandIn(torch.autograd.Function):
+    """The CUDA kernels' allocations on shape-only tensors: forward allocates the output (N, Lq, M * D) in
+    value's dtype and saves only its inputs; backward allocates the three gradients in the accumulation dtype
+    (fp32 for fp16/bf16) and casts them to the input dtype, as ``msda_cuda_backward`` (csrc/msda_kernel.cu)."""
+
+    @staticmethod
+    def forward(ctx, value, sampling_locations, attention_weights):
+        ctx.save_for_backward(value, sampling_locations, attention_weights)
+        n, _, m, d = value.shape
+        return value.new_empty(n, sampling_locations.shape[1], m * d)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_output):
+        grads = []
+        for t in ctx.saved_tensors:
+            acc = torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype
+            grads.append(torch.zeros(t.shape, dtype=acc, device=t.device).to(t.dtype))
+        return tuple(grads)
+
+
+@contextlib.contextmanager
+def cuda_kernel_stand_in():
+    """While active, shape-only inputs (``FakeTensorMode``) go through :class:`_KernelStandIn` instead of the
+    PyTorch reference: ``plan``'s GPU-memory prediction runs on fake CPU tensors, where the reference's
+    ``grid_sample`` intermediates (several (N*M, D, Lq, P) tensors per level) would be counted although the GPU
+    runs the CUDA kernels, which keep none. Tensors with values are unaffected."""
+    global _kernel_stand_in
+    before, _kernel_stand_in = _kernel_stand_in, True
+    try:
+        yield
+    finally:
+        _kernel_stand_in = before
+
+
 def _warn_fallback(reason: str) -> None:
     global _warned
     if not _warned:
@@ -188,6 +238,8 @@ def ms_deform_attn(
     sampling_locations: torch.Tensor,
     attention_weights: torch.Tensor,
     im2col_step: int = 64,
+    *,
+    level_shapes: Optional[Sequence[tuple[int, int]]] = None,
 ) -> torch.Tensor:
     """Multi-scale deformable attention: CUDA kernels on CUDA tensors, else the reference (one warning).
 
@@ -199,6 +251,8 @@ def ms_deform_attn(
             zeros, like ``grid_sample`` with zero padding, ``align_corners=False``).
         attention_weights: (N, Lq, M, L, P), value's dtype.
         im2col_step: batch chunk per CUDA launch (DINO's argument); clamped to N, must divide N.
+        level_shapes: optional (H, W) per level as Python ints, equal to ``spatial_shapes``: saves the
+            device->host copy the checks and the reference would make (see :func:`check_inputs`).
 
     Returns:
         (N, Lq, M * D), value's dtype and device.
@@ -212,10 +266,15 @@ def ms_deform_attn(
         TypeError, ValueError: see :func:`check_inputs` (each message names the argument).
     """
     value, sampling_locations, attention_weights = _promote_mixed(value, sampling_locations, attention_weights)
-    check_inputs(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, im2col_step)
+    check_inputs(
+        value, spatial_shapes, level_start_index, sampling_locations, attention_weights, im2col_step, level_shapes
+    )
+    if _kernel_stand_in and is_fake(value):
+        return _KernelStandIn.apply(value, sampling_locations, attention_weights)
     if value.is_cuda and load_extension() is not None:
         return MSDeformAttnFunction.apply(
             value, spatial_shapes, level_start_index, sampling_locations, attention_weights, im2col_step
         )
     _warn_fallback(f"tensors on {value.device}" if not value.is_cuda else _ext_error)
-    return ms_deform_attn_reference(value, spatial_shapes, sampling_locations, attention_weights)
+    shapes = spatial_shapes if level_shapes is None else level_shapes
+    return ms_deform_attn_reference(value, shapes, sampling_locations, attention_weights)

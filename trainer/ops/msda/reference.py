@@ -8,12 +8,17 @@ grid is zero outside. Runs on any device and dtype that ``grid_sample`` supports
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
 
 def ms_deform_attn_reference(
-    value: torch.Tensor, spatial_shapes: torch.Tensor, sampling_locations: torch.Tensor, attention_weights: torch.Tensor
+    value: torch.Tensor,
+    spatial_shapes: torch.Tensor | Sequence[tuple[int, int]],
+    sampling_locations: torch.Tensor,
+    attention_weights: torch.Tensor,
 ) -> torch.Tensor:
     """Multi-scale deformable attention by ``grid_sample``; no argument checks (see ``ms_deform_attn``).
 
@@ -29,7 +34,8 @@ def ms_deform_attn_reference(
     """
     n, _, m, d = value.shape
     _, lq, _, n_levels, n_points, _ = sampling_locations.shape
-    shapes = [(int(h), int(w)) for h, w in spatial_shapes.tolist()]
+    pairs = spatial_shapes.tolist() if isinstance(spatial_shapes, torch.Tensor) else spatial_shapes
+    shapes = [(int(h), int(w)) for h, w in pairs]
     value_list = value.split([h * w for h, w in shapes], dim=1)
     grids = 2 * sampling_locations - 1  # grid_sample's [-1, 1] convention
     samples = []

@@ -305,6 +305,12 @@ class DetectionTask(Task):
         return CocoEvaluator(val.annotations, tuple(val.label_to_category_id), tuple(val.categories))
 
     # .. planning ...........................................................................................
+    def input_size(self, train: bool = True) -> tuple[int, int]:
+        """(H, W) of the largest input: shorter side ``max_scale`` (training) or ``eval_size`` (evaluation), longer
+        side ``max_size`` (a landscape image at the resize cap; DINO's recipe gives 800 x 1333)."""
+        short = self.cfg.max_scale if train else self.cfg.eval_size
+        return short, max(short, self.cfg.max_size)
+
     def example_batch(
         self,
         batch_size: int,
@@ -314,12 +320,13 @@ class DetectionTask(Task):
         train: bool = True,
         boxes_per_image: int = 8,
     ) -> dict:
-        """A device batch as :meth:`train_batch` returns it: images (B, 3, S, S') at the largest training size
-        (``image_size`` or ``max_scale`` on the shorter side, the longer ``max_size``-capped at 4:3), no padding,
+        """A device batch as :meth:`train_batch` returns it: images (B, 3, S, L), by default :meth:`input_size`
+        (the largest landscape image, e.g. 800 x 1333); ``image_size`` sets S and L in the same ratio. No padding,
         ``boxes_per_image`` random boxes per image (COCO averages ~7) with labels < ``num_outputs``."""
-        cfg, dev = self.cfg, self.dist.device
-        short = image_size or (cfg.max_scale if train else cfg.eval_size)
-        long = min(cfg.max_size, round(short * 4 / 3))
+        dev = self.dist.device
+        short, long = self.input_size(train)
+        if image_size:
+            short, long = image_size, max(image_size, round(image_size * long / short))
         g = torch.Generator().manual_seed(0)
         targets = []
         for _ in range(batch_size):
