@@ -172,6 +172,18 @@ def test_a_classification_field_is_refused_with_detection(tmp_path):
         _cfg({"task": "detection", "data_dir": "/x"}, tmp_path, mixup_alpha=0.2)
 
 
+def test_more_boxes_in_one_image_than_queries_is_refused_before_training(shared_data, tmp_path):
+    """facemask's train split has an image with 115 faces: with 100 queries the matcher would fail at that
+    image mid-epoch (found by a 2-rank run that died in epoch 2); the check names it before any step."""
+    data = {
+        "task": "detection",
+        "data_dir": str(shared_data / "facemask-coco"),
+        "coco_annotations": "annotations/custom_{split}.json",
+    }
+    with pytest.raises(ConfigError, match=r"num_queries: 100 queries, but image \d+ .* has 115 boxes"):
+        build_task(_cfg(data, tmp_path, num_queries=100, num_select=100), CPU).build_data()
+
+
 def test_splits_with_different_categories_are_refused(shared_data, tmp_path):
     data = facemask_subset(shared_data, tmp_path, 2, 2)
     val = tmp_path / "annotations" / "instances_val.json"
@@ -197,6 +209,37 @@ def test_a_short_detection_run_through_the_engine(shared_data, tmp_path):
     assert {"train_loss_ce", "train_loss_giou_dn", "val_map", "val_map_50", "ema_val_map"} <= set(last)
     assert t.global_step == 4 and last["val_images"] == 2.0 and t.best is not None
     assert (tmp_path / "logs" / "curves.png").is_file()
+
+
+def test_seed000_wall_and_room_train_on_floor_plans(shared_data, tmp_path):
+    """Seed 000's own two classes: COCO boxes built from r3d-floorplans' masks (tests/data/floorplans_coco.py:
+    rooms = components per room colour, walls = wall-mask pieces), read through the config's templates, and a
+    short run through the engine that scores each class (``val_ap_wall``, ``val_ap_room``)."""
+    from floorplans_coco import build_floorplans_coco
+
+    from trainer.engine.trainer import Trainer
+
+    plans = shared_data / "r3d-floorplans"
+    build_floorplans_coco(plans, tmp_path / "fp", split="train", limit=4)
+    build_floorplans_coco(plans, tmp_path / "fp", split="test", limit=2)
+    cfg = _cfg(
+        {
+            "task": "detection",
+            "data_dir": str(tmp_path / "fp"),
+            "coco_annotations": "floorplans_{split}.json",
+            "coco_images": str(plans / "{split}"),
+            "val_split": "test",
+        },
+        tmp_path,
+        epochs=1,
+    )
+    data = build_task(cfg, CPU).build_data()
+    assert data.label_space["categories"] == ["wall", "room"] and len(data.train) == 4 and len(data.val) == 2
+    t = Trainer(cfg, CPU)
+    last = t.fit()
+    t.close()
+    assert {"val_ap_wall", "val_ap_room", "val_map"} <= set(last) and last["val_images"] == 2.0
+    assert last["train_loss_ce"] > 0 and last["train_loss_bbox"] > 0
 
 
 @pytest.mark.multiprocess

@@ -26,9 +26,20 @@ from trainer.config.schema import (
     task_names,
 )
 
-_run, _data, _loader, _optim, _speed, _ckpt, _log, _cls, _det = (
+_run, _data, _loader, _optim, _speed, _ckpt, _log, _cls, _det, _seg = (
     functools.partial(config_field, s)
-    for s in ("run", "data", "loader", "optim", "speed", "checkpoint", "logging", "classification", "detection")
+    for s in (
+        "run",
+        "data",
+        "loader",
+        "optim",
+        "speed",
+        "checkpoint",
+        "logging",
+        "classification",
+        "detection",
+        "segmentation",
+    )
 )
 
 
@@ -46,7 +57,8 @@ class TrainConfig:
     model: str = _run(
         "resnet50",
         "classification: any torchvision classification model (torchvision.models.list_models); "
-        "detection: DINO-4scale's ResNet backbone (resnet18, resnet34, resnet50, resnet101).",
+        "detection: DINO-4scale's ResNet backbone (resnet18, resnet34, resnet50, resnet101); "
+        "segmentation: the architecture (unet, deeplabv3plus, fpn, segformer... or a torchvision segmentation model).",
     )
     seed: int = _run(0, "Seed for weights, data order and augmentation (all ranks derive from it).")
     device: str = _run("auto", "auto | cpu | cuda.", choices=DEVICES)
@@ -224,6 +236,43 @@ class TrainConfig:
         "checked, class heads and label_enc re-initialised when num_classes differs, the rest reported. "
         "A resumed run takes its checkpoint's weights instead (they are loaded after the model is built).",
     )
+
+    # --- segmentation (task section: only with task: segmentation) ------------------------------------
+    seg_images: str = _seg("images", "Image folder relative to data_dir; {split} becomes train_split or val_split.")
+    seg_masks: str = _seg("masks", "Mask folder relative to data_dir; {split} as above (may equal seg_images).")
+    mask_suffix: str = _seg(
+        "", "The mask of image <stem>.<ext> is <stem><mask_suffix>.<any image ext> (RID: _reviewed)."
+    )
+    image_glob: str = _seg(
+        "*", "Only image files matching this pattern (fnmatch), e.g. *.jpg when masks share the folder."
+    )
+    classes: list = _seg([], "Class names, index = class id in the masks (required).")
+    palette: list = _seg(
+        [], "Colour masks: one R,G,B per class in class order (e.g. ['0,0,0', '255,0,0']); empty: masks hold ids."
+    )
+    unknown_colour: str = _seg(
+        "error",
+        "A mask colour not in the palette: error (the file counts as bad) or ignore (ignore_index).",
+        choices=("error", "ignore"),
+    )
+    palette_tolerance: int = _seg(
+        0, "Palette match: the nearest colour counts when no channel differs by more than this (lossy masks)."
+    )
+    ignore_index: int = _seg(255, "Mask value excluded from loss and metrics (also the padding of crops and batches).")
+    val_fraction: float = _seg(
+        0.0, "Folders without {split}: this share of the pairs (fixed by a hash of the file name) is the val split."
+    )
+    max_samples: int = _seg(
+        0, "Use only the first N training pairs in name order (0 = all; seed 001's 10 per dataset)."
+    )
+    scale_min: float = _seg(0.5, "Training scale jitter: shorter side drawn from scale_min..scale_max x image_size.")
+    scale_max: float = _seg(2.0, "Training scale jitter: upper bound (then a random image_size crop, padded if small).")
+    encoder: str = _seg("resnet34", "Encoder of smp architectures (resnet34 as in the RID paper's U-Net).")
+    encoder_weights: Optional[str] = _seg(
+        None, "Local state_dict file for the encoder (offline; smp downloads otherwise)."
+    )
+    ce_weight: float = _seg(1.0, "Weight of the cross-entropy term of the loss.")
+    dice_weight: float = _seg(1.0, "Weight of the Dice term of the loss.")
 
     # ------------------------------------------------------------------------------------------------
     def validate(self) -> TrainConfig:

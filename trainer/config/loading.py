@@ -30,6 +30,8 @@ def _coerce(name: str, value: Any, source: str, key: Optional[str] = None) -> An
         if name == "precision":
             v = str(value).strip().lower()
             return PRECISION_ALIASES.get(v, v)
+        if f.default is dataclasses.MISSING:  # list fields (default_factory)
+            return _list(value)
         if "Optional" in typ or default is None:
             if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
                 return None
@@ -55,6 +57,19 @@ def _coerce(name: str, value: Any, source: str, key: Optional[str] = None) -> An
         return _string(value)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{key or name} ({source}): got {value!r}; {e}") from None
+
+
+def _list(value: Any) -> list:
+    """A list field's value: a YAML list (items as text; an item that is itself a list, like a colour
+    ``[255, 0, 0]``, becomes ``"255,0,0"``) or one string split on ``;`` when it has one, else on ``,``."""
+    if isinstance(value, (list, tuple)):
+        return [",".join(str(x) for x in v) if isinstance(v, (list, tuple)) else _string(v) for v in value]
+    if isinstance(value, dict):
+        raise ValueError("expected a list, not a mapping")
+    text = str(value).strip()
+    if not text:
+        return []
+    return [x.strip() for x in text.split(";" if ";" in text else ",") if x.strip()]
 
 
 def _string(value: Any) -> str:

@@ -51,6 +51,7 @@ SECTIONS: dict[str, str] = {
     "logging": "Where metrics go and how often progress is printed.",
     "classification": "Task section: augmentation, loss and resolution schedule of the classification task.",
     "detection": "Task section: COCO files, DINO-4scale's architecture, denoising and the multi-scale resize.",
+    "segmentation": "Task section: image/mask pairing, classes and palette, encoder, loss and the scale jitter.",
 }
 
 #: Allowed values of a field: a tuple, or a function returning one (evaluated when used, e.g. the task registry).

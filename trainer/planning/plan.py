@@ -37,6 +37,7 @@ import catalog
 from catalog import REFERENCE_GPU, REFERENCE_IMAGES_PER_S
 from trainer.config import TrainConfig
 from trainer.planning.memory import GIB, MIB, predict_loader_ram, predict_step_memory, target_precision
+from trainer.tasks import task_class
 
 
 class PlanError(ValueError):
@@ -153,6 +154,8 @@ def _throughput(inp: _Inputs, gpu: catalog.GpuModel, cache: dict) -> tuple[Optio
         )
     if opts.model_memory_gib is not None:
         return None, "unknown: give --images-per-second or --probe-report"
+    if not task_class(inp.cfg.task).flops_predict_speed:
+        return None, f"unknown: {inp.cfg.task} speed does not follow FLOPs; give --images-per-second or --probe-report"
     if "ratio" not in cache:
         ref = TrainConfig(model="resnet50")
         cache["ratio"] = model_gflops(ref, 224, 1000) / model_gflops(inp.cfg, None, inp.num_outputs)

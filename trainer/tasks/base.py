@@ -79,10 +79,15 @@ class Task(ABC):
     ``target_metric`` (a name the evaluator reports, e.g. ``top1``) selects the ``best`` checkpoint and is the
     default metric for early stopping (config ``target_metric`` / ``target_value``); its direction comes from the
     evaluator's :attr:`~trainer.engine.evaluation.Evaluator.directions`.
+
+    ``flops_predict_speed``: whether ``plan`` may estimate this task's images/s from its FLOPs relative to a
+    ResNet-50 (true for convolutional classifiers; false where gathers, matching or host work dominate, e.g.
+    DINO's deformable attention and Hungarian matching: then only a probe or ``--images-per-second`` gives time).
     """
 
     name: str = "task"
     target_metric: str = "top1"
+    flops_predict_speed: bool = True
 
     def __init__(self, cfg: TrainConfig, dist: DistInfo):
         self.cfg, self.dist = cfg, dist

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -54,6 +55,7 @@ class DetectionTask(Task):
 
     name = "detection"
     target_metric = "map"
+    flops_predict_speed = False
 
     # .. config ............................................................................................
     def check_config(self) -> None:
@@ -155,6 +157,8 @@ class DetectionTask(Task):
 
         Raises:
             DataError: unusable data, or train and val with different categories.
+            ConfigError: ``num_queries`` below the most boxes in one training image (the matcher would fail
+                mid-training on that image).
         """
         from trainer.data.formats.coco import (
             CocoDetectionDataset,
@@ -178,6 +182,14 @@ class DetectionTask(Task):
                 f"data: the categories of {train.annotations} and {val.annotations} differ "
                 f"({list(zip(train.label_to_category_id, train.categories))} vs "
                 f"{list(zip(val.label_to_category_id, val.categories))}); both splits need the same"
+            )
+        counts = np.diff(train.box_start)
+        if len(counts) and int(counts.max()) > cfg.num_queries:
+            i = int(counts.argmax())
+            raise ConfigError(
+                f"num_queries: {cfg.num_queries} queries, but image {train.image_ids[i]} ({train.paths[i]}) of "
+                f"{train.annotations} has {int(counts[i])} boxes; one-to-one matching needs num_queries >= the "
+                f"most boxes in one image (raise num_queries to at least {int(counts.max())})"
             )
         val, val_report = check_coco_files(val, cfg.max_bad_fraction)
         self.val_split = val

@@ -1,0 +1,1 @@
+"""Semantic segmentation task (image/mask pairs, smp and torchvision models, mIoU)."""
