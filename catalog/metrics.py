@@ -17,7 +17,8 @@ COMMON = ("train_loss", "images_per_s", "epoch_time_s")
 
 #: Task name -> the keys its evaluator and training statistics add (``val_<metric>``, ``ema_val_<metric>`` with
 #: EMA on, ``train_<statistic>`` and ``train_<loss term>``); the first is the task's headline metric (graphed and
-#: filtered on EC2). Per-class keys whose names come from the data (detection's ``val_ap_<category>``) are not
+#: filtered on EC2). Per-class keys whose names come from the data (detection's ``val_ap_<category>``,
+#: segmentation's ``val_iou_<class>``) are not
 #: listed: they are in the JSONL and TensorBoard, not in SageMaker's fixed list.
 TASK_METRICS: dict[str, tuple[str, ...]] = {
     "classification": (
@@ -48,6 +49,15 @@ TASK_METRICS: dict[str, tuple[str, ...]] = {
         "train_loss_ce_interm",
         "train_loss_bbox_interm",
         "train_loss_giou_interm",
+    ),
+    "segmentation": (
+        "val_miou",
+        "val_pixel_acc",
+        "val_mean_acc",
+        "ema_val_miou",
+        "ema_val_pixel_acc",
+        "train_loss_ce",
+        "train_loss_dice",
     ),
 }
 

@@ -299,10 +299,12 @@ def test_no_field_is_named_like_a_section():
 
 @pytest.fixture
 def two_tasks(monkeypatch):
-    """A registry with a second task (never imported: the config only reads the names)."""
+    """A registry of two tasks, the second never imported (the config only reads the names): a registered
+    task name is accepted, an unregistered one (here segmentation, taken out) is refused."""
     import trainer.tasks
 
     monkeypatch.setitem(trainer.tasks._REGISTRY, "detection", "nowhere.detection:DetectionTask")
+    monkeypatch.delitem(trainer.tasks._REGISTRY, "segmentation")
     return trainer.tasks.task_names()
 
 

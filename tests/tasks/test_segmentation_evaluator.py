@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainer.tasks.segmentation.evaluator import ConfusionMatrixEvaluator, confusion_from_sums, metric_key
+from trainer.engine.evaluation import metric_key
+from trainer.tasks.segmentation.evaluator import ConfusionMatrixEvaluator, confusion_from_sums
 from trainer.tasks.segmentation.loss import SegmentationLoss
 
 CPU = torch.device("cpu")
@@ -167,8 +168,11 @@ def test_bad_loss_weights(kwargs, message):
         SegmentationLoss(3, **kwargs)
 
 
-def test_metric_key_matches_the_detection_rule():
-    from trainer.tasks.detection.evaluator import metric_key as detection_key
-
-    for name in ["Flat roof", "roof-south", "  N/A  ", "PV_module 2"]:
-        assert metric_key(name) == detection_key(name)
+def test_metric_key_turns_class_names_into_line_safe_keys():
+    assert [metric_key(n) for n in ["Flat roof", "roof-south", "  N/A  ", "PV_module 2", "---"]] == [
+        "flat_roof",
+        "roof_south",
+        "n_a",
+        "pv_module_2",
+        "class",
+    ]

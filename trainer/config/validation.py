@@ -24,11 +24,12 @@ def task_section_conflict(name: str, value: object, task: str) -> Optional[str]:
 
     f = FIELDS[name]
     section = section_of(f)
-    if section == task or not is_task_section(section) or task not in task_names() or value == f.default:
+    default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    if section == task or not is_task_section(section) or task not in task_names() or value == default:
         return None
     return (
         f"{name} belongs to task section {section} and only applies with task: {section}, but task is "
-        f"{task}; remove it or set it to its default ({f.default!r})"
+        f"{task}; remove it or set it to its default ({default!r})"
     )
 
 

@@ -16,6 +16,7 @@ to stop at a target value.
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from typing import Any, Optional
 
@@ -24,6 +25,13 @@ import torch.distributed as tdist
 
 #: Allowed directions of a metric: higher is better / lower is better.
 DIRECTIONS = ("max", "min")
+
+
+def metric_key(name: str) -> str:
+    """A class or category name as a metric key suffix: lower case, runs of other characters as ``_`` (``with
+    mask`` -> ``with_mask``), so ``key=value`` metric lines and SageMaker regexes stay simple; ``class`` when
+    nothing is left."""
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_") or "class"
 
 
 def better(a: float, b: Optional[float], direction: str) -> bool:

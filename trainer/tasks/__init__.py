@@ -15,6 +15,7 @@ from typing import Any
 _REGISTRY: dict[str, str] = {
     "classification": "trainer.tasks.classification.task:ClassificationTask",
     "detection": "trainer.tasks.detection.task:DetectionTask",
+    "segmentation": "trainer.tasks.segmentation.task:SegmentationTask",
 }
 
 

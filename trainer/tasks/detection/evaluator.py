@@ -6,22 +6,15 @@ import contextlib
 import io
 import json
 import math
-import re
 from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
 
-from trainer.engine.evaluation import GatherEvaluator
+from trainer.engine.evaluation import GatherEvaluator, metric_key
 
 #: COCOeval ``stats`` indices (pycocotools ``COCOeval.summarize``) -> our metric names; values in % (x 100).
 STATS = {"map": 0, "map_50": 1, "map_75": 2, "map_small": 3, "map_medium": 4, "map_large": 5}
-
-
-def metric_key(name: str) -> str:
-    """A category name as a metric key suffix: lower case, runs of other characters as ``_`` (``with mask`` ->
-    ``with_mask``), so the epoch line stays ``key=value`` pairs."""
-    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_") or "class"
 
 
 class CocoEvaluator(GatherEvaluator):

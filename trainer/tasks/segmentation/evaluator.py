@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
 
-from trainer.engine.evaluation import SumEvaluator
+from trainer.engine.evaluation import SumEvaluator, metric_key
 
 #: Metrics over all classes (besides the per-class ``iou_<name>``); values in % (x 100).
 SUMMARY = ("miou", "pixel_acc", "mean_acc")
-
-
-def metric_key(name: str) -> str:
-    """A class name as a metric key suffix: lower case, runs of other characters as ``_`` (``Flat roof`` ->
-    ``flat_roof``), the same rule as the detection task's per-class keys (tasks import no other task)."""
-    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_") or "class"
 
 
 def confusion_from_sums(sums: torch.Tensor, num_classes: int) -> torch.Tensor:

@@ -1,0 +1,213 @@
+"""The ``segmentation`` task: semantic segmentation of image/mask pairs (trainer/data/formats/segmentation) with
+segmentation_models_pytorch or torchvision models, cross-entropy + Dice, and a summed confusion matrix (mIoU)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from trainer.data.transforms import normalize_on_device
+from trainer.engine.evaluation import metric_key
+from trainer.errors import ConfigError, DataError
+from trainer.tasks.base import StepOutput, Task, TaskData
+from trainer.tasks.segmentation.evaluator import SUMMARY, ConfusionMatrixEvaluator
+
+#: Loss terms logged per epoch as ``train_<name>``.
+LOGGED_TERMS = ("loss_ce", "loss_dice")
+
+
+class SegmentationTask(Task):
+    """Per-pixel classification into ``classes``.
+
+    Device batches: ``image`` float32 (B, 3, H, W) ImageNet-normalised, H and W multiples of the model's
+    divisor (the collate pads with zeros), ``mask`` int64 (B, H, W) class ids with ``ignore_index`` on void and
+    padding, ``size`` int64 (B, 2) the unpadded (h, w), ``n`` = B. Model outputs: logits float (B, C, H, W).
+    """
+
+    name = "segmentation"
+    target_metric = "miou"
+
+    # .. config ............................................................................................
+    def check_config(self) -> None:
+        """Before any data is read: the architecture and encoder names, the classes, sizes and loss weights.
+
+        Raises:
+            ConfigError: the first problem, naming the field.
+        """
+        from trainer.models.segmentation import SEGMENTATION_MODELS, required_divisor
+
+        cfg = self.cfg
+        if cfg.model not in SEGMENTATION_MODELS:
+            raise ConfigError(f"model: got {cfg.model!r}; segmentation models: {', '.join(SEGMENTATION_MODELS)}")
+        if len(cfg.classes) < 2:
+            raise ConfigError(
+                f"classes: got {list(cfg.classes)}; declare at least two class names in class-id order "
+                "(e.g. [background, roof])"
+            )
+        keys = [metric_key(c) for c in cfg.classes]
+        if len(set(keys)) != len(keys):
+            raise ConfigError(f"classes: {list(cfg.classes)} give clashing metric keys {keys}; rename them")
+        if not 0 <= cfg.ignore_index <= 65535 or cfg.ignore_index < len(cfg.classes):
+            raise ConfigError(
+                f"ignore_index: got {cfg.ignore_index}; must be outside the class ids 0..{len(cfg.classes) - 1} "
+                "and at most 65535"
+            )
+        div = required_divisor(cfg.model)
+        if cfg.image_size % div:
+            raise ConfigError(
+                f"image_size: got {cfg.image_size}; {cfg.model} needs a multiple of {div} "
+                f"(e.g. {max(div, cfg.image_size // div * div)})"
+            )
+        if not 0 < cfg.scale_min <= cfg.scale_max:
+            raise ConfigError(f"scale_min/scale_max: got {cfg.scale_min}/{cfg.scale_max}; need 0 < min <= max")
+        if cfg.ce_weight < 0 or cfg.dice_weight < 0 or cfg.ce_weight + cfg.dice_weight == 0:
+            raise ConfigError(f"ce_weight/dice_weight: got {cfg.ce_weight}/{cfg.dice_weight}; both >= 0 and not both 0")
+        if not 0 <= cfg.val_fraction < 1:
+            raise ConfigError(f"val_fraction: got {cfg.val_fraction}; expected 0 <= val_fraction < 1")
+        if cfg.max_samples < 0 or cfg.palette_tolerance < 0:
+            raise ConfigError("max_samples and palette_tolerance must be >= 0")
+        self.check_target()
+
+    def metric_directions(self) -> dict[str, str]:
+        """``miou``, ``pixel_acc``, ``mean_acc`` and ``iou_<class>``: all higher-is-better."""
+        return {k: "max" for k in (*SUMMARY, *(f"iou_{metric_key(c)}" for c in self.cfg.classes))}
+
+    # .. data and model ....................................................................................
+    def build_data(self) -> TaskData:
+        """Scan both splits (pairing rule, headers, sizes), then the datasets with the joint transforms.
+
+        Label space in checkpoints: ``{"classes": names, "ignore_index": int}``.
+
+        Raises:
+            DataError: unusable folders or pairs (see trainer/data/formats/segmentation/pairs.py), a bad palette.
+        """
+        from trainer.data.formats.segmentation import (
+            EvalTransform,
+            PairingRule,
+            SegmentationCollate,
+            SegmentationDataset,
+            TrainTransform,
+            parse_palette,
+            scan_pairs,
+        )
+        from trainer.models.segmentation import required_divisor
+
+        cfg = self.cfg
+        if not Path(cfg.data_dir).is_dir():
+            raise DataError(f"data_dir: {cfg.data_dir} is not a folder (expected {cfg.seg_images} and {cfg.seg_masks})")
+        rule = PairingRule(Path(cfg.data_dir), cfg.seg_images, cfg.seg_masks, cfg.mask_suffix, cfg.image_glob)
+        kw = dict(val_fraction=cfg.val_fraction)
+        train = scan_pairs(
+            rule,
+            cfg.train_split if rule.has_splits else "train",
+            cfg.max_bad_fraction,
+            **kw,
+            max_samples=cfg.max_samples,
+        )
+        val = scan_pairs(rule, cfg.val_split if rule.has_splits else "val", cfg.max_bad_fraction, **kw)
+        n = len(cfg.classes)
+        palette = parse_palette(cfg.palette, n) if cfg.palette else None
+        common = dict(
+            ignore_index=cfg.ignore_index,
+            palette=palette,
+            unknown_colour=cfg.unknown_colour,
+            palette_tolerance=cfg.palette_tolerance,
+            seed=cfg.seed,
+        )
+        train_ds = SegmentationDataset(
+            train,
+            TrainTransform(cfg.image_size, cfg.scale_min, cfg.scale_max, cfg.hflip_prob, cfg.ignore_index),
+            n,
+            **common,
+        )
+        val_ds = SegmentationDataset(val, EvalTransform(cfg.image_size), n, replace_bad=False, **common)
+        report = [
+            f"data: {cfg.data_dir}: {len(train)} train and {len(val)} val pairs, {n} classes "
+            f"({', '.join(cfg.classes)}), masks as {'palette colours' if palette is not None else 'class ids'}",
+            *train.report,
+            *val.report,
+        ]
+        collate = SegmentationCollate(required_divisor(cfg.model), cfg.ignore_index)
+        return TaskData(
+            train_ds,
+            val_ds,
+            collate,
+            n,
+            report,
+            label_space={"classes": list(cfg.classes), "ignore_index": cfg.ignore_index},
+        )
+
+    def build_model(self, num_outputs: int) -> nn.Module:
+        """The configured architecture (``model``) with ``encoder`` / ``encoder_weights``, ``num_outputs`` classes;
+        the loss is built beside it.
+
+        Raises:
+            ConfigError: unknown architecture or encoder, unusable ``encoder_weights``.
+        """
+        from trainer.models.segmentation import build_segmentation_model
+        from trainer.tasks.segmentation.loss import SegmentationLoss
+
+        cfg = self.cfg
+        self.loss = SegmentationLoss(num_outputs, cfg.ignore_index, cfg.ce_weight, cfg.dice_weight)
+        return build_segmentation_model(cfg.model, num_outputs, cfg.encoder, cfg.encoder_weights)
+
+    # .. one step ..........................................................................................
+    def _device_batch(self, batch: dict) -> dict:
+        dev = self.dist.device
+        return {
+            "image": normalize_on_device(batch["image"], dev, self.cfg.channels_last),
+            "mask": batch["mask"].to(dev, non_blocking=True),
+            "size": batch["size"],
+            "n": int(batch["image"].shape[0]),
+        }
+
+    def train_batch(self, batch: dict) -> dict:
+        """The collated batch on the device (augmentation ran in the loader workers)."""
+        return self._device_batch(batch)
+
+    def eval_batch(self, batch: dict) -> dict:
+        return self._device_batch(batch)
+
+    def model_step(self, model: nn.Module, batch: dict) -> StepOutput:
+        """Logits of the batch, cross-entropy + Dice on the non-ignored pixels (float32), each term logged."""
+        logits = model(batch["image"])
+        losses = self.loss(logits, batch["mask"])
+        return StepOutput(
+            loss=losses["loss"], outputs=logits, n=batch["n"], terms={k: losses[k].detach() for k in LOGGED_TERMS}
+        )
+
+    def predict(self, model: nn.Module, batch: dict) -> torch.Tensor:
+        """Predicted class ids int64 (B, H, W) (argmax of the logits)."""
+        return model(batch["image"]).argmax(1)
+
+    @classmethod
+    def evaluator_class(cls):
+        return ConfusionMatrixEvaluator
+
+    def evaluator(self) -> ConfusionMatrixEvaluator:
+        """Confusion matrix over ``classes``, summed across ranks (mIoU, pixel accuracy, per-class IoU)."""
+        return ConfusionMatrixEvaluator(
+            len(self.cfg.classes), list(self.cfg.classes), self.dist.device, self.cfg.ignore_index
+        )
+
+    # .. planning ..........................................................................................
+    def example_batch(
+        self, batch_size: int, *, image_size: Optional[int] = None, num_outputs: int = 2, train: bool = True
+    ) -> dict:
+        """A device batch as :meth:`train_batch` returns it: images (B, 3, S, S) at ``image_size`` (default the
+        crop size), random masks over ``num_outputs`` classes."""
+        size = image_size or self.cfg.image_size
+        dev = self.dist.device
+        u8 = torch.randint(0, 256, (batch_size, 3, size, size), dtype=torch.uint8, device=dev)
+        return {
+            "image": normalize_on_device(u8, dev, self.cfg.channels_last),
+            "mask": torch.randint(0, num_outputs, (batch_size, size, size), device=dev),
+            "size": torch.tensor([[size, size]] * batch_size),
+            "n": batch_size,
+        }
+
+    def render_predictions(self, *args: Any, **kwargs: Any) -> list[dict]:  # pragma: no cover - issue 15 item 6
+        raise NotImplementedError("task segmentation: predict overlays are not implemented yet")
