@@ -145,3 +145,82 @@ def test_segmentation_sigterm_resume_is_bit_exact(shared_data, tmp_path):
     ref, resumed = _final_state(tmp_path / "reference"), _final_state(tmp_path / "interrupted")
     _assert_same_state(ref, resumed)
     assert [h["val_miou"] for h in ref["history"]] == [h["val_miou"] for h in resumed["history"]]
+
+
+def two_dataset_cfg(shared_data: Path, tmp_path: Path, **kw):
+    """RID's roof outlines (roof, background) and R3D's room masks (background + 6 room colours) on one shared
+    label set (background, roof, room): every room type maps to ``room``."""
+    rooms = ["closet", "bathroom", "living", "bedroom", "hall", "balcony"]
+    r3d = {
+        "name": "r3d",
+        "data_dir": str(shared_data / "r3d-floorplans"),
+        "seg_images": "{split}",
+        "seg_masks": "{split}",
+        "image_glob": "*.jpg",
+        "mask_suffix": "_rooms",
+        "classes": ["background", *rooms],
+        "palette": ["0,0,0", "192,192,224", "192,255,255", "224,255,192", "255,224,128", "255,160,96", "255,224,224"],
+        "palette_tolerance": 8,
+        "unknown_colour": "ignore",
+        "class_map": {r: "room" for r in rooms},
+        "max_samples": 12,
+        "weight": 0.5,
+    }
+    rid = {
+        "name": "rid",
+        "data_dir": str(shared_data / "rid-roofs"),
+        "seg_masks": "roof_outlines",
+        "mask_suffix": "_reviewed",
+        "classes": ["roof", "background"],
+        "val_fraction": 0.25,
+        "max_samples": 8,
+    }
+    return rid_cfg(
+        shared_data,
+        tmp_path,
+        classes=["background", "roof", "room"],
+        datasets=[rid, r3d],
+        val_split="test",
+        max_bad_fraction=0.05,  # R3D train: 3 of 149 plans have masks 6 px smaller than the plan (named, skipped)
+        **kw,
+    )
+
+
+def test_two_datasets_with_different_label_sets_train_together_and_report_each(shared_data, tmp_path):
+    from trainer.engine.trainer import Trainer
+
+    cfg = two_dataset_cfg(shared_data, tmp_path)
+    data = build_task(cfg, CPU).build_data()
+    assert len(data.train) == 8 + 6  # rid's 8 pairs once, r3d's 12 at weight 0.5
+    assert "data: r3d: " in "\n".join(data.report) and "weight 0.5" in "\n".join(data.report)
+    image, mask, own, source = data.train[(0, 9)]
+    assert source == 1 and set(mask.unique().tolist()) <= {0, 2, 255}  # r3d: background or room, never roof
+    image, mask, own, source = data.train[(0, 0)]
+    assert source == 0 and set(mask.unique().tolist()) <= {0, 1, 255}  # rid: roof or background
+    assert data.train.locate(1, 8) != data.train.locate(0, 8)  # weight 0.5: another half of r3d next epoch
+    t = Trainer(cfg, CPU)
+    last = t.fit()
+    t.close()
+    for key in ("val_miou", "val_miou_rid", "val_miou_r3d", "val_pixel_acc_rid", "val_iou_room", "val_iou_roof"):
+        assert key in last, key
+    assert last["val_bad_files"] == 0 and 0 <= last["val_miou_r3d"] <= 100
+
+
+def test_bad_datasets_entries_are_named(shared_data, tmp_path):
+    from trainer.errors import DataError
+
+    cfg = two_dataset_cfg(shared_data, tmp_path)
+    cases = [
+        ({"colour": 1}, r"datasets\[0\]: unknown keys \['colour'\]"),
+        ({"class_map": {"roof": "tower"}}, r"datasets\[0\] \(rid\).class_map: class 'roof' maps to 'tower'"),
+        ({"class_map": {"chimney": "roof"}}, r"datasets\[0\] \(rid\).class_map: \['chimney'\] are not classes"),
+        ({"weight": 0}, r"datasets\[0\] \(rid\).weight: got 0; expected a number > 0"),
+        ({"classes": ["roof", "nothing"]}, r"class 'nothing' maps to 'nothing', which is not one of the shared"),
+    ]
+    for change, match in cases:
+        entries = [dict(cfg.datasets[0], **change), cfg.datasets[1]]
+        bad = rid_cfg(
+            shared_data, tmp_path, classes=list(cfg.classes), datasets=entries, val_split="test", max_bad_fraction=0.05
+        )
+        with pytest.raises(DataError, match=match):
+            build_task(bad, CPU).build_data()

@@ -271,6 +271,12 @@ class TrainConfig:
     encoder_weights: Optional[str] = _seg(
         None, "Local state_dict file for the encoder (offline; smp downloads otherwise)."
     )
+    datasets: list = _seg(
+        [],
+        "Several datasets in one run: a list of mappings (name, data_dir relative to data_dir, seg_images, "
+        "seg_masks, mask_suffix, image_glob, classes, palette, palette_tolerance, unknown_colour, class_map onto "
+        "classes, max_samples, weight, val_fraction); empty: the fields above describe the one dataset.",
+    )
     ce_weight: float = _seg(1.0, "Weight of the cross-entropy term of the loss.")
     dice_weight: float = _seg(1.0, "Weight of the Dice term of the loss.")
 

@@ -61,14 +61,28 @@ def _coerce(name: str, value: Any, source: str, key: Optional[str] = None) -> An
 
 def _list(value: Any) -> list:
     """A list field's value: a YAML list (items as text; an item that is itself a list, like a colour
-    ``[255, 0, 0]``, becomes ``"255,0,0"``) or one string split on ``;`` when it has one, else on ``,``."""
+    ``[255, 0, 0]``, becomes ``"255,0,0"``; a mapping stays a mapping), a YAML/JSON list written as one string
+    (``[{name: a, ...}]``, for the command line), or one string split on ``;`` when it has one, else on ``,``."""
     if isinstance(value, (list, tuple)):
-        return [",".join(str(x) for x in v) if isinstance(v, (list, tuple)) else _string(v) for v in value]
+        return [
+            dict(v)
+            if isinstance(v, dict)
+            else ",".join(str(x) for x in v)
+            if isinstance(v, (list, tuple))
+            else _string(v)
+            for v in value
+        ]
     if isinstance(value, dict):
         raise ValueError("expected a list, not a mapping")
     text = str(value).strip()
     if not text:
         return []
+    if text.startswith("["):
+        try:
+            parsed = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ValueError(f"not a valid YAML list ({' '.join(str(e).split())})") from None
+        return _list(parsed)
     return [x.strip() for x in text.split(";" if ";" in text else ",") if x.strip()]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -43,12 +44,22 @@ class ConfusionMatrixEvaluator(SumEvaluator):
         class_names: C names (for the per-class keys, via :func:`metric_key`).
         device: where the statistics are accumulated.
         ignore_index: target value of pixels to skip (void, padding); their predictions are not counted.
+        sources: names of the datasets of a multi-dataset run (``batch["source"]`` int64 (B,) says each image's);
+            with two or more, one matrix per source is kept (size S * C * C) and ``miou_<source>`` and
+            ``pixel_acc_<source>`` are added; the other metrics are over all sources together.
 
     Raises:
         ValueError: ``num_classes`` < 1, ``len(class_names) != num_classes``, or two names with one metric key.
     """
 
-    def __init__(self, num_classes: int, class_names: list[str], device: torch.device, ignore_index: int = 255):
+    def __init__(
+        self,
+        num_classes: int,
+        class_names: list[str],
+        device: torch.device,
+        ignore_index: int = 255,
+        sources: Sequence[str] = (),
+    ):
         if num_classes < 1:
             raise ValueError(f"num_classes must be >= 1, got {num_classes}")
         if len(class_names) != num_classes:
@@ -59,8 +70,10 @@ class ConfusionMatrixEvaluator(SumEvaluator):
         self.num_classes = num_classes
         self.ignore_index = ignore_index
         self.keys = keys
-        self.directions = {k: "max" for k in (*SUMMARY, *keys)}
-        self.size = num_classes * num_classes
+        self.sources = [metric_key(s) for s in sources] if len(sources) > 1 else []
+        per_source = [f"{m}_{s}" for s in self.sources for m in ("miou", "pixel_acc")]
+        self.directions = {k: "max" for k in (*SUMMARY, *keys, *per_source)}
+        self.size = max(1, len(self.sources)) * num_classes * num_classes
         super().__init__(device)
 
     def statistics(self, outputs: Any, batch: dict) -> torch.Tensor:
@@ -92,10 +105,24 @@ class ConfusionMatrixEvaluator(SumEvaluator):
         bad = (t < 0) | (t >= c) | (p < 0) | (p >= c)
         if bool(bad.any()):
             raise ValueError(f"labels outside [0, {c}) that are not ignore_index={self.ignore_index}")
-        return torch.bincount(t * c + p, minlength=c * c).to(torch.float64)
+        flat = t * c + p
+        if self.sources:
+            src = batch["source"].to(target.device).view(-1, 1, 1).expand_as(target)[keep].long()
+            flat = flat + src * (c * c)
+        return torch.bincount(flat, minlength=self.size).to(torch.float64)
 
     def metrics(self, sums: torch.Tensor) -> dict[str, float]:
-        """``miou``, ``pixel_acc``, ``mean_acc`` and ``iou_<name>`` (in %) from the summed ``(C * C,)`` vector."""
+        """``miou``, ``pixel_acc``, ``mean_acc`` and ``iou_<name>`` (in %) over every source, plus ``miou_<source>``
+        and ``pixel_acc_<source>`` per source in a multi-dataset run."""
+        c2 = self.num_classes * self.num_classes
+        per = sums.reshape(-1, c2)
+        out = self._scores(per.sum(0))
+        for name, part in zip(self.sources, per):
+            scores = self._scores(part)
+            out.update({f"miou_{name}": scores["miou"], f"pixel_acc_{name}": scores["pixel_acc"]})
+        return out
+
+    def _scores(self, sums: torch.Tensor) -> dict[str, float]:
         cm = confusion_from_sums(sums, self.num_classes).cpu()
         tp = cm.diagonal()
         in_target = cm.sum(dim=1)

@@ -72,73 +72,71 @@ class SegmentationTask(Task):
         self.check_target()
 
     def metric_directions(self) -> dict[str, str]:
-        """``miou``, ``pixel_acc``, ``mean_acc`` and ``iou_<class>``: all higher-is-better."""
-        return {k: "max" for k in (*SUMMARY, *(f"iou_{metric_key(c)}" for c in self.cfg.classes))}
+        """``miou``, ``pixel_acc``, ``mean_acc``, ``iou_<class>`` and, with several ``datasets``,
+        ``miou_<dataset>`` / ``pixel_acc_<dataset>``: all higher-is-better."""
+        names = [metric_key(n) for n in self.source_names()]
+        per = [f"{m}_{n}" for n in (names if len(names) > 1 else []) for m in ("miou", "pixel_acc")]
+        return {k: "max" for k in (*SUMMARY, *(f"iou_{metric_key(c)}" for c in self.cfg.classes), *per)}
+
+    def source_names(self) -> list[str]:
+        """Names of the ``datasets`` entries, in order (empty list: one dataset from the flat fields)."""
+        return [str(d.get("name", "")) for d in self.cfg.datasets if isinstance(d, dict)]
 
     # .. data and model ....................................................................................
     def build_data(self) -> TaskData:
-        """Scan both splits (pairing rule, headers, sizes), then the datasets with the joint transforms.
+        """Scan every source's splits (pairing rule, headers, sizes: trainer/data/formats/segmentation), then the
+        datasets with the joint transforms; several sources are drawn together by weight and tagged for the
+        per-dataset metrics.
 
         Label space in checkpoints: ``{"classes": names, "ignore_index": int}``.
 
         Raises:
-            DataError: unusable folders or pairs (see trainer/data/formats/segmentation/pairs.py), a bad palette.
+            DataError: unusable folders or pairs, a bad palette, class map or ``datasets`` entry.
         """
         from trainer.data.formats.segmentation import (
             EvalTransform,
-            PairingRule,
             SegmentationCollate,
             SegmentationDataset,
             TrainTransform,
-            parse_palette,
-            scan_pairs,
         )
+        from trainer.data.formats.segmentation.sources import MultiSourceDataset, build_sources
         from trainer.models.segmentation import required_divisor
 
         cfg = self.cfg
         if not Path(cfg.data_dir).is_dir():
             raise DataError(f"data_dir: {cfg.data_dir} is not a folder (expected {cfg.seg_images} and {cfg.seg_masks})")
-        rule = PairingRule(Path(cfg.data_dir), cfg.seg_images, cfg.seg_masks, cfg.mask_suffix, cfg.image_glob)
-        kw = dict(val_fraction=cfg.val_fraction)
-        train = scan_pairs(
-            rule,
-            cfg.train_split if rule.has_splits else "train",
-            cfg.max_bad_fraction,
-            **kw,
-            max_samples=cfg.max_samples,
-        )
-        val = scan_pairs(rule, cfg.val_split if rule.has_splits else "val", cfg.max_bad_fraction, **kw)
+        sources = build_sources(cfg)
         n = len(cfg.classes)
-        palette = parse_palette(cfg.palette, n) if cfg.palette else None
-        common = dict(
-            ignore_index=cfg.ignore_index,
-            palette=palette,
-            unknown_colour=cfg.unknown_colour,
-            palette_tolerance=cfg.palette_tolerance,
-            seed=cfg.seed,
-        )
-        train_ds = SegmentationDataset(
-            train,
-            TrainTransform(cfg.image_size, cfg.scale_min, cfg.scale_max, cfg.hflip_prob, cfg.ignore_index),
-            n,
-            **common,
-        )
-        val_ds = SegmentationDataset(val, EvalTransform(cfg.image_size), n, replace_bad=False, **common)
-        report = [
-            f"data: {cfg.data_dir}: {len(train)} train and {len(val)} val pairs, {n} classes "
-            f"({', '.join(cfg.classes)}), masks as {'palette colours' if palette is not None else 'class ids'}",
-            *train.report,
-            *val.report,
-        ]
+        train_tf = TrainTransform(cfg.image_size, cfg.scale_min, cfg.scale_max, cfg.hflip_prob, cfg.ignore_index)
+        eval_tf = EvalTransform(cfg.image_size)
+        parts: dict[str, list] = {"train": [], "val": []}
+        report = [f"data: {len(sources)} dataset(s), {n} shared classes ({', '.join(cfg.classes)})"]
+        for src in sources:
+            for split, tf in (("train", train_tf), ("val", eval_tf)):
+                parts[split].append(
+                    SegmentationDataset(
+                        src.splits[split],
+                        tf,
+                        len(src.classes),
+                        ignore_index=cfg.ignore_index,
+                        palette=src.palette,
+                        unknown_colour=src.unknown_colour,
+                        palette_tolerance=src.palette_tolerance,
+                        lut=src.lut,
+                        seed=cfg.seed,
+                        replace_bad=split == "train",
+                    )
+                )
+            report.append(
+                f"data: {src.name}: {src.rule.root}: {len(src.splits['train'])} train and {len(src.splits['val'])} "
+                f"val pairs, weight {src.weight:g}, masks as {'palette colours' if src.palette is not None else 'ids'}"
+            )
+            report += src.splits["train"].report + src.splits["val"].report
+        train = MultiSourceDataset(parts["train"], [s.weight for s in sources])
+        val = MultiSourceDataset(parts["val"])
         collate = SegmentationCollate(required_divisor(cfg.model), cfg.ignore_index)
-        return TaskData(
-            train_ds,
-            val_ds,
-            collate,
-            n,
-            report,
-            label_space={"classes": list(cfg.classes), "ignore_index": cfg.ignore_index},
-        )
+        space = {"classes": list(cfg.classes), "ignore_index": cfg.ignore_index}
+        return TaskData(train, val, collate, n, report, label_space=space)
 
     def build_model(self, num_outputs: int) -> nn.Module:
         """The configured architecture (``model``) with ``encoder`` / ``encoder_weights``, ``num_outputs`` classes;
@@ -161,6 +159,7 @@ class SegmentationTask(Task):
             "image": normalize_on_device(batch["image"], dev, self.cfg.channels_last),
             "mask": batch["mask"].to(dev, non_blocking=True),
             "size": batch["size"],
+            "source": batch["source"],
             "n": int(batch["image"].shape[0]),
         }
 
@@ -190,7 +189,11 @@ class SegmentationTask(Task):
     def evaluator(self) -> ConfusionMatrixEvaluator:
         """Confusion matrix over ``classes``, summed across ranks (mIoU, pixel accuracy, per-class IoU)."""
         return ConfusionMatrixEvaluator(
-            len(self.cfg.classes), list(self.cfg.classes), self.dist.device, self.cfg.ignore_index
+            len(self.cfg.classes),
+            list(self.cfg.classes),
+            self.dist.device,
+            self.cfg.ignore_index,
+            self.source_names(),
         )
 
     # .. planning ..........................................................................................
@@ -206,6 +209,7 @@ class SegmentationTask(Task):
             "image": normalize_on_device(u8, dev, self.cfg.channels_last),
             "mask": torch.randint(0, num_outputs, (batch_size, size, size), device=dev),
             "size": torch.tensor([[size, size]] * batch_size),
+            "source": torch.zeros(batch_size, dtype=torch.int64),
             "n": batch_size,
         }
 

@@ -24,7 +24,8 @@ class SegmentationDataset(Dataset):
 
     ``__getitem__`` returns ``(image, mask, own_bad)``: ``image`` uint8 ``tv_tensors.Image`` (3, h, w) and ``mask``
     int64 ``tv_tensors.Mask`` (h, w) after ``transform`` (a picklable ``callable(image, mask) -> (image, mask)``),
-    ``own_bad`` ``(BadSample,)`` when this index's pair was bad and replaced (training), else ``()``. Evaluation
+    ``own_bad`` ``(BadSample,)`` when this index's pair was bad and replaced (training), else ``()``. ``lut``: int64
+    table from the file's class ids to the run's shared ids (a multi-dataset run's class map). Evaluation
     (``replace_bad`` False) returns the :class:`BadSample` itself; the collate drops it. Augmentation draws from
     torch's default generator seeded by (seed, epoch, index) (:func:`~trainer.data.samples.seeded_for_sample`).
 
@@ -44,12 +45,14 @@ class SegmentationDataset(Dataset):
         palette: Optional[np.ndarray] = None,
         unknown_colour: str = "error",
         palette_tolerance: int = 0,
+        lut: Optional[torch.Tensor] = None,
         seed: int = 0,
         replace_bad: bool = True,
     ):
         self.split, self.transform, self.num_classes = split, transform, num_classes
         self.ignore_index, self.palette, self.unknown_colour = ignore_index, palette, unknown_colour
         self.palette_tolerance = palette_tolerance
+        self.lut = lut
         self.seed, self.replace_bad = seed, replace_bad
 
     def __len__(self) -> int:
@@ -75,7 +78,7 @@ class SegmentationDataset(Dataset):
             return BadSample(mask_path, describe_error(e))
         if tuple(mask.shape) != tuple(img.shape[1:]):
             return BadSample(mask_path, f"SizeMismatch: mask {tuple(mask.shape)} vs image {tuple(img.shape[1:])}")
-        return img, mask
+        return img, (mask if self.lut is None else self.lut[mask])
 
     def __getitem__(self, key):
         epoch, index = key if isinstance(key, tuple) else (0, key)
@@ -134,8 +137,9 @@ class SegmentationCollate:
     rounded up to a multiple of ``pad_to`` (the model's output stride: smp encoders need 32).
 
     Returns ``{"image": uint8 (B, 3, H, W) zeros on padding, "mask": int64 (B, H, W) ``ignore_index`` on padding,
-    "size": int64 (B, 2) each item's (h, w) before padding, "bad": [BadSample, ...]}``. Bad items in evaluation
-    shrink B (an all-bad batch gives B = 0).
+    "size": int64 (B, 2) each item's (h, w) before padding, "source": int64 (B,) each item's dataset (items from
+    :class:`~.sources.MultiSourceDataset` carry it; 0 otherwise), "bad": [BadSample, ...]}``. Bad items in
+    evaluation shrink B (an all-bad batch gives B = 0).
     """
 
     pad_to: int = 32
@@ -149,6 +153,7 @@ class SegmentationCollate:
                 "image": torch.empty((0, 3, 1, 1), dtype=torch.uint8),
                 "mask": torch.empty((0, 1, 1), dtype=torch.int64),
                 "size": torch.empty((0, 2), dtype=torch.int64),
+                "source": torch.empty((0,), dtype=torch.int64),
                 "bad": bad,
             }
         hmax = max(int(g[0].shape[-2]) for g in good)
@@ -157,9 +162,16 @@ class SegmentationCollate:
         images = torch.zeros((len(good), 3, h, w), dtype=torch.uint8)
         masks = torch.full((len(good), h, w), self.ignore_index, dtype=torch.int64)
         sizes = []
-        for i, (img, mask, _) in enumerate(good):
+        for i, (img, mask, *_) in enumerate(good):
             ih, iw = int(img.shape[-2]), int(img.shape[-1])
             images[i, :, :ih, :iw] = img.as_subclass(torch.Tensor)
             masks[i, :ih, :iw] = mask.as_subclass(torch.Tensor)
             sizes.append((ih, iw))
-        return {"image": images, "mask": masks, "size": torch.tensor(sizes, dtype=torch.int64), "bad": bad}
+        sources = torch.tensor([g[3] if len(g) > 3 else 0 for g in good], dtype=torch.int64)
+        return {
+            "image": images,
+            "mask": masks,
+            "size": torch.tensor(sizes, dtype=torch.int64),
+            "source": sources,
+            "bad": bad,
+        }
