@@ -232,3 +232,28 @@ def test_bad_inputs(row, digits_run, tmp_path):
     assert all(line.startswith("warning: --images: skipping ") for line in lines[: -1 if code else None]), lines
     if code:
         assert lines[-1].startswith("error: "), lines
+
+
+def test_segmentation_writes_class_index_masks_and_overlays(shared_data, tmp_path, capsys):
+    """A short RID run, then predict on two tiles: one class-index PNG per tile at the file's size (ids within
+    the classes), one overlay PNG that differs from the tile, and per-class pixel counts that add up."""
+    from test_segmentation import rid_cfg
+
+    cfg = rid_cfg(shared_data, tmp_path, max_steps_per_epoch=1)
+    t = _fit(cfg)
+    pngs = tmp_path / "imgs"
+    pngs.mkdir()
+    for name in ("1011.png", "1055.png"):
+        shutil.copy(shared_data / "rid-roofs" / "images" / name, pngs / name)
+    out = tmp_path / "out"
+    assert main(["predict", "--checkpoint", str(tmp_path / "ck"), "--images", str(pngs), "--out", str(out)]) == 0
+    assert f"predict: 2 images -> {out} (2 records;" in capsys.readouterr().out.strip().splitlines()[-1]
+    records = json.loads((out / "predictions.json").read_text())
+    assert [r["file"] for r in records] == ["1011.png", "1055.png"]
+    for r in records:
+        mask = np.asarray(Image.open(out / r["mask"]))
+        assert mask.shape == (512, 512) and int(mask.max()) < len(t.label_space["classes"])
+        assert sum(r["pixels"].values()) == 512 * 512 and set(r["pixels"]) == set(cfg.classes)
+        overlay = np.asarray(Image.open(out / r["overlay"]).convert("RGB"))
+        original = np.asarray(Image.open(pngs / r["file"]).convert("RGB"))
+        assert overlay.shape == original.shape and (overlay != original).any()

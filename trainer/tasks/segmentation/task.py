@@ -4,7 +4,7 @@ segmentation_models_pytorch or torchvision models, cross-entropy + Dice, and a s
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch import nn
@@ -213,5 +213,71 @@ class SegmentationTask(Task):
             "n": batch_size,
         }
 
-    def render_predictions(self, *args: Any, **kwargs: Any) -> list[dict]:  # pragma: no cover - issue 15 item 6
-        raise NotImplementedError("task segmentation: predict overlays are not implemented yet")
+    # .. prediction (python -m trainer predict) .............................................................
+    def predict_inputs(self, paths: list[str], *, first_index: int = 0) -> dict:
+        """Decode, evaluation resize (shorter side ``image_size``), pad to the model's stride and collate, then
+        :meth:`eval_batch`; plus ``"paths"``, ``"bad"`` and ``"originals"`` (decoded uint8 (3, H, W))."""
+        from torchvision import tv_tensors
+
+        from trainer.data.formats.segmentation import EvalTransform, SegmentationCollate
+        from trainer.models.segmentation import required_divisor
+        from trainer.predict import read_images
+
+        kept, originals, bad = read_images(paths)
+        transform = EvalTransform(self.cfg.image_size)
+        items = []
+        for img in originals:
+            empty = torch.full(img.shape[1:], self.cfg.ignore_index, dtype=torch.int64)
+            image, mask = transform(tv_tensors.Image(img), tv_tensors.Mask(empty))
+            items.append((image, mask, ()))
+        batch = self.eval_batch(SegmentationCollate(required_divisor(self.cfg.model), self.cfg.ignore_index)(items))
+        batch.update(paths=kept, bad=bad, originals=originals)
+        return batch
+
+    def render_predictions(
+        self,
+        paths: list[str],
+        batch: dict,
+        outputs: torch.Tensor,
+        label_space: dict,
+        out_dir: str,
+        score_threshold: float,
+        *,
+        out_names: Optional[list[str]] = None,
+    ) -> list[dict]:
+        """Per input: the predicted class ids at the file's resolution (nearest), written as a class-index PNG
+        (``<name>_mask.png``, uint8 ids) and as an overlay on the image (``torchvision.utils.draw_segmentation_masks``,
+        alpha 0.5, the config's palette colours when it has one); a record ``{"file", "mask", "overlay",
+        "pixels": {class: pixel count}}``. ``score_threshold`` does not apply (no scores per pixel)."""
+        import numpy as np
+        from PIL import Image
+        from torch.nn import functional as F
+        from torchvision.utils import draw_segmentation_masks
+
+        from trainer.predict import color_of, save_png
+
+        names = list(label_space.get("classes") or self.cfg.classes)
+        colours = [f"#{''.join(f'{int(v):02x}' for v in c.split(','))}" for c in self.cfg.palette] or [
+            color_of(i) for i in range(len(names))
+        ]
+        records = []
+        for i, path in enumerate(paths):
+            img = batch["originals"][i]
+            h, w = (int(v) for v in batch["size"][i])
+            pred = outputs[i, :h, :w].float()[None, None]
+            pred = F.interpolate(pred, size=tuple(img.shape[-2:]), mode="nearest")[0, 0].long().cpu()
+            stem = Path(out_names[i] if out_names else Path(path).name).stem
+            mask_path, overlay_path = Path(out_dir) / f"{stem}_mask.png", Path(out_dir) / f"{stem}.png"
+            Image.fromarray(pred.numpy().astype(np.uint8)).save(mask_path)
+            onehot = torch.stack([pred == c for c in range(len(names))])
+            save_png(draw_segmentation_masks(img, onehot, alpha=0.5, colors=colours[: len(names)]), overlay_path)
+            counts = torch.bincount(pred.reshape(-1), minlength=len(names)).tolist()
+            records.append(
+                {
+                    "file": Path(path).name,
+                    "mask": mask_path.name,
+                    "overlay": overlay_path.name,
+                    "pixels": {n: int(c) for n, c in zip(names, counts)},
+                }
+            )
+        return records
