@@ -168,3 +168,20 @@ def test_encoder_weights_not_a_state_dict(tmp_path):
     torch.save([torch.zeros(1)], path)
     with pytest.raises(ConfigError, match=r"encoder_weights: .*list\.pt does not hold a dict of tensors \(got list\)"):
         build_segmentation_model("unet", 3, encoder="resnet18", encoder_weights=str(path))
+
+
+def test_sliding_window_equals_the_whole_image_when_it_fits_and_stitches_exactly():
+    from trainer.models.segmentation import sliding_window_logits
+
+    torch.manual_seed(0)
+    unet = build_segmentation_model("unet", 3, encoder="resnet18").eval()
+    x = torch.randn(2, 3, 64, 96)
+    with torch.no_grad():
+        assert torch.equal(sliding_window_logits(unet, x, 96, 1 / 3), unet(x))  # fits: one forward, same result
+        # A pointwise model sees no context, so tiles stitched with averaged overlaps equal the whole image.
+        pointwise = torch.nn.Conv2d(3, 4, 1)
+        big = torch.randn(1, 3, 96, 160)
+        tiled = sliding_window_logits(pointwise, big, 64, 1 / 3)
+        torch.testing.assert_close(tiled, pointwise(big), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="overlap 1.0 in"):
+        sliding_window_logits(pointwise, big, 64, 1.0)

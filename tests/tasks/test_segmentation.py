@@ -66,6 +66,7 @@ def test_segmentation_reports_the_catalogued_metrics(shared_data, tmp_path):
         ({"image_size": 48}, r"image_size: got 48; unet needs a multiple of 32"),
         ({"ignore_index": 3}, r"ignore_index: got 3; must be outside the class ids 0..8"),
         ({"scale_min": 2.0, "scale_max": 1.0}, r"scale_min/scale_max"),
+        ({"eval_window": 48}, r"eval_window/eval_overlap: got 48/0.33\d*; the window must be 0 or a multiple of 32"),
         ({"target_metric": "map"}, r"target_metric: got 'map'; task segmentation reports .*miou"),
         ({"task": "classification"}, r"mask_suffix .* belongs to task section segmentation"),
     ],
@@ -78,7 +79,9 @@ def test_config_errors_before_any_data_is_read(shared_data, tmp_path, kw, match)
 def test_a_short_segmentation_run_through_the_engine(shared_data, tmp_path):
     from trainer.engine.trainer import Trainer
 
-    t = Trainer(rid_cfg(shared_data, tmp_path, epochs=2, use_ema=True, ema_decay=0.9), CPU)
+    # Evaluation on the 512 px tiles (eval_resize off) in 256 px sliding windows.
+    cfg = rid_cfg(shared_data, tmp_path, epochs=2, use_ema=True, ema_decay=0.9, eval_resize=False, eval_window=256)
+    t = Trainer(cfg, CPU)
     last = t.fit()
     t.close()
     assert {"train_loss_ce", "train_loss_dice", "val_miou", "val_iou_background", "ema_val_miou"} <= set(last)

@@ -267,6 +267,11 @@ class TrainConfig:
     )
     scale_min: float = _seg(0.5, "Training scale jitter: shorter side drawn from scale_min..scale_max x image_size.")
     scale_max: float = _seg(2.0, "Training scale jitter: upper bound (then a random image_size crop, padded if small).")
+    eval_resize: bool = _seg(True, "Evaluation: resize the shorter side to image_size (false: the file's resolution).")
+    eval_window: int = _seg(
+        0, "Evaluation: sliding windows of this side (pixels, a multiple of the model's stride; 0 = whole image)."
+    )
+    eval_overlap: float = _seg(1 / 3, "Evaluation: overlap of neighbouring windows (share of eval_window, 0..0.9).")
     encoder: str = _seg("resnet34", "Encoder of smp architectures (resnet34 as in the RID paper's U-Net).")
     encoder_weights: Optional[str] = _seg(
         None, "Local state_dict file for the encoder (offline; smp downloads otherwise)."

@@ -175,3 +175,37 @@ def _load_encoder(encoder: nn.Module, path: Path, what: str) -> None:
     if problems:
         raise ConfigError(f"encoder_weights: {path} does not match the {what} encoder: {'; '.join(problems)}")
     encoder.load_state_dict(state, strict=True)
+
+
+def sliding_window_logits(model: nn.Module, images: torch.Tensor, window: int, overlap: float) -> torch.Tensor:
+    """Logits of ``images`` float (B, 3, H, W) from ``window x window`` tiles (the last row and column of tiles
+    aligned to the far edge), ``overlap`` of the window shared between neighbours (stride ``window x (1 -
+    overlap)``, at least 1 px), overlapping logits averaged: float32 (B, C, H, W). An image no larger than the
+    window in both sides is one forward, identical to ``model(images)``. The usual evaluation of large
+    aerial tiles (mmsegmentation's ``slide`` mode).
+
+    Raises:
+        ValueError: ``window`` < 1 or ``overlap`` outside [0, 1).
+    """
+    if window < 1 or not 0 <= overlap < 1:
+        raise ValueError(f"sliding window: window {window} must be >= 1 and overlap {overlap} in [0, 1)")
+    h, w = images.shape[-2:]
+    if h <= window and w <= window:
+        return model(images).float()
+    stride = max(1, int(window * (1 - overlap)))
+
+    def starts(size: int) -> list[int]:
+        if size <= window:
+            return [0]
+        last = size - window
+        return sorted({*range(0, last, stride), last})
+
+    logits, counts = None, torch.zeros((1, 1, h, w), device=images.device)
+    for y in starts(h):
+        for x in starts(w):
+            tile = model(images[..., y : y + window, x : x + window]).float()
+            if logits is None:
+                logits = torch.zeros((images.shape[0], tile.shape[1], h, w), device=images.device)
+            logits[..., y : y + tile.shape[-2], x : x + tile.shape[-1]] += tile
+            counts[..., y : y + tile.shape[-2], x : x + tile.shape[-1]] += 1
+    return logits / counts

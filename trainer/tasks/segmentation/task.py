@@ -65,6 +65,11 @@ class SegmentationTask(Task):
             raise ConfigError(f"scale_min/scale_max: got {cfg.scale_min}/{cfg.scale_max}; need 0 < min <= max")
         if cfg.ce_weight < 0 or cfg.dice_weight < 0 or cfg.ce_weight + cfg.dice_weight == 0:
             raise ConfigError(f"ce_weight/dice_weight: got {cfg.ce_weight}/{cfg.dice_weight}; both >= 0 and not both 0")
+        if cfg.eval_window % div or cfg.eval_window < 0 or not 0 <= cfg.eval_overlap <= 0.9:
+            raise ConfigError(
+                f"eval_window/eval_overlap: got {cfg.eval_window}/{cfg.eval_overlap}; the window must be 0 or a "
+                f"multiple of {div} ({cfg.model}'s stride), the overlap in 0..0.9"
+            )
         if not 0 <= cfg.val_fraction < 1:
             raise ConfigError(f"val_fraction: got {cfg.val_fraction}; expected 0 <= val_fraction < 1")
         if cfg.max_samples < 0 or cfg.palette_tolerance < 0:
@@ -108,7 +113,7 @@ class SegmentationTask(Task):
         sources = build_sources(cfg)
         n = len(cfg.classes)
         train_tf = TrainTransform(cfg.image_size, cfg.scale_min, cfg.scale_max, cfg.hflip_prob, cfg.ignore_index)
-        eval_tf = EvalTransform(cfg.image_size)
+        eval_tf = EvalTransform(cfg.image_size if cfg.eval_resize else 0)
         parts: dict[str, list] = {"train": [], "val": []}
         report = [f"data: {len(sources)} dataset(s), {n} shared classes ({', '.join(cfg.classes)})"]
         for src in sources:
@@ -179,7 +184,12 @@ class SegmentationTask(Task):
         )
 
     def predict(self, model: nn.Module, batch: dict) -> torch.Tensor:
-        """Predicted class ids int64 (B, H, W) (argmax of the logits)."""
+        """Predicted class ids int64 (B, H, W): argmax of the logits, from sliding windows of ``eval_window``
+        (:func:`~trainer.models.segmentation.sliding_window_logits`) when the image is larger than one."""
+        from trainer.models.segmentation import sliding_window_logits
+
+        if self.cfg.eval_window:
+            return sliding_window_logits(model, batch["image"], self.cfg.eval_window, self.cfg.eval_overlap).argmax(1)
         return model(batch["image"]).argmax(1)
 
     @classmethod
@@ -224,7 +234,7 @@ class SegmentationTask(Task):
         from trainer.predict import read_images
 
         kept, originals, bad = read_images(paths)
-        transform = EvalTransform(self.cfg.image_size)
+        transform = EvalTransform(self.cfg.image_size if self.cfg.eval_resize else 0)
         items = []
         for img in originals:
             empty = torch.full(img.shape[1:], self.cfg.ignore_index, dtype=torch.int64)
