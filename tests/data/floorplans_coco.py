@@ -70,22 +70,26 @@ def plan_instances(
 
 
 def build_floorplans_coco(
-    root: str | Path, out_dir: str | Path, split: str = "train", limit: int | None = None
+    root: str | Path, out_dir: str | Path, split: str = "train", limit: int | None = None, skip_mismatched: bool = False
 ) -> tuple[Path, Path]:
     """Write ``out_dir/floorplans_<split>.json`` for the plans of ``root/split`` (sorted by name, the first
     ``limit`` when given) and return ``(json path, image folder root/split)``. Image ids are 0, 1, ... in that
-    order; annotation ids 0, 1, ...; ``iscrowd`` 0 everywhere."""
+    order; annotation ids 0, 1, ...; ``iscrowd`` 0 everywhere. A plan whose masks differ in size from it (R3D
+    train has three, 6 px smaller) raises ValueError, or is left out with ``skip_mismatched``."""
     root, out_dir = Path(root), Path(out_dir)
     folder = root / split
     plans = sorted(p for p in folder.glob("*.jpg") if p.stem.isdigit())[:limit]
     images, annotations = [], []
-    for image_id, plan in enumerate(plans):
+    for plan in plans:
         with Image.open(plan) as im:
             w, h = im.size
         rooms = np.asarray(Image.open(folder / f"{plan.stem}_rooms.png").convert("RGB"))
         wall = np.asarray(Image.open(folder / f"{plan.stem}_wall.png").convert("RGB"))
         if rooms.shape[:2] != (h, w) or wall.shape[:2] != (h, w):
+            if skip_mismatched:
+                continue
             raise ValueError(f"{plan}: masks {rooms.shape[:2]}, {wall.shape[:2]} differ from the plan's {(h, w)}")
+        image_id = len(images)
         images.append({"id": image_id, "file_name": plan.name, "width": w, "height": h})
         for cat, box, area in plan_instances(rooms, wall):
             annotations.append(
