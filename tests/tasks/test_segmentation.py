@@ -76,6 +76,12 @@ def test_config_errors_before_any_data_is_read(shared_data, tmp_path, kw, match)
         build_task(rid_cfg(shared_data, tmp_path, **kw), CPU).check_config()
 
 
+def test_a_relative_data_dir_is_read_once_not_twice(shared_data, tmp_path, monkeypatch):
+    monkeypatch.chdir(shared_data)
+    data = build_task(rid_cfg(shared_data, tmp_path, data_dir="rid-roofs"), CPU).build_data()
+    assert len(data.train) + len(data.val) == 26 and "data: rid-roofs: rid-roofs: 20 train" in "\n".join(data.report)
+
+
 def test_a_short_segmentation_run_through_the_engine(shared_data, tmp_path):
     from trainer.engine.trainer import Trainer
 

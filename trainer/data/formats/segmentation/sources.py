@@ -91,7 +91,7 @@ def build_sources(cfg) -> list[SegSource]:
             scan failure (the entry named as ``datasets[i]`` / its name).
     """
     shared, ignore = list(cfg.classes), cfg.ignore_index
-    entries = cfg.datasets or [{"name": Path(cfg.data_dir).name or "data", "data_dir": cfg.data_dir}]
+    entries = cfg.datasets or [{"name": Path(cfg.data_dir).resolve().name or "data", "data_dir": "."}]
     flat = {
         k: getattr(cfg, k)
         for k in SOURCE_KEYS
