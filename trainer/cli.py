@@ -82,6 +82,7 @@ COMMANDS = {
     "plan": "rank instance types by fit, time and cost for a config",
     "write-ffcv": "convert ImageFolder splits into FFCV .beton files",
     "predict": "run a checkpoint on a folder of images: drawn PNGs and predictions.json",
+    "scale": "run a scaling plan's phases in order and report measured vs expected",
 }
 
 
@@ -117,6 +118,10 @@ def build_parser(command: Optional[str] = "train") -> argparse.ArgumentParser:
             from trainer.predict import add_predict_command
 
             add_predict_command(sub)
+        elif name == "scale":
+            from trainer.planning.scale import add_scale_command
+
+            add_scale_command(sub)
         else:
             from trainer.data.formats.ffcv_writer import add_write_ffcv_command
 
@@ -205,4 +210,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from trainer.predict import run_predict
 
         return run_predict(args)
+    if args.command == "scale":
+        from trainer.planning.scale import run_scale_command
+
+        return run_scale_command(args)
     return EXIT_USAGE
