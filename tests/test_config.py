@@ -379,7 +379,9 @@ def test_shipped_configs_load():
     from pathlib import Path
 
     configs = [
-        p for p in sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml")) if not p.name.endswith("_scaling.yaml")
+        p
+        for p in sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+        if not p.name.endswith("_scaling.yaml")
     ]  # *_scaling.yaml: scaling plans (python -m trainer scale), not training configs
     assert configs
     for p in configs:

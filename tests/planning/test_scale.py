@@ -121,8 +121,7 @@ def test_seed_plan_validates_cumulatively_with_gpu_phases_last():
     gpu = [p for p in plan.phases if p.config.get("device") == "cuda"]
     assert [p.name for p in gpu] == names[-3:] == ["p5-gpu", "p5-gpu-1024-amp", "p5-gpu-full"]
     assert (
-        by["p5-gpu-1024-amp"].config["image_size"] == 1024
-        and by["p2-batch-16"].criteria["max_host_memory_pct"] == 80
+        by["p5-gpu-1024-amp"].config["image_size"] == 1024 and by["p2-batch-16"].criteria["max_host_memory_pct"] == 80
     )
     assert all(p.criteria["max_host_memory_pct"] == plan.host_memory_limit_pct == 80 for p in plan.phases[:2])
 
