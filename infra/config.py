@@ -18,6 +18,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
 from typing import Any, Optional
 
 import catalog
@@ -33,16 +34,45 @@ class InfraConfigError(ValueError):
     """A context value of the wrong type or out of range; the message names the key."""
 
 
-def _seed001_phases() -> list[dict]:
-    """Seed 001's scaling plan, phases 1-3 on the CPU instance and phase 5 on the GPU one, as job steps."""
-    return [
-        {
-            "name": "cpu-smoke",
-            "instance_type": "ml.m5.xlarge",
-            "hyperparameters": {"epochs": "1", "batch_size": "2", "num_workers": "2", "device": "cpu"},
-        },
-        {"name": "gpu", "instance_type": "ml.g5.xlarge", "hyperparameters": {"precision": "amp"}},
-    ]
+#: Seed 001's scaling plan, the file ``python -m trainer scale`` runs: its phases are the SageMaker state
+#: machine's default steps, so the local run and the SageMaker run share one list of phases.
+SCALING_PLAN = Path(__file__).resolve().parents[1] / "configs" / "seed001_scaling.yaml"
+#: SageMaker type of a scaling phase by its trainer device: seed 001's CPU instance and its g5 (one A10G).
+PHASE_INSTANCE_TYPES = {"cpu": "ml.m5.xlarge", "cuda": "ml.g5.xlarge"}
+
+
+def phases_from_plan(path: Path = SCALING_PLAN) -> list[dict]:
+    """A scaling plan's phases as state-machine steps ``{"name", "instance_type", "hyperparameters"}``.
+
+    The plan is parsed and every phase's config validated by the trainer's own reader
+    (:func:`trainer.planning.scale.load_plan`, pure Python). Hyperparameters: ``config`` = the plan's base config
+    as the image holds it (``configs/<name>``), then the phase's cumulative overrides as strings, without
+    ``data_dir`` (a SageMaker job reads its data channel). Instance type: :data:`PHASE_INSTANCE_TYPES` of the
+    phase's device (``cuda`` phases on ml.g5.xlarge, the rest on ml.m5.xlarge).
+
+    Raises:
+        InfraConfigError: the plan cannot be read or does not validate (the trainer's one-line message).
+    """
+    from trainer.config import ConfigError, load_config
+    from trainer.planning.scale import load_plan
+
+    try:
+        plan = load_plan(path)
+        steps = []
+        for phase in plan.phases:
+            device = load_config(plan.base, phase.config).device
+            hps = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in phase.config.items()}
+            hps.pop("data_dir", None)
+            steps.append(
+                {
+                    "name": phase.name,
+                    "instance_type": PHASE_INSTANCE_TYPES["cuda" if device == "cuda" else "cpu"],
+                    "hyperparameters": {"config": f"configs/{plan.base.name}", **hps},
+                }
+            )
+    except ConfigError as e:
+        raise InfraConfigError(f"scaling plan: {e}") from None
+    return steps
 
 
 @dataclass(frozen=True)
@@ -78,7 +108,7 @@ class InfraConfig:
     sagemaker_max_run_hours: float = 24.0
     sagemaker_max_wait_hours: float = 48.0
     sagemaker_volume_gib: int = 100
-    scaling_phases: tuple[Mapping[str, Any], ...] = field(default_factory=lambda: tuple(_seed001_phases()))
+    scaling_phases: tuple[Mapping[str, Any], ...] = field(default_factory=lambda: tuple(phases_from_plan()))
     prices: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     # monitoring (seeds 001, 002)
     alarm_email: Optional[str] = None

@@ -115,6 +115,16 @@ def _install_fake_sagemaker_sync(monkeypatch, recorded: list[dict]) -> None:
     monkeypatch.setattr(cls, "_build_sync_resolver", sync)
 
 
+DIGITS_PHASES = [
+    {
+        "name": "cpu-smoke",
+        "instance_type": "ml.m5.xlarge",
+        "hyperparameters": {"epochs": "1", "batch_size": "2", "num_workers": "2", "device": "cpu"},
+    },
+    {"name": "gpu", "instance_type": "ml.g5.xlarge", "hyperparameters": {"precision": "amp"}},
+]
+
+
 @pytest.fixture(scope="module")
 def executions(tmp_path_factory):
     """{state machine name: (execution status, [rendered CreateTrainingJob requests])} for every state machine
@@ -124,7 +134,9 @@ def executions(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     try:
         moto_env.fake_credentials(mp)
-        templates = moto_env.synthesize(tmp_path_factory.mktemp("cdk-sfn"))
+        # Two digits phases (CPU, then GPU) instead of seed 001's eleven: the requests, prefixes and the run
+        # through the entrypoint below need a plan that trains on the tiny digits channel.
+        templates = moto_env.synthesize(tmp_path_factory.mktemp("cdk-sfn"), scaling_phases=json.dumps(DIGITS_PHASES))
         with mock_aws():
             moto_env.deploy(templates)
             sfn = boto3.client("stepfunctions", region_name=moto_env.REGION)

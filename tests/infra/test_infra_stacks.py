@@ -238,9 +238,16 @@ def test_scaling_plan_runs_seed001_phases_in_order(default):
         if s["Type"] == "Task":
             order.append(s["Parameters"]["ResourceConfig"]["InstanceType"])
         state = s.get("Next")
-    assert order == ["ml.m5.xlarge", "ml.g5.xlarge"]  # CPU first, then GPU
-    hp = sm["States"]["Hyperparameters-cpu-smoke"]["Parameters"]["phase"]
-    assert hp["device"] == "cpu" and hp["batch_size"] == "2"
+    # configs/seed001_scaling.yaml, the plan `python -m trainer scale` runs: 8 CPU phases, then 3 GPU phases
+    from trainer.planning.scale import load_plan
+
+    plan = load_plan(REPO / "configs" / "seed001_scaling.yaml")
+    assert order == ["ml.m5.xlarge"] * 8 + ["ml.g5.xlarge"] * 3 and len(plan.phases) == 11
+    first = sm["States"]["Hyperparameters-p0-baseline"]["Parameters"]["phase"]
+    assert first == {"config": "configs/seed001_roofs_cpu.yaml"}  # the base config, as the image holds it
+    gpu = sm["States"]["Hyperparameters-p5-gpu-1024-amp"]["Parameters"]["phase"]
+    assert (gpu["device"], gpu["image_size"], gpu["precision"], gpu["batch_size"]) == ("cuda", "1024", "amp", "16")
+    assert "data_dir" not in gpu  # a job reads its data channel
 
 
 def test_metric_definitions_match_trainer_output():
