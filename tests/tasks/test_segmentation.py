@@ -233,3 +233,12 @@ def test_bad_datasets_entries_are_named(shared_data, tmp_path):
         )
         with pytest.raises(DataError, match=match):
             build_task(bad, CPU).build_data()
+
+
+def test_datasets_one_after_another_with_epochs_per_dataset(shared_data, tmp_path):
+    cfg = two_dataset_cfg(shared_data, tmp_path, epochs_per_dataset=2)
+    train = build_task(cfg, CPU).build_data().train
+    assert len(train) == 8  # max(rid 8, r3d 12 x 0.5): every epoch as long as the largest source
+    for epoch, source in ((0, 0), (1, 0), (2, 1), (3, 1), (4, 0)):
+        assert {train.locate(epoch, k)[0] for k in range(len(train))} == {source}
+    assert len({train.locate(2, k)[1] for k in range(8)}) == 8  # r3d: 8 different pairs of its 12

@@ -282,6 +282,9 @@ class TrainConfig:
         "seg_masks, mask_suffix, image_glob, classes, palette, palette_tolerance, unknown_colour, class_map onto "
         "classes, max_samples, weight, val_fraction); empty: the fields above describe the one dataset.",
     )
+    epochs_per_dataset: int = _seg(
+        0, "With several datasets: train on one at a time, this many epochs each, in order (0 = all together)."
+    )
     ce_weight: float = _seg(1.0, "Weight of the cross-entropy term of the loss.")
     dice_weight: float = _seg(1.0, "Weight of the Dice term of the loss.")
 

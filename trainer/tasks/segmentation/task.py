@@ -72,8 +72,8 @@ class SegmentationTask(Task):
             )
         if not 0 <= cfg.val_fraction < 1:
             raise ConfigError(f"val_fraction: got {cfg.val_fraction}; expected 0 <= val_fraction < 1")
-        if cfg.max_samples < 0 or cfg.palette_tolerance < 0:
-            raise ConfigError("max_samples and palette_tolerance must be >= 0")
+        if cfg.max_samples < 0 or cfg.palette_tolerance < 0 or cfg.epochs_per_dataset < 0:
+            raise ConfigError("max_samples, palette_tolerance and epochs_per_dataset must be >= 0")
         self.check_target()
 
     def metric_directions(self) -> dict[str, str]:
@@ -137,7 +137,7 @@ class SegmentationTask(Task):
                 f"val pairs, weight {src.weight:g}, masks as {'palette colours' if src.palette is not None else 'ids'}"
             )
             report += src.splits["train"].report + src.splits["val"].report
-        train = MultiSourceDataset(parts["train"], [s.weight for s in sources])
+        train = MultiSourceDataset(parts["train"], [s.weight for s in sources], cfg.epochs_per_dataset)
         val = MultiSourceDataset(parts["val"])
         collate = SegmentationCollate(required_divisor(cfg.model), cfg.ignore_index)
         space = {"classes": list(cfg.classes), "ignore_index": cfg.ignore_index}

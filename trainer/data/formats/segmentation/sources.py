@@ -154,23 +154,29 @@ class MultiSourceDataset(Dataset):
     """The sources' datasets as one, keyed by ``(epoch, index)``; each item gets its source id appended:
     ``(image, mask, own_bad, source)``.
 
-    Training (``weighted``): source ``s`` with ``n_s`` pairs and weight ``w_s`` fills ``round(w_s * n_s)`` (at
-    least 1) positions per epoch; position ``k`` reads pair ``(k + epoch * round(w_s * n_s)) % n_s``, so weight 2
-    shows every pair twice an epoch and weight 0.5 shows half of them, a different half the next epoch.
-    Evaluation: every pair once, in source order.
+    Training together (``weights`` given): source ``s`` with ``n_s`` pairs and weight ``w_s`` fills
+    ``round(w_s * n_s)`` (at least 1) positions per epoch; position ``k`` reads pair
+    ``(k + epoch * round(w_s * n_s)) % n_s``, so weight 2 shows every pair twice an epoch and weight 0.5 shows half
+    of them, a different half the next epoch. One after another (``epochs_per_dataset`` = E > 0): epoch ``e``
+    trains on source ``(e // E) % S`` only, every epoch ``max_s round(w_s * n_s)`` samples long (a smaller source
+    cycles through its pairs), so the sampler's length never changes. Evaluation: every pair once, in source order.
     """
 
-    def __init__(self, datasets: list[Dataset], weights: Optional[list[float]] = None):
+    def __init__(self, datasets: list[Dataset], weights: Optional[list[float]] = None, epochs_per_dataset: int = 0):
         self.datasets = datasets
         sizes = [len(d) for d in datasets]
         self.counts = [max(1, round(w * n)) for w, n in zip(weights, sizes)] if weights else sizes
         self.offsets = np.cumsum([0, *self.counts])
+        self.epochs_per_dataset = epochs_per_dataset
 
     def __len__(self) -> int:
-        return int(self.offsets[-1])
+        return max(self.counts) if self.epochs_per_dataset else int(self.offsets[-1])
 
     def locate(self, epoch: int, index: int) -> tuple[int, int]:
         """(source id, index within that source) of global position ``index`` in ``epoch``."""
+        if self.epochs_per_dataset:
+            s = (epoch // self.epochs_per_dataset) % len(self.datasets)
+            return s, (index + epoch * len(self)) % len(self.datasets[s])
         s = int(np.searchsorted(self.offsets, index, side="right") - 1)
         k = index - int(self.offsets[s])
         return s, (k + epoch * self.counts[s]) % len(self.datasets[s])
