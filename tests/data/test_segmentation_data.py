@@ -225,3 +225,25 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_bad_segmentation_input(case, tmp_path):
     run_case(case, tmp_path)
+
+
+def test_large_tiles_are_cut_to_a_random_window_before_the_transform(tmp_path):
+    """A 300 x 400 tile with tile_window 128: the transform sees a 128 x 128 region of image and mask together
+    (the mask stays the thresholded image), a different region per epoch, the same for the same key."""
+    h, w = 300, 400
+    rng = np.random.default_rng(0)
+    (tmp_path / "images").mkdir()
+    (tmp_path / "masks").mkdir()
+    img = rng.integers(0, 255, (h, w, 3), dtype=np.uint8)
+    Image.fromarray(img).save(tmp_path / "images" / "t.png")
+    Image.fromarray((img[..., 0] > 127).astype(np.uint8)).save(tmp_path / "masks" / "t.png")
+    split = scan_pairs(PairingRule(tmp_path), "train", 0.5, val_fraction=0.01)
+    seen = []
+    ds = SegmentationDataset(split, lambda i, m: (seen.append(tuple(i.shape)), (i, m))[1], 2, window=128)
+    a, mask, _ = ds[(0, 0)]
+    assert seen == [(3, 128, 128)] and tuple(mask.shape) == (128, 128)
+    assert torch.equal((a[0] > 127).long(), mask.as_subclass(torch.Tensor))  # same region of both
+    b, _, _ = ds[(1, 0)]
+    assert not torch.equal(a, b) and torch.equal(a, ds[(0, 0)][0])  # per-epoch region, reproducible
+    whole = SegmentationDataset(split, lambda i, m: (i, m), 2)[(0, 0)][0]
+    assert tuple(whole.shape) == (3, h, w)  # window 0: the whole tile

@@ -267,6 +267,11 @@ class TrainConfig:
     )
     scale_min: float = _seg(0.5, "Training scale jitter: shorter side drawn from scale_min..scale_max x image_size.")
     scale_max: float = _seg(2.0, "Training scale jitter: upper bound (then a random image_size crop, padded if small).")
+    tile_window: int = _seg(
+        0,
+        "Training: images larger than this on a side are first cut to a random window of this side (pixels), "
+        "so large aerial tiles keep their resolution; 0 = never (the scale jitter sees the whole image).",
+    )
     eval_resize: bool = _seg(True, "Evaluation: resize the shorter side to image_size (false: the file's resolution).")
     eval_window: int = _seg(
         0, "Evaluation: sliding windows of this side (pixels, a multiple of the model's stride; 0 = whole image)."

@@ -72,8 +72,8 @@ class SegmentationTask(Task):
             )
         if not 0 <= cfg.val_fraction < 1:
             raise ConfigError(f"val_fraction: got {cfg.val_fraction}; expected 0 <= val_fraction < 1")
-        if cfg.max_samples < 0 or cfg.palette_tolerance < 0 or cfg.epochs_per_dataset < 0:
-            raise ConfigError("max_samples, palette_tolerance and epochs_per_dataset must be >= 0")
+        if cfg.max_samples < 0 or cfg.palette_tolerance < 0 or cfg.epochs_per_dataset < 0 or cfg.tile_window < 0:
+            raise ConfigError("max_samples, palette_tolerance, epochs_per_dataset and tile_window must be >= 0")
         self.check_target()
 
     def metric_directions(self) -> dict[str, str]:
@@ -128,6 +128,7 @@ class SegmentationTask(Task):
                         unknown_colour=src.unknown_colour,
                         palette_tolerance=src.palette_tolerance,
                         lut=src.lut,
+                        window=cfg.tile_window if split == "train" else 0,
                         seed=cfg.seed,
                         replace_bad=split == "train",
                     )

@@ -25,7 +25,10 @@ class SegmentationDataset(Dataset):
     ``__getitem__`` returns ``(image, mask, own_bad)``: ``image`` uint8 ``tv_tensors.Image`` (3, h, w) and ``mask``
     int64 ``tv_tensors.Mask`` (h, w) after ``transform`` (a picklable ``callable(image, mask) -> (image, mask)``),
     ``own_bad`` ``(BadSample,)`` when this index's pair was bad and replaced (training), else ``()``. ``lut``: int64
-    table from the file's class ids to the run's shared ids (a multi-dataset run's class map). Evaluation
+    table from the file's class ids to the run's shared ids (a multi-dataset run's class map). ``window`` > 0: a
+    pair whose image is larger than ``window`` on a side is first cut to a random ``window x window`` region
+    (the same for image and mask, drawn from the sample's seed), so a 10,000 px aerial tile trains at its own
+    ground resolution instead of being shrunk whole by the scale jitter. Evaluation
     (``replace_bad`` False) returns the :class:`BadSample` itself; the collate drops it. Augmentation draws from
     torch's default generator seeded by (seed, epoch, index) (:func:`~trainer.data.samples.seeded_for_sample`).
 
@@ -46,6 +49,7 @@ class SegmentationDataset(Dataset):
         unknown_colour: str = "error",
         palette_tolerance: int = 0,
         lut: Optional[torch.Tensor] = None,
+        window: int = 0,
         seed: int = 0,
         replace_bad: bool = True,
     ):
@@ -53,6 +57,7 @@ class SegmentationDataset(Dataset):
         self.ignore_index, self.palette, self.unknown_colour = ignore_index, palette, unknown_colour
         self.palette_tolerance = palette_tolerance
         self.lut = lut
+        self.window = window
         self.seed, self.replace_bad = seed, replace_bad
 
     def __len__(self) -> int:
@@ -88,8 +93,17 @@ class SegmentationDataset(Dataset):
             pair, own = self.decode(index), ()
             if isinstance(pair, BadSample):
                 return pair
+        img, mask = pair
         with seeded_for_sample(self.seed, epoch, index):
-            image, mask = self.transform(tv_tensors.Image(pair[0]), tv_tensors.Mask(pair[1]))
+            h, w = int(img.shape[-2]), int(img.shape[-1])
+            if self.window and max(h, w) > self.window:
+                y = int(torch.randint(0, max(1, h - self.window + 1), ()))
+                x = int(torch.randint(0, max(1, w - self.window + 1), ()))
+                img, mask = (
+                    img[:, y : y + self.window, x : x + self.window],
+                    mask[y : y + self.window, x : x + self.window],
+                )
+            image, mask = self.transform(tv_tensors.Image(img), tv_tensors.Mask(mask))
         return image, mask, own
 
 
