@@ -44,34 +44,45 @@ PHASE_INSTANCE_TYPES = {"cpu": "ml.m5.xlarge", "cuda": "ml.g5.xlarge"}
 def phases_from_plan(path: Path = SCALING_PLAN) -> list[dict]:
     """A scaling plan's phases as state-machine steps ``{"name", "instance_type", "hyperparameters"}``.
 
-    The plan is parsed and every phase's config validated by the trainer's own reader
-    (:func:`trainer.planning.scale.load_plan`, pure Python). Hyperparameters: ``config`` = the plan's base config
-    as the image holds it (``configs/<name>``), then the phase's cumulative overrides as strings, without
-    ``data_dir`` (a SageMaker job reads its data channel). Instance type: :data:`PHASE_INSTANCE_TYPES` of the
-    phase's device (``cuda`` phases on ml.g5.xlarge, the rest on ml.m5.xlarge).
+    The plan format is ``python -m trainer scale``'s (``base`` relative to the plan's folder, plan-wide
+    ``overrides``, ``phases`` whose ``overrides`` and ``device`` accumulate); the full reader with the criteria is
+    ``trainer.planning.scale.load_plan``, which infra may not import (planning pulls torch), so the phases are
+    read here and each merged config is validated with the trainer's pure-Python ``load_config``.
+    Hyperparameters: ``config`` = the base config as the image holds it (``configs/<name>``), then the phase's
+    cumulative overrides as strings, without ``data_dir`` (a SageMaker job reads its data channel). Instance type:
+    :data:`PHASE_INSTANCE_TYPES` of the phase's device (``cuda`` phases on ml.g5.xlarge, the rest ml.m5.xlarge).
 
     Raises:
-        InfraConfigError: the plan cannot be read or does not validate (the trainer's one-line message).
+        InfraConfigError: the plan cannot be read, is malformed, or a phase's config does not validate.
     """
+    import yaml
+
     from trainer.config import ConfigError, load_config
-    from trainer.planning.scale import load_plan
 
     try:
-        plan = load_plan(path)
+        raw = yaml.safe_load(Path(path).read_text())
+        base = Path(path).parent / str(raw["base"])
+        common = dict(raw.get("overrides") or {})
+        cumulative: dict = {}
         steps = []
-        for phase in plan.phases:
-            device = load_config(plan.base, phase.config).device
-            hps = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in phase.config.items()}
-            hps.pop("data_dir", None)
+        for phase in raw["phases"]:
+            cumulative.update(phase.get("overrides") or {})
+            if phase.get("device"):
+                cumulative["device"] = phase["device"]
+            merged = {**common, **cumulative}
+            device = load_config(base, merged).device
+            hps = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in merged.items() if k != "data_dir"}
             steps.append(
                 {
-                    "name": phase.name,
+                    "name": str(phase["name"]),
                     "instance_type": PHASE_INSTANCE_TYPES["cuda" if device == "cuda" else "cpu"],
-                    "hyperparameters": {"config": f"configs/{plan.base.name}", **hps},
+                    "hyperparameters": {"config": f"configs/{base.name}", **hps},
                 }
             )
+    except (OSError, yaml.YAMLError, KeyError, TypeError, AttributeError) as e:
+        raise InfraConfigError(f"scaling plan {path}: cannot read its phases ({type(e).__name__}: {e})") from None
     except ConfigError as e:
-        raise InfraConfigError(f"scaling plan: {e}") from None
+        raise InfraConfigError(f"scaling plan {path}: {e}") from None
     return steps
 
 

@@ -243,6 +243,8 @@ def test_scaling_plan_runs_seed001_phases_in_order(default):
 
     plan = load_plan(REPO / "configs" / "seed001_scaling.yaml")
     assert order == ["ml.m5.xlarge"] * 8 + ["ml.g5.xlarge"] * 3 and len(plan.phases) == 11
+    # infra reads the plan itself (it may not import trainer.planning): the same phases, in the same order
+    assert [f"Hyperparameters-{p.name}" in sm["States"] for p in plan.phases] == [True] * 11
     first = sm["States"]["Hyperparameters-p0-baseline"]["Parameters"]["phase"]
     assert first == {"config": "configs/seed001_roofs_cpu.yaml"}  # the base config, as the image holds it
     gpu = sm["States"]["Hyperparameters-p5-gpu-1024-amp"]["Parameters"]["phase"]
