@@ -116,7 +116,13 @@ def test_two_ranks_learn_roofs_well_above_the_majority_baseline(shared_data, tmp
     from conftest import run_trainer
 
     cfg = rid_cfg(
-        shared_data, tmp_path, seg_masks="roof_outlines", classes=["roof", "background"], image_size=128, epochs=20
+        shared_data,
+        tmp_path,
+        seg_masks="roof_outlines",
+        classes=["roof", "background"],
+        image_size=128,
+        epochs=20,
+        checkpoint_interval=1000,
     )
     baseline = _majority_miou(shared_data, tmp_path, cfg)
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
