@@ -59,6 +59,15 @@ TASK_METRICS: dict[str, tuple[str, ...]] = {
         "train_loss_ce",
         "train_loss_dice",
     ),
+    "video": (
+        "val_top1",
+        "val_top5",
+        "val_loss",
+        "ema_val_top1",
+        "ema_val_top5",
+        "ema_val_loss",
+        "train_top1",
+    ),
 }
 
 #: SageMaker's limit on MetricDefinitions per training job.
@@ -78,9 +87,10 @@ def metric_names(tasks: Optional[Iterable[str]] = None) -> tuple[str, ...]:
 
 
 def headline_metrics(tasks: Optional[Iterable[str]] = None) -> tuple[str, ...]:
-    """The headline metric of each task (first of its row), then ``train_loss`` and ``images_per_s``."""
+    """The headline metric of each task (first of its row; tasks that share one, such as classification and video's
+    ``val_top1``, give it once), then ``train_loss`` and ``images_per_s``."""
     names = sorted(TASK_METRICS) if tasks is None else list(tasks)
-    return tuple(TASK_METRICS[t][0] for t in names) + ("train_loss", "images_per_s")
+    return tuple(dict.fromkeys(TASK_METRICS[t][0] for t in names)) + ("train_loss", "images_per_s")
 
 
 def metric_definitions(tasks: Optional[Iterable[str]] = None) -> list[dict[str, str]]:

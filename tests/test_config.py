@@ -305,6 +305,7 @@ def two_tasks(monkeypatch):
 
     monkeypatch.setitem(trainer.tasks._REGISTRY, "detection", "nowhere.detection:DetectionTask")
     monkeypatch.delitem(trainer.tasks._REGISTRY, "segmentation")
+    monkeypatch.delitem(trainer.tasks._REGISTRY, "video")
     return trainer.tasks.task_names()
 
 

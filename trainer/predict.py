@@ -107,6 +107,43 @@ def save_png(image, path: str | Path) -> Path:
     return path
 
 
+def render_top_k(
+    paths: list[str],
+    images: list,
+    outputs,
+    label_space: dict,
+    out_dir: str | Path,
+    out_names: Optional[list[str]] = None,
+    k: int = 5,
+) -> list[dict]:
+    """Classifier outputs as records and pictures (classification and video).
+
+    ``outputs``: logits (N, C) for the N inputs ``paths``; ``images``: uint8 (3, H, W) per input (the image, or a
+    clip's middle frame), drawn framed and captioned with the top-1 class and its softmax probability into
+    ``out_dir/<out_names[i]>`` (default ``<stem>.png``). Returns ``{"file", "top5": [{"label", "score"}, ...]}``
+    per input (top-k for fewer than ``k`` classes). Raises OSError when a file cannot be written.
+    """
+    import torch
+
+    probs = outputs.float().softmax(dim=1).cpu()
+    classes = list(label_space.get("classes") or [str(i) for i in range(probs.shape[1])])
+    scores, indices = probs.topk(min(k, probs.shape[1]), dim=1)
+    records = []
+    for i, path in enumerate(paths):
+        top = [{"label": classes[j], "score": round(float(s), 4)} for s, j in zip(scores[i], indices[i].tolist())]
+        img = images[i]
+        h, w = int(img.shape[-2]), int(img.shape[-1])
+        drawn = draw_labelled_boxes(
+            img,
+            torch.tensor([[0.0, 0.0, float(w), float(h)]]),
+            [f"{top[0]['label']} {top[0]['score']:.2f}"],
+            [color_of(int(indices[i, 0]))],
+        )
+        save_png(drawn, Path(out_dir) / (out_names[i] if out_names else f"{Path(path).stem}.png"))
+        records.append({"file": Path(path).name, "top5": top})
+    return records
+
+
 def color_of(label: int) -> str:
     """The drawing colour of class index ``label``."""
     return PALETTE[int(label) % len(PALETTE)]
@@ -197,20 +234,23 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return found
 
 
-def list_images(folder: str | Path, limit: Optional[int] = None) -> list[str]:
-    """Image files directly in ``folder`` (by extension, case-insensitive), sorted by name; the first ``limit``.
+def list_images(folder: str | Path, limit: Optional[int] = None, extensions: Optional[tuple] = None) -> list[str]:
+    """Input files directly in ``folder`` (by extension, case-insensitive: ``extensions``, default the image
+    extensions; the video task passes its video extensions), sorted by name; the first ``limit``.
 
     Raises:
-        PredictError: no such folder, or no image file in it.
+        PredictError: no such folder, or no input file in it.
     """
     from trainer.data.formats.imagefolder import IMAGE_EXTENSIONS
 
+    exts = tuple(extensions or IMAGE_EXTENSIONS)
     d = Path(folder)
     if not d.is_dir():
         raise PredictError(f"--images: {d} is not a folder")
-    files = sorted(str(f) for f in d.iterdir() if f.is_file() and f.suffix.lower() in IMAGE_EXTENSIONS)
+    files = sorted(str(f) for f in d.iterdir() if f.is_file() and f.suffix.lower() in exts)
     if not files:
-        raise PredictError(f"--images: {d} holds no image files ({', '.join(IMAGE_EXTENSIONS)})")
+        kind = "image" if extensions is None else "input"
+        raise PredictError(f"--images: {d} holds no {kind} files ({', '.join(exts)})")
     return files[:limit] if limit else files
 
 
@@ -265,6 +305,18 @@ def num_outputs_of(label_space: dict) -> int:
     return len(lists[0])
 
 
+def _input_extensions(path: Path) -> Optional[tuple]:
+    """The file extensions the checkpoint's task reads (:attr:`Task.input_extensions`; None: images), from the
+    task name in ``path/manifest.json`` (cheap: the weights are not read here; older checkpoints have none)."""
+    from trainer.tasks import task_class
+
+    try:
+        task = json.loads((Path(path) / "manifest.json").read_text())["task"]
+        return task_class(task).input_extensions
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def load_model(path: Path, device, use_ema: bool):
     """(task, model on ``device`` in eval mode, label space, ``"ema"`` | ``"model"``) of checkpoint ``path``.
 
@@ -290,7 +342,7 @@ def load_model(path: Path, device, use_ema: bool):
     values["device"] = "cpu" if device.type == "cpu" else "cuda"
     values["compile"] = False
     for name in FIELDS:  # files the model build would read: the checkpoint's weights replace them anyway
-        if name.startswith("pretrained") or name == "init_from":
+        if name.startswith("pretrained") or name in ("init_from", "frame_weights"):
             values[name] = FIELDS[name].default
     try:
         cfg = load_config(None, values)
@@ -331,7 +383,7 @@ def predict(args: argparse.Namespace) -> str:
     from trainer.errors import ConfigError
 
     ckpt = resolve_checkpoint(args.checkpoint)
-    paths = list_images(args.images, args.limit)
+    paths = list_images(args.images, args.limit, _input_extensions(ckpt))
     out = prepare_out(args.out, args.images)
     try:
         device = resolve_device(args.device, 0)
@@ -355,11 +407,15 @@ def predict(args: argparse.Namespace) -> str:
         with torch.no_grad():
             outputs = task.predict(model, batch)
         try:
-            records += task.render_predictions(
+            new = task.render_predictions(
                 kept, batch, outputs, label_space, out, args.score_threshold, out_names=[names[p] for p in kept]
             )
         except OSError as e:
             raise PredictError(f"--out: cannot write in {out}: {describe_os_error(e)}") from None
+        for r in new:  # classification and video: the top-k classes per input, one line each
+            if "top5" in r:
+                print(f"{r['file']}: " + ", ".join(f"{t['label']} {t['score']:.3f}" for t in r["top5"]), flush=True)
+        records += new
         done += len(kept)
     if not done:
         raise PredictError(f"--images: none of the {len(paths)} image file(s) in {args.images} could be read")

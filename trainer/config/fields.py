@@ -26,7 +26,7 @@ from trainer.config.schema import (
     task_names,
 )
 
-_run, _data, _loader, _optim, _speed, _ckpt, _log, _cls, _det, _seg = (
+_run, _data, _loader, _optim, _speed, _ckpt, _log, _cls, _det, _seg, _vid = (
     functools.partial(config_field, s)
     for s in (
         "run",
@@ -39,6 +39,7 @@ _run, _data, _loader, _optim, _speed, _ckpt, _log, _cls, _det, _seg = (
         "classification",
         "detection",
         "segmentation",
+        "video",
     )
 )
 
@@ -58,7 +59,9 @@ class TrainConfig:
         "resnet50",
         "classification: any torchvision classification model (torchvision.models.list_models); "
         "detection: DINO-4scale's ResNet backbone (resnet18, resnet34, resnet50, resnet101); "
-        "segmentation: the architecture (unet, deeplabv3plus, fpn, segformer... or a torchvision segmentation model).",
+        "segmentation: the architecture (unet, deeplabv3plus, fpn, segformer... or a torchvision segmentation model); "
+        "video: frame_transformer (seed 004: a frozen per-frame CNN + a Transformer over time) or a torchvision "
+        "video model (r3d_18, mc3_18, r2plus1d_18, s3d, mvit_v1_b, swin3d_t).",
     )
     seed: int = _run(0, "Seed for weights, data order and augmentation (all ranks derive from it).")
     device: str = _run("auto", "auto | cpu | cuda.", choices=DEVICES)
@@ -293,6 +296,47 @@ class TrainConfig:
     ce_weight: float = _seg(1.0, "Weight of the cross-entropy term of the loss.")
     dice_weight: float = _seg(1.0, "Weight of the Dice term of the loss.")
 
+    # --- video (task section: only with task: video) --------------------------------------------------
+    video_format: str = _vid(
+        "folders",
+        "folders: <data_dir>/<split>/<class>/*.mp4|.avi|.webm (Kinetics/UCF101 layout), decoded with PyAV; arrays: "
+        "<data_dir>/<split>.npz (clips uint8 (N, T, H, W, 3) + labels) or <split>_clips.npy + <split>_labels.npy "
+        "(memory-mapped).",
+        choices=("folders", "arrays"),
+    )
+    num_frames: int = _vid(32, "Frames per clip (T; seed 004: 32).")
+    frame_stride: int = _vid(1, "Take every N-th frame of the source inside a clip.")
+    temporal_crop: str = _vid(
+        "random",
+        "Training clip position: random (a random window per epoch, a function of seed, epoch and index) or uniform "
+        "(the centred window, as in evaluation).",
+        choices=("random", "uniform"),
+    )
+    short_clips: str = _vid(
+        "pad",
+        "Videos shorter than num_frames x frame_stride: pad (repeat the last frame) or reject (left out, counted).",
+        choices=("pad", "reject"),
+    )
+    frame_backbone: str = _vid(
+        "resnet18", "frame_transformer: the frozen per-frame torchvision ResNet (resnet18, resnet34, resnet50)."
+    )
+    frame_weights: Optional[str] = _vid(
+        None, "frame_transformer: local torchvision state_dict file (.pth) for the frozen backbone (offline weights)."
+    )
+    temporal_dim: int = _vid(256, "frame_transformer: Transformer width (frame features are projected to it).")
+    temporal_layers: int = _vid(4, "frame_transformer: Transformer encoder layers.")
+    temporal_heads: int = _vid(8, "frame_transformer: attention heads.")
+    temporal_mlp_dim: int = _vid(1024, "frame_transformer: feed-forward width.")
+    temporal_dropout: float = _vid(0.1, "frame_transformer: dropout in the Transformer.")
+    cache_features: bool = _vid(
+        False,
+        "frame_transformer: compute the frozen backbone's per-frame features once (fp16 on disk) and train the "
+        "Transformer on them; needs hflip_prob 0 (no augmentation that changes frames).",
+    )
+    feature_cache_dir: Optional[str] = _vid(
+        None, "Folder of the feature cache (default: <checkpoint_dir>/../feature-cache); keyed by clip, weights, size."
+    )
+
     # ------------------------------------------------------------------------------------------------
     def validate(self) -> TrainConfig:
         """Check every field; raise :class:`ConfigError` naming the first bad field and what is allowed.
@@ -362,6 +406,7 @@ NON_TRAJECTORY_FIELDS = (
     "stop_on_rebalance",
     "ffcv_dir",
     "ffcv_os_cache",
+    "feature_cache_dir",
 )
 
 #: Field name -> dataclass field (its ``metadata`` holds section, help, flag, choices, aliases), in section order.

@@ -52,6 +52,8 @@ SECTIONS: dict[str, str] = {
     "classification": "Task section: augmentation, loss and resolution schedule of the classification task.",
     "detection": "Task section: COCO files, DINO-4scale's architecture, denoising and the multi-scale resize.",
     "segmentation": "Task section: image/mask pairing, classes and palette, encoder, loss and the scale jitter.",
+    "video": "Task section: video files or clip arrays, clip sampling, the frozen per-frame backbone and its "
+    "Transformer over time, cached features.",
 }
 
 #: Allowed values of a field: a tuple, or a function returning one (evaluated when used, e.g. the task registry).

@@ -7,7 +7,7 @@ On-disk format (``FORMAT_VERSION`` 1), one directory per checkpoint::
       ckpt-000001300-m/        mid-epoch checkpoint (stop request or periodic) at step 1300
         state.pt               model, optimizer, scheduler, grad scaler, EMA, progress, config, fingerprint
         ranks.pt               per-rank state: {"ranks": [{"rng": {python, numpy, torch, cuda}, ...}, ...]}
-        manifest.json          format version, progress, and {file: {bytes, sha256}} for every file above
+        manifest.json          format version, progress, the task name, and {file: {bytes, sha256}} for every file above
       latest                   text: name of the newest complete checkpoint
       best                     text: name of the checkpoint with the best primary metric
 
@@ -440,6 +440,7 @@ class CheckpointManager:
             "name": name,
             "progress": progress,
             "world_size": self.world_size,
+            "task": (state.get("config") or {}).get("task") if isinstance(state, dict) else None,
             "created_unix": time.time(),
             "files": files,
         }

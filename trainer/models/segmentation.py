@@ -8,7 +8,6 @@ logits ``(B, num_classes, H, W)`` at the input resolution, with its encoder reac
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Optional
 
@@ -135,46 +134,10 @@ def _build_torchvision(arch: str, num_classes: int) -> nn.Module:
     return TorchvisionSegmentation(net)
 
 
-def _read_state_dict(path: Path) -> Mapping[str, torch.Tensor]:
-    if not path.is_file():
-        raise ConfigError(f"encoder_weights: no file at {path}")
-    try:
-        if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            state = load_file(str(path), device="cpu")
-        else:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        detail = (str(e).splitlines() or [""])[0][:160]
-        raise ConfigError(
-            f"encoder_weights: cannot read {path} as a state_dict ({type(e).__name__}: {detail})"
-        ) from None
-    if not isinstance(state, Mapping) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ConfigError(f"encoder_weights: {path} does not hold a dict of tensors (got {type(state).__name__})")
-    return state
-
-
 def _load_encoder(encoder: nn.Module, path: Path, what: str) -> None:
-    state = _read_state_dict(path)
-    own = encoder.state_dict()
-    missing = [k for k in own if k not in state]
-    unexpected = [k for k in state if k not in own]
-    shapes = [
-        f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}"
-        for k, v in own.items()
-        if k in state and state[k].shape != v.shape
-    ]
-    problems = []
-    if missing:
-        problems.append(f"{len(missing)} missing keys (first: {', '.join(missing[:3])})")
-    if unexpected:
-        problems.append(f"{len(unexpected)} unexpected keys (first: {', '.join(unexpected[:3])})")
-    if shapes:
-        problems.append(f"{len(shapes)} shape mismatches, file vs model (first: {'; '.join(shapes[:3])})")
-    if problems:
-        raise ConfigError(f"encoder_weights: {path} does not match the {what} encoder: {'; '.join(problems)}")
-    encoder.load_state_dict(state, strict=True)
+    from trainer.models.local_weights import load_checked, read_state_dict
+
+    load_checked(encoder, read_state_dict(path, "encoder_weights"), path, "encoder_weights", f"the {what} encoder")
 
 
 def sliding_window_logits(model: nn.Module, images: torch.Tensor, window: int, overlap: float) -> torch.Tensor:

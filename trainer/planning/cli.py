@@ -41,6 +41,8 @@ _HELP = {
     "images_per_second": "Measured training images/s per GPU on --throughput-gpu.",
     "throughput_gpu": "Catalog GPU model on which --images-per-second was measured.",
     "scaling_efficiency": "Multi-GPU DDP efficiency per host (assumption; 1.0 = linear).",
+    "jobs_per_instance": "Independent training jobs run side by side on one instance: GPUs split (or time-sliced "
+    "when jobs > GPUs), host RAM and vCPUs checked for all of them (ERROR when exhausted).",
     "out": "Also write the plan as JSON to this file.",
 }
 

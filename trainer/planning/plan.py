@@ -18,6 +18,20 @@ Per instance type (facts and prices from :mod:`catalog`, the one copy):
 * epoch time = dataset images / host images/s; run hours = epochs x epoch time (evaluation, start-up and
   checkpoint time excluded); cost = hours x on-demand or spot USD/hour.
 
+Parallel jobs (``--jobs-per-instance K``, default 1): K independent training jobs share one instance.
+
+* K <= GPUs: each job gets ``gpus // K`` GPUs (its processes; the global batch must split over them; GPUs left
+  over are a warning). K > GPUs: the jobs share the GPUs time-sliced, ``ceil(K / gpus)`` jobs on a GPU, each
+  with its own CUDA context: memory per GPU = that many x one job's need, images/s per job = the GPU's / that many.
+* Host RAM (:func:`trainer.planning.memory.predict_host_ram`): K x per-job RAM (process RSS, dataset held per
+  process, loader, pinned batches) must stay <= host RAM x (1 - margin), else ERROR; the page cache the jobs
+  share (counted once, evictable) only warns when it does not fit in what is left.
+* vCPUs: busy processes = K x processes per job x (1 main + num_workers) (a decoding loader is CPU-bound, so its
+  workers are busy whenever the GPU could go faster) must stay <= vCPUs - :data:`HOST_RESERVED_VCPUS`, else ERROR.
+* With K = 1 the host figures are reported and only warn (the plan of one job is unchanged).
+* Time, images/s and epoch are per job (the K jobs run at once); run cost is the instance's for that time,
+  i.e. for all K jobs (``run_usd_per_job_on_demand`` divides it by K).
+
 Errors (:class:`PlanError`, exit 2): unknown instance type, batch larger than the dataset, missing or corrupt
 probe report, bad option values.
 """
@@ -36,7 +50,15 @@ import torch
 import catalog
 from catalog import REFERENCE_GPU, REFERENCE_IMAGES_PER_S
 from trainer.config import TrainConfig
-from trainer.planning.memory import GIB, MIB, predict_loader_ram, predict_step_memory, target_precision
+from trainer.planning.memory import (
+    GIB,
+    HOST_RESERVED_VCPUS,
+    MIB,
+    predict_host_ram,
+    predict_loader_ram,
+    predict_step_memory,
+    target_precision,
+)
 from trainer.tasks import task_class
 
 
@@ -60,6 +82,7 @@ class PlanOptions:
     images_per_second: Optional[float] = None
     throughput_gpu: str = REFERENCE_GPU
     scaling_efficiency: float = 0.9
+    jobs_per_instance: int = 1
     out: Optional[str] = None
 
     def validate(self) -> PlanOptions:
@@ -70,6 +93,8 @@ class PlanOptions:
             raise PlanError(f"--margin: got {self.margin}; must be in [0, 1)")
         if not 0 < self.scaling_efficiency <= 1:
             raise PlanError(f"--scaling-efficiency: got {self.scaling_efficiency}; must be in (0, 1]")
+        if not isinstance(self.jobs_per_instance, int) or self.jobs_per_instance < 1:
+            raise PlanError(f"--jobs-per-instance: got {self.jobs_per_instance}; must be an integer >= 1")
         for name in ("nproc_per_node", "dataset_size", "num_classes"):
             v = getattr(self, name)
             if v is not None and v < 1:
@@ -134,6 +159,9 @@ class _Inputs:
     probe: Optional[dict]
     predict: Callable = field(repr=False, default=None)
     input_size: tuple[int, int] = (224, 224)  # (H, W) of the largest training image (Task.input_size)
+    sample_bytes: tuple[int, int] = (0, 0)  # Task.loader_sample_bytes(train=True), (train=False); 0: 3 x H x W
+    data_bytes: tuple[int, int] = (0, 0)  # Task.host_data_bytes(data): (per process, per host)
+    data_source: str = "Task.host_data_bytes"
 
 
 def _throughput(inp: _Inputs, gpu: catalog.GpuModel, cache: dict) -> tuple[Optional[float], str]:
@@ -207,21 +235,37 @@ def plan_rows(inp: _Inputs, types: list[catalog.InstanceType]) -> list[dict]:
         if it.gpu is None:
             row["errors"].append("no GPU (CPU-only type)")
             continue
-        procs = it.processes_per_host
+        jobs = opts.jobs_per_instance
+        procs, share = _job_layout(it, jobs)  # processes per job, jobs per GPU
         row["processes_per_host"] = procs
-        issue = catalog.check_processes_per_host(it, opts.nproc_per_node) if opts.nproc_per_node else None
+        if jobs > 1:
+            row.update(jobs_per_instance=jobs, processes_per_job=procs, jobs_per_gpu=share)
+            if share > 1:
+                row["warnings"].append(
+                    f"{jobs} jobs time-slice {it.gpus} GPU(s) ({share} per GPU): GPU memory x {share}, images/s "
+                    f"per job / {share} (context switches make this an upper bound)"
+                )
+            elif it.gpus % jobs:
+                row["warnings"].append(f"{jobs} jobs x {procs} GPU(s) leave {it.gpus % jobs} GPU(s) idle")
+            if jobs % it.gpus and share > 1:
+                row["warnings"].append(f"{jobs} jobs do not spread evenly over {it.gpus} GPUs")
+        issue = _check_nproc(it, opts.nproc_per_node, procs, jobs) if opts.nproc_per_node else None
         if issue:
             row["errors" if issue[0] == "error" else "warnings"].append(issue[1])
         denom = procs * cfg.accumulate_grad_batches
         if cfg.batch_size % denom:
             row["errors"].append(
-                f"global batch {cfg.batch_size} is not divisible by {procs} processes x "
-                f"{cfg.accumulate_grad_batches} accumulation"
+                f"global batch {cfg.batch_size} is not divisible by {procs} processes"
+                + (" per job" if jobs > 1 else "")
+                + f" x {cfg.accumulate_grad_batches} accumulation"
             )
             continue
         micro = cfg.batch_size // denom
         row["micro_batch"] = micro
         need, row["memory_source"] = _memory(inp, it, micro, procs, mem_cache)
+        if share > 1:
+            need *= share
+            row["memory_source"] += f" x {share} jobs per GPU (a CUDA context each)"
         have = it.gpu_memory_mib * MIB
         row["memory_per_gpu_gib"] = need / GIB
         row["headroom_pct"] = round(100 * (1 - need / have), 1)
@@ -231,18 +275,28 @@ def plan_rows(inp: _Inputs, types: list[catalog.InstanceType]) -> list[dict]:
                 f"needs {need / GIB:.1f} GiB per GPU, has {have / GIB:.1f} GiB minus "
                 f"{opts.margin:.0%} margin: lower batch_size or raise accumulate_grad_batches"
             )
-        ram = predict_loader_ram(micro, inp.input_size, cfg.num_workers, cfg.prefetch_factor)
-        if procs * ram.total_bytes > it.memory_mib * MIB * (1 - opts.margin):
-            row["warnings"].append(f"loader RAM {procs * ram.total_bytes / GIB:.1f} GiB > host RAM minus margin")
-        if procs * cfg.num_workers > it.vcpus:
-            row["warnings"].append(
-                f"{procs} x num_workers {cfg.num_workers} = {procs * cfg.num_workers} loader "
-                f"processes on {it.vcpus} vCPUs"
+        if jobs == 1:  # the single-job checks, as before --jobs-per-instance
+            ram = predict_loader_ram(
+                micro,
+                inp.input_size,
+                cfg.num_workers,
+                cfg.prefetch_factor,
+                bytes_per_sample=inp.sample_bytes[0] or None,
             )
+            if procs * ram.total_bytes > it.memory_mib * MIB * (1 - opts.margin):
+                row["warnings"].append(f"loader RAM {procs * ram.total_bytes / GIB:.1f} GiB > host RAM minus margin")
+            if procs * cfg.num_workers > it.vcpus:
+                row["warnings"].append(
+                    f"{procs} x num_workers {cfg.num_workers} = {procs * cfg.num_workers} loader "
+                    f"processes on {it.vcpus} vCPUs"
+                )
+        _host_checks(inp, it, row, micro, procs, jobs)
         per_gpu, row["throughput_source"] = _throughput(inp, it.gpu, tp_cache)
         if per_gpu is None:
             continue
-        host = per_gpu * procs * (opts.scaling_efficiency if procs > 1 else 1.0)
+        host = per_gpu * procs * (opts.scaling_efficiency if procs > 1 else 1.0) / share
+        if share > 1:
+            row["throughput_source"] += f" / {share} jobs per GPU (time-sliced)"
         epoch_s = inp.dataset_size / host
         hours = cfg.epochs * epoch_s / 3600
         row.update(
@@ -252,6 +306,8 @@ def plan_rows(inp: _Inputs, types: list[catalog.InstanceType]) -> list[dict]:
             run_usd_on_demand=hours * it.on_demand.usd_per_hour,
             run_usd_spot=hours * it.spot.usd_per_hour,
         )
+        if jobs > 1:
+            row["run_usd_per_job_on_demand"] = row["run_usd_on_demand"] / jobs
     for r in rows:
         r["fits"] = r["memory_fits"] and not r["errors"]
     rows.sort(
@@ -268,19 +324,95 @@ def plan_rows(inp: _Inputs, types: list[catalog.InstanceType]) -> list[dict]:
     return rows
 
 
-def _dataset(cfg: TrainConfig, opts: PlanOptions) -> tuple[int, int, str]:
-    """(training images per epoch, classes, source): from the options, else by scanning ``cfg.data_dir``."""
+def _job_layout(it: catalog.InstanceType, jobs: int) -> tuple[int, int]:
+    """(processes per job, jobs per GPU) for ``jobs`` jobs on ``it``: K <= GPUs: ``gpus // K`` GPUs each, one job
+    per GPU; K > GPUs: one process per job, ``ceil(K / gpus)`` jobs time-slicing the busiest GPU."""
+    if jobs <= it.gpus:
+        return it.gpus // jobs, 1
+    return 1, -(-jobs // it.gpus)
+
+
+def _check_nproc(it: catalog.InstanceType, nproc: int, procs: int, jobs: int) -> Optional[tuple[str, str]]:
+    """``--nproc-per-node`` against the processes of one job (K = 1: the catalog's check, unchanged)."""
+    if jobs == 1:
+        return catalog.check_processes_per_host(it, nproc)
+    if nproc > procs:
+        return "error", (
+            f"--nproc-per-node {nproc} with --jobs-per-instance {jobs} on {it.name} ({it.gpus} GPU(s)): each job "
+            f"has {procs} GPU(s); use {procs}"
+        )
+    if nproc < procs:
+        return "warning", f"--nproc-per-node {nproc} leaves {procs - nproc} GPU(s) of each job idle; use {procs}"
+    return None
+
+
+def _host_checks(inp: _Inputs, it: catalog.InstanceType, row: dict, micro: int, procs: int, jobs: int) -> None:
+    """Host RAM and vCPUs of ``jobs`` jobs on ``it`` into ``row``: ERROR (K > 1) when they exhaust the host,
+    a warning when the shared page cache does not fit in what is left (see module doc)."""
+    cfg, opts = inp.cfg, inp.opts
+    train_bytes = inp.sample_bytes[0] or 3 * inp.input_size[0] * inp.input_size[1]
+    ram = predict_host_ram(
+        micro_batch=micro,
+        bytes_per_sample=train_bytes,
+        eval_bytes_per_sample=inp.sample_bytes[1] or train_bytes,
+        eval_batch=cfg.eval_batch_size or 2 * micro,
+        num_workers=cfg.num_workers,
+        prefetch_factor=cfg.prefetch_factor,
+        jobs=jobs,
+        processes_per_job=procs,
+        device_type="cuda",
+        pin_memory=cfg.pin_memory,
+        persistent_workers=cfg.persistent_workers,
+        dataset_bytes=inp.data_bytes,
+        dataset_source=inp.data_source,
+        probe=inp.probe,
+    )
+    have = it.memory_mib * MIB
+    budget = have * (1 - opts.margin)
+    busy = jobs * procs * (1 + cfg.num_workers)
+    cores = it.vcpus - HOST_RESERVED_VCPUS
+    row.update(
+        host_ram=ram.to_dict(),
+        host_ram_need_gib=ram.total_bytes / GIB,
+        host_ram_with_page_cache_gib=ram.with_page_cache_bytes / GIB,
+        busy_processes=busy,
+        vcpus_for_jobs=cores,
+        host_fits=ram.total_bytes <= budget and (jobs == 1 or busy <= cores),
+    )
+    kind = "errors" if jobs > 1 else "warnings"
+    who = f"--jobs-per-instance {jobs}: " if jobs > 1 else ""
+    loader_warned = any(w.startswith("loader RAM") for w in row["warnings"])
+    if ram.total_bytes > budget and not (jobs == 1 and loader_warned):
+        row[kind].append(
+            f"{who}host RAM {ram.total_bytes / GIB:.1f} GiB ({jobs} x {ram.per_job_bytes / GIB:.2f} GiB per job) > "
+            f"{have / GIB:.1f} GiB minus {opts.margin:.0%} margin"
+        )
+    elif ram.total_bytes <= budget and ram.page_cache_bytes and ram.with_page_cache_bytes > budget:
+        row["warnings"].append(
+            f"shared page cache {ram.page_cache_bytes / GIB:.1f} GiB does not fit beside the jobs' "
+            f"{ram.total_bytes / GIB:.1f} GiB in {budget / GIB:.1f} GiB: data will be re-read from disk"
+        )
+    if jobs > 1 and busy > cores:
+        row["errors"].append(
+            f"{who}{busy} busy processes ({jobs} jobs x {procs} x (1 main + {cfg.num_workers} workers)) > "
+            f"{it.vcpus} vCPUs - {HOST_RESERVED_VCPUS} reserved: lower the jobs or num_workers"
+        )
+
+
+def _dataset(cfg: TrainConfig, opts: PlanOptions, task=None) -> tuple[int, int, str, object]:
+    """(training images per epoch, classes, source, the built TaskData or None): from the options, else by
+    scanning ``cfg.data_dir`` with ``task`` (default: a fresh one)."""
     if opts.dataset_size is not None:
-        return opts.dataset_size, opts.num_classes or 1000, "--dataset-size"
+        return opts.dataset_size, opts.num_classes or 1000, "--dataset-size", None
     from trainer.engine.distributed import DistInfo
     from trainer.errors import DataError
     from trainer.tasks import build_task
 
     try:
-        data = build_task(cfg, DistInfo(0, 0, 1, torch.device("cpu"))).build_data()
+        data = (task or build_task(cfg, DistInfo(0, 0, 1, torch.device("cpu")))).build_data()
     except DataError as e:
         raise PlanError(f"cannot count the training images ({e}); give --dataset-size") from None
-    return len(data.train), opts.num_classes or data.num_outputs, f"scanned {cfg.data_dir}"
+    return len(data.train), opts.num_classes or data.num_outputs, f"scanned {cfg.data_dir}", data
 
 
 def make_plan(cfg: TrainConfig, opts: PlanOptions, predict: Callable = predict_step_memory) -> dict:
@@ -299,16 +431,38 @@ def make_plan(cfg: TrainConfig, opts: PlanOptions, predict: Callable = predict_s
     if not types:
         raise PlanError(f"no instance types left to plan (platform {opts.platform}, instances {opts.instances})")
     probe = load_probe(opts.probe_report) if opts.probe_report else None
-    size, classes, size_source = _dataset(cfg, opts)
-    if cfg.batch_size > size:
-        raise PlanError(f"batch_size {cfg.batch_size} is larger than the dataset ({size} training images)")
     from trainer.engine.distributed import DistInfo
     from trainer.tasks import build_task
 
-    hw = build_task(cfg, DistInfo(0, 0, 1, torch.device("cpu"))).input_size()
-    rows = plan_rows(_Inputs(cfg, opts, size, classes, probe, predict, hw), types)
+    task = build_task(cfg, DistInfo(0, 0, 1, torch.device("cpu")))
+    size, classes, size_source, data = _dataset(cfg, opts, task)
+    if cfg.batch_size > size:
+        raise PlanError(f"batch_size {cfg.batch_size} is larger than the dataset ({size} training images)")
+    hw = task.input_size()
+    sample_bytes = (int(task.loader_sample_bytes(True)), int(task.loader_sample_bytes(False)))
+    data_bytes = tuple(int(b) for b in task.host_data_bytes(data, size))
+    data_source = "Task.host_data_bytes" + (
+        ""
+        if data is not None
+        else " (data not scanned: --dataset-size)"
+        if not any(data_bytes)
+        else " (estimated from --dataset-size and the config)"
+    )
+    inp = _Inputs(cfg, opts, size, classes, probe, predict, hw, sample_bytes, data_bytes, data_source)
+    rows = plan_rows(inp, types)
     flags = []
-    if not any(r["fits"] for r in rows):
+    if opts.jobs_per_instance > 1 and data is None and not any(data_bytes):
+        flags.append(
+            "host RAM counts no dataset bytes: the data was not scanned (--dataset-size); drop --dataset-size "
+            "to let the task report what its dataset holds in RAM"
+        )
+    if not any(r["fits"] for r in rows) and opts.jobs_per_instance > 1:
+        flags.append(
+            f"none of the {len(rows)} types planned can run {opts.jobs_per_instance} jobs of global batch "
+            f"{cfg.batch_size}: see the ERROR notes (host RAM or vCPUs: fewer jobs or num_workers; GPU memory: "
+            "lower batch_size or raise accumulate_grad_batches)"
+        )
+    elif not any(r["fits"] for r in rows):
         flags.append(
             f"none of the {len(rows)} types planned can run global batch {cfg.batch_size}: see the "
             f"ERROR notes (memory: lower batch_size or raise accumulate_grad_batches)"
@@ -334,6 +488,8 @@ def make_plan(cfg: TrainConfig, opts: PlanOptions, predict: Callable = predict_s
         "dataset_source": size_source,
         "margin": opts.margin,
         "scaling_efficiency": opts.scaling_efficiency,
+        "jobs_per_instance": opts.jobs_per_instance,
+        "host_data_bytes": list(data_bytes),
         "probe_report": opts.probe_report,
         "prices": opts.prices or "catalog/__init__.py",
         "flags": flags,
@@ -343,6 +499,16 @@ def make_plan(cfg: TrainConfig, opts: PlanOptions, predict: Callable = predict_s
 
 def _num(v, fmt="{:,.2f}") -> str:
     return fmt.format(v) if isinstance(v, (int, float)) else "-"
+
+
+def _ram_parts(ram: dict) -> str:
+    """One line of a host RAM prediction's components per process (GiB) and whether each is measured."""
+    process = "measured" if ram["process_source"].startswith("measured") else "assumed"
+    return (
+        f"process {ram['process_bytes'] / GIB:.2f} ({process}) + dataset {ram['dataset_bytes'] / GIB:.2f} + "
+        f"loader {ram['loader']['total_bytes'] / GIB:.2f} + idle eval workers {ram['idle_eval_workers_bytes'] / GIB:.2f} "
+        f"+ pinned {ram['pinned_bytes'] / GIB:.2f} = {ram['per_process_bytes'] / GIB:.2f} GiB"
+    )
 
 
 def verdict(row: dict) -> str:
@@ -358,30 +524,55 @@ def verdict(row: dict) -> str:
 def render_plan(plan: dict) -> str:
     """Markdown: one header line of inputs, the ranked table (seed 004's comparison, computed), the flags.
     The ``fits`` column is :func:`verdict`: a row with an error never says ``yes``."""
+    jobs = plan.get("jobs_per_instance", 1)
     head = (
         f"Plan: {plan['model']}, global batch {plan['batch_size']}, "
         f"{plan['epochs']} epochs of {plan['dataset_size']:,} images ({plan['dataset_source']}), precision "
         f"{plan['precision']}, margin {plan['margin']:.0%}, prices {plan['prices']}"
     )
+    if jobs > 1:
+        head += (
+            f", {jobs} jobs per instance (procs, images/s and times per job; run $ for the instance, all "
+            f"{jobs} jobs; host RAM and busy processes for all {jobs} jobs)"
+        )
+    host_cols = " host RAM GiB need / have | busy procs / vCPUs |" if jobs > 1 else ""
     lines = [
         head,
         "",
-        "| # | instance | GPUs | procs | micro-batch | GiB/GPU need / have | fits | images/s | epoch (min) "
-        "| run (h) | $/h on-demand | $/h spot | run $ on-demand | run $ spot | notes |",
-        "| ---: | --- | --- | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| # | instance | GPUs | procs | micro-batch | GiB/GPU need / have | fits |"
+        + host_cols
+        + " images/s | epoch (min) | run (h) | $/h on-demand | $/h spot | run $ on-demand | run $ spot | notes |",
+        "| ---: | --- | --- | ---: | ---: | --- | --- |"
+        + (" --- | --- |" if jobs > 1 else "")
+        + " ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in plan["rows"]:
+        host = ""
+        if jobs > 1:
+            ram = (
+                f"{r['host_ram_need_gib']:.1f} / {r['memory_gib']:.1f}"
+                + (
+                    f" (+{r['host_ram']['page_cache_bytes'] / GIB:.1f} cache)"
+                    if r["host_ram"]["page_cache_bytes"]
+                    else ""
+                )
+                if "host_ram" in r
+                else "-"
+            )
+            cpu = f"{r['busy_processes']} / {r['vcpus']}" if "busy_processes" in r else "-"
+            host = f" {ram} | {cpu} |"
         gpus = f"{r['gpus']}x {r['gpu_model']}" if r["gpus"] else "-"
         need = f"{_num(r.get('memory_per_gpu_gib'))} / {r['gpu_memory_gib']:.2f}" if "memory_per_gpu_gib" in r else "-"
         notes = "; ".join(
             [f"ERROR: {e}" for e in r["errors"]]
             + r["warnings"]
             + [r.get("memory_source", ""), r.get("throughput_source", "")]
+            + ([f"host RAM per process: {_ram_parts(r['host_ram'])}"] if jobs > 1 and "host_ram" in r else [])
         )
         spot = _num(r["spot_usd_per_hour"], "{:.3f}") + ("*" if r["spot_is_estimate"] else "")
         lines.append(
             f"| {r['rank']} | {r['instance']} | {gpus} | {r.get('processes_per_host', '-')} | "
-            f"{r.get('micro_batch', '-')} | {need} | {verdict(r)} | "
+            f"{r.get('micro_batch', '-')} | {need} | {verdict(r)} |{host} "
             f"{_num(r.get('images_per_s'), '{:,.0f}')} | {_num(r.get('epoch_min'), '{:,.1f}')} | "
             f"{_num(r.get('run_hours'))} | {r['on_demand_usd_per_hour']:.3f} | {spot} | "
             f"{_num(r.get('run_usd_on_demand'))} | {_num(r.get('run_usd_spot'))} | {notes.strip('; ')} |"

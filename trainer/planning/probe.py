@@ -9,9 +9,15 @@ Memory per batch size (:func:`measure_step`), on the trainer's own step (:mod:`t
   ``torch.cuda.set_per_process_memory_fraction`` so a smaller GPU's OOM happens for real.
 * CPU: torch's CPU allocator, read through ``torch.profiler`` with ``profile_memory=True``: the peak of the
   running sum of allocation/free events during one step, plus the bytes live before it (weights, buffers,
-  optimizer state, EMA). The process's RSS high-water mark (``VmHWM``) is reported next to it. There is no
+  optimizer state, EMA). There is no
   OOM on CPU before the machine swaps, so ``--memory-limit-gib`` simulates one: a step whose measured peak
   exceeds the limit counts as out of memory.
+
+Host RAM of the training process (both devices): the process's RSS high-water mark (``VmHWM`` of
+``/proc/self/status``) after each batch size's timed steps (``rss_hwm_bytes``), and once after the whole batch
+search, before the loader measurements (``host_rss_hwm_bytes``, next to ``host_data_bytes_per_process``: what the
+dataset the process built holds, ``Task.host_data_bytes``). ``plan --jobs-per-instance`` takes the difference as
+one training process's RSS on that device type (:func:`trainer.planning.memory.process_host_bytes`).
 
 Search (:func:`search_batch`): start at ``start_batch`` and double while the peak stays under
 ``limit x (1 - margin)``; after the first batch that does not (OOM or over the margin), bisect between the
@@ -151,7 +157,6 @@ def measure_step(
             rig.step(x)  # warm-up: optimizer state (first batch size), cuDNN algorithm choice (CUDA)
         if dev.type == "cpu":
             m.peak_bytes = cpu_step_peak_bytes(rig, x)
-            m.rss_hwm_bytes = proc_kib("/proc/self/status", "VmHWM") * 1024
             m.oom = m.peak_bytes > limit_bytes
             if m.oom:
                 m.note = f"simulated OOM: measured peak > limit {limit_bytes / GIB:.3f} GiB"
@@ -162,6 +167,7 @@ def measure_step(
             rig.step(x)
             _sync(dev)
             times.append(time.perf_counter() - t0)
+        m.rss_hwm_bytes = proc_kib("/proc/self/status", "VmHWM") * 1024  # host RSS peak so far (both devices)
         if dev.type == "cuda":
             m.peak_bytes = torch.cuda.max_memory_allocated(dev)
             m.reserved_bytes = torch.cuda.max_memory_reserved(dev)
@@ -226,6 +232,9 @@ class ProbeResult:
     measurements: list = field(default_factory=list)
     loader: list = field(default_factory=list)
     loader_ram_prediction: Optional[dict] = None
+    host_rss_hwm_bytes: int = 0  # VmHWM of this process after the batch search (before the loader probes)
+    host_data_bytes_per_process: int = 0  # Task.host_data_bytes(data)[0]: part of the RSS above
+    host_data_bytes_per_host: int = 0  # Task.host_data_bytes(data)[1]: page cache shared by a host's processes
     gpu_waits_on_data: Optional[bool] = None
     data_verdict: str = ""
     memory_method: str = ""
@@ -278,6 +287,8 @@ def run_probe(cfg: TrainConfig, opts: ProbeOptions, log: Callable[[str], None] =
 
     best, taken = search_batch(measure, opts.start_batch, opts.max_batch, opts.granularity)
     best_m = next((m for m in reversed(taken) if m.batch == best and m.fits), None)
+    host_rss = proc_kib("/proc/self/status", "VmHWM") * 1024  # before the loader probes (num_workers=0 loads here)
+    data_per_process, data_per_host = (int(b) for b in task.host_data_bytes(data))
     loader_batch = best or opts.start_batch
     loader = []
     for w in sorted(set(opts.workers)):
@@ -313,6 +324,9 @@ def run_probe(cfg: TrainConfig, opts: ProbeOptions, log: Callable[[str], None] =
         measurements=[asdict(m) for m in taken],
         loader=loader,
         loader_ram_prediction=ram.to_dict(),
+        host_rss_hwm_bytes=host_rss,
+        host_data_bytes_per_process=data_per_process,
+        host_data_bytes_per_host=data_per_host,
         memory_method=(
             "torch.cuda.max_memory_allocated/reserved"
             if device.type == "cuda"

@@ -55,6 +55,13 @@ def render_markdown(r: dict) -> str:
             f"{ram['worker_overhead_bytes'] / 2**20:.0f} MiB ({ram['worker_overhead_source']}) = "
             f"**{ram['total_bytes'] / GIB:.3f} GiB**",
         ]
+    if r.get("host_rss_hwm_bytes"):
+        lines += [
+            "",
+            f"Host RAM of this process (VmHWM after the batch search): {r['host_rss_hwm_bytes'] / GIB:.3f} GiB, of "
+            f"which the dataset it holds: {r.get('host_data_bytes_per_process', 0) / GIB:.3f} GiB "
+            f"(`plan --jobs-per-instance` uses the difference on {r['device_name']})",
+        ]
     if r.get("data_verdict"):
         lines += ["", f"Data: {r['data_verdict']}."]
     return "\n".join(lines) + "\n"

@@ -16,6 +16,7 @@ _REGISTRY: dict[str, str] = {
     "classification": "trainer.tasks.classification.task:ClassificationTask",
     "detection": "trainer.tasks.detection.task:DetectionTask",
     "segmentation": "trainer.tasks.segmentation.task:SegmentationTask",
+    "video": "trainer.tasks.video.task:VideoTask",
 }
 
 

@@ -88,6 +88,8 @@ class Task(ABC):
     name: str = "task"
     target_metric: str = "top1"
     flops_predict_speed: bool = True
+    #: File extensions ``predict`` reads from its input folder (None: the image extensions).
+    input_extensions: Optional[tuple[str, ...]] = None
 
     def __init__(self, cfg: TrainConfig, dist: DistInfo):
         self.cfg, self.dist = cfg, dist
@@ -179,6 +181,21 @@ class Task(ABC):
         :meth:`example_batch` builds by default and what ``plan`` prices (memory, loader RAM, FLOPs). Default
         ``(image_size, image_size)``; tasks with other shapes override it."""
         return self.cfg.image_size, self.cfg.image_size
+
+    def loader_sample_bytes(self, train: bool = True) -> int:
+        """Host bytes of one sample in the loader's batch format, what each prefetched batch holds per sample
+        (``plan``'s loader RAM). Default: uint8 3 x H x W at :meth:`input_size`; tasks with other inputs
+        override it (video: T x 3 x S x S)."""
+        h, w = self.input_size(train)
+        return 3 * h * w
+
+    def host_data_bytes(self, data: Optional[TaskData], num_samples: Optional[int] = None) -> tuple[int, int]:
+        """Host RAM the dataset itself takes, in bytes: ``(per_process, per_host)``. ``per_process``: what every
+        training process holds privately (e.g. arrays decompressed from a ``.npz``); ``per_host``: what all
+        processes of a host share through the page cache (memory-mapped files, counted once). ``data``: the built
+        :class:`TaskData`, or None when the planner did not scan the data; then a task may estimate from
+        ``num_samples`` (``plan --dataset-size``) and its config. Default ``(0, 0)``: files are read per sample."""
+        return 0, 0
 
     @abstractmethod
     def example_batch(

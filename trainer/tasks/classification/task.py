@@ -296,28 +296,9 @@ class ClassificationTask(Task):
         """Records ``{"file", "top5": [{"label": class name, "score": softmax probability}, ...]}`` (top-k for
         fewer than 5 classes); each input drawn with a frame captioned with the top-1 class and its score.
         ``score_threshold`` does not apply (every image gets its top 5)."""
-        from pathlib import Path
+        from trainer.predict import render_top_k
 
-        from trainer.predict import color_of, draw_labelled_boxes, save_png
-
-        probs = outputs.float().softmax(dim=1).cpu()
-        classes = list(label_space.get("classes") or [str(i) for i in range(probs.shape[1])])
-        scores, indices = probs.topk(min(5, probs.shape[1]), dim=1)
-        records = []
-        for i, path in enumerate(paths):
-            top = [{"label": classes[j], "score": round(float(s), 4)} for s, j in zip(scores[i], indices[i].tolist())]
-            img = batch["originals"][i]
-            h, w = int(img.shape[-2]), int(img.shape[-1])
-            drawn = draw_labelled_boxes(
-                img,
-                torch.tensor([[0.0, 0.0, float(w), float(h)]]),
-                [f"{top[0]['label']} {top[0]['score']:.2f}"],
-                [color_of(int(indices[i, 0]))],
-            )
-            name = out_names[i] if out_names else f"{Path(path).stem}.png"
-            save_png(drawn, Path(out_dir) / name)
-            records.append({"file": Path(path).name, "top5": top})
-        return records
+        return render_top_k(paths, batch["originals"], outputs, label_space, out_dir, out_names)
 
 
 def _correct(outputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
