@@ -1,8 +1,8 @@
 """Host RAM of video training jobs side by side: measured vs ``plan``'s prediction (trainer/planning/memory.py).
 
 Writes seed 004-shaped clip arrays (``--clips`` random uint8 clips of 32 x 64 x 64 x 3 in ``train.npz``, 10 %
-as many in ``val.npz``: an uncompressed .npz is decompressed into each process, as seed 004's arrays most likely
-were), then starts K = 1..``--max-jobs`` independent ``python -m trainer train`` jobs at once (task video, the frozen
+as many in ``val.npz``; ``np.savez``: stored members, memory-mapped in place and shared through the page cache,
+or with ``--compressed`` ``np.savez_compressed``: decompressed into every reading process), then starts K = 1..``--max-jobs`` independent ``python -m trainer train`` jobs at once (task video, the frozen
 ResNet-18 + Transformer of configs/seed004_video_g5.yaml, batch 16, 1 loader worker, CPU, fp32, uncached frames)
 and samples every job's process tree every 0.2 s: the peak of the summed PSS (``/proc/<pid>/smaps_rollup``;
 proportional set size, so pages shared between a job's main process and its forked workers, or between jobs,
@@ -51,15 +51,17 @@ def _pss(pid: int) -> int:
     return 0
 
 
-def _write_arrays(root: Path, clips: int, seed: int = 0) -> None:
+def _write_arrays(root: Path, clips: int, seed: int = 0, compressed: bool = False) -> None:
     rng = np.random.default_rng(seed)
+    save = np.savez_compressed if compressed else np.savez
     for split, n in (("train", clips), ("val", max(clips // 10, 16))):
         x = rng.integers(0, 256, size=(n, 32, 64, 64, 3), dtype=np.uint8)
-        np.savez(root / f"{split}.npz", clips=x, labels=rng.integers(0, 10, size=n))
+        save(root / f"{split}.npz", clips=x, labels=rng.integers(0, 10, size=n))
 
 
 def _config(root: Path, out: Path, steps: int) -> Path:
     cfg = yaml.safe_load((REPO / "configs" / "seed004_video_g5.yaml").read_text())
+    cfg["optim"] = {**cfg["optim"], "warmup_epochs": 0}
     cfg.update(
         data_dir=str(root),
         epochs=1,
@@ -77,7 +79,7 @@ def _config(root: Path, out: Path, steps: int) -> Path:
     return path
 
 
-def _predicted(config: Path, jobs: int) -> tuple[float, dict]:
+def _predicted(config: Path, jobs: int) -> tuple[float, float]:
     import torch
 
     from trainer.config import load_config
@@ -99,8 +101,7 @@ def _predicted(config: Path, jobs: int) -> tuple[float, dict]:
         persistent_workers=cfg.persistent_workers,
         dataset_bytes=task.host_data_bytes(data),
     )
-    d = pred.to_dict() if hasattr(pred, "to_dict") else vars(pred)
-    return pred.per_job_bytes / GIB, d
+    return pred.per_job_bytes / GIB, pred.page_cache_bytes / GIB
 
 
 def main() -> None:
@@ -108,9 +109,10 @@ def main() -> None:
     ap.add_argument("--clips", type=int, default=1000)
     ap.add_argument("--max-jobs", type=int, default=2)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--compressed", action="store_true")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="video-ram-"))
-    _write_arrays(tmp, args.clips)
+    _write_arrays(tmp, args.clips, compressed=args.compressed)
     print(f"arrays: {(tmp / 'train.npz').stat().st_size / 2**30:.2f} GiB train.npz ({args.clips} clips)")
     print("| jobs | per-job peak PSS measured (GiB) | per-job predicted (GiB) | host total measured (GiB) |")
     print("| ---: | --- | ---: | ---: |")
@@ -137,8 +139,11 @@ def main() -> None:
         for p in procs:
             if p.returncode:
                 raise SystemExit(f"a job failed (exit {p.returncode}): {p.stderr.read()[-2000:]}")
-        predicted, _ = _predicted(configs[0], k)
-        print(f"| {k} | {', '.join(f'{b / 2**30:.2f}' for b in peaks)} | {predicted:.2f} | {host_peak / 2**30:.2f} |")
+        predicted, cache = _predicted(configs[0], k)
+        print(
+            f"| {k} | {', '.join(f'{b / 2**30:.2f}' for b in peaks)} | {predicted:.2f} (+ {cache:.2f} page cache "
+            f"per host) | {host_peak / 2**30:.2f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -116,9 +116,10 @@ SLOW_MODULES = {
     "test_msda_benchmark",
     "test_engine_seams",
     "test_bad_inputs_engine",
+    "test_video",
 }
 SLOW_FIXTURES = {"tiny_digits", "templates", "pr_env", "default_env", "default", "full", "executions", "moto_server"}
-MULTIPROCESS_MODULES = {"test_ddp", "test_ffcv", "test_interruption", "test_detection_resume"}
+MULTIPROCESS_MODULES = {"test_ddp", "test_ffcv", "test_interruption", "test_detection_resume", "test_video"}
 MULTIPROCESS_FIXTURES = {"moto_server"}
 GPU_MODULES = {"test_msda_cuda"}
 

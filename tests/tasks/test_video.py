@@ -226,3 +226,22 @@ def test_video_folders_train_predict_and_plan(clip_folders, tmp_path, capsys):
     records = json.loads((out / PREDICTIONS_FILE).read_text())
     assert records[0]["file"] == "tree.avi" and len(records[0]["top5"]) == 5
     assert (out / "tree.png").exists()
+
+
+def test_plan_prices_seed004_and_flags_its_four_job_incident():
+    """The shipped seed 004 config through ``plan`` (the video task's clip shapes, frozen backbone under fake
+    tensors, its dataset estimate from --dataset-size): 1-3 jobs fit a g5.2xlarge, 4 are an ERROR row."""
+    from trainer.planning.plan import PlanOptions, make_plan, verdict
+
+    cfg = load_config(
+        Path(__file__).resolve().parents[2] / "configs" / "seed004_video_g5.yaml", {"cache_features": False}
+    )
+    rows = {}
+    for k in (1, 3, 4):
+        plan = make_plan(cfg, PlanOptions(instances=("g5.2xlarge",), dataset_size=8000, jobs_per_instance=k))
+        rows[k] = plan["rows"][0]
+    assert plan["image_size"] == [64, 64]
+    assert 0.5 < rows[1]["memory_per_gpu_gib"] < 2.0  # 32 x 64 x 64 clips at batch 16, bf16, context included
+    assert rows[1]["host_ram"]["dataset_bytes"] == 8000 * 32 * 64 * 64 * 3  # one .npz copy in its one worker
+    assert verdict(rows[1]) == verdict(rows[3]) == "yes"
+    assert verdict(rows[4]) == "ERROR" and "busy processes" in " ".join(rows[4]["errors"])

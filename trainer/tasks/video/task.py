@@ -218,24 +218,31 @@ class VideoTask(Task):
         return cfg.num_frames * 3 * cfg.image_size * cfg.image_size
 
     def host_data_bytes(self, data: Optional[TaskData], num_samples: Optional[int] = None) -> tuple[int, int]:
-        """``(per process, per host)`` bytes of the training split: arrays a ``.npz`` decompresses into every process,
-        and the memory-mapped ``.npy`` / cached feature files shared through the page cache.
+        """``(per training process, per host)`` bytes: arrays a ``.npz`` decompresses, and the memory-mapped ``.npy`` /
+        cached feature files shared through the page cache.
 
-        Without scanned ``data`` (``plan --dataset-size N``), estimated for ``N`` clips as stored by seed 004: with
-        ``cache_features`` the float16 cache (N x T x D x 2, per host); else for ``video_format: arrays`` pre-cut
-        clips in a ``.npz`` (N x T x S x S x 3 uint8, per process; a memory-mapped ``.npy`` pair would be per host);
-        video files are read per sample (0, 0)."""
+        A ``.npz`` is decompressed by every process that reads it: each loader worker of the training split and,
+        with ``persistent_workers``, of the validation split (the main process itself only with ``num_workers: 0``);
+        measured in docs/benchmarks.md ("Video: host RAM per job"). Without scanned ``data`` (``plan --dataset-size
+        N``), estimated for ``N`` pre-cut clips as seed 004 stored them: with ``cache_features`` the float16 cache
+        (N x T x D x 2, per host); else for ``video_format: arrays`` a ``.npz`` of N x T x S x S x 3 uint8 (per
+        reading process; the validation split unknown, left out); video files are read per sample (0, 0)."""
         cfg = self.cfg
+        readers = max(1, cfg.num_workers)
         if data is None:
             if not num_samples:
                 return 0, 0
             if cfg.cache_features:
                 return 0, num_samples * cfg.num_frames * self._feature_dim() * 2
             if cfg.video_format == "arrays":
-                return num_samples * cfg.num_frames * 3 * cfg.image_size**2, 0
+                return readers * num_samples * cfg.num_frames * 3 * cfg.image_size**2, 0
             return 0, 0
-        src = data.train.source
-        return int(getattr(src, "resident_bytes", 0)), int(getattr(src, "file_bytes", 0))
+        train, val = data.train.source, data.val.source
+        val_readers = readers if cfg.persistent_workers or cfg.num_workers == 0 else 0
+        private = readers * int(getattr(train, "resident_bytes", 0)) + val_readers * int(
+            getattr(val, "resident_bytes", 0)
+        )
+        return private, int(getattr(train, "file_bytes", 0)) + int(getattr(val, "file_bytes", 0))
 
     def example_batch(
         self, batch_size: int, *, image_size: Optional[int] = None, num_outputs: int = 1000, train: bool = True

@@ -2,9 +2,11 @@
 
 Two layouts:
 
-* ``<file>.npz`` with keys ``clips``, ``labels`` and optionally ``classes`` (names, N-independent). An ``.npz``
-  member cannot be memory-mapped: ``clips`` is decompressed (or copied, if stored) into the RAM of **each
-  process** that reads it (every DataLoader worker and every rank), on its first :meth:`ArraySource.read`.
+* ``<file>.npz`` with keys ``clips``, ``labels`` and optionally ``classes`` (names, N-independent). A member
+  written by ``np.savez`` is *stored* (not compressed), so its bytes lie contiguous in the file and ``clips`` is
+  memory-mapped at its offset (:func:`_stored_member_memmap`): processes share the page cache. A compressed
+  member (``np.savez_compressed``) cannot be mapped: it is decompressed into the RAM of **each process** that
+  reads it (every DataLoader worker and every rank), on its first :meth:`ArraySource.read`.
 * ``<root>/<split>_clips.npy`` + ``<root>/<split>_labels.npy`` (+ optional ``<root>/classes.txt``, one name a
   line). The clips are opened with ``np.load(mmap_mode="r")``: memory-mapped, so processes share the OS page
   cache and hold no private copy.
@@ -42,10 +44,40 @@ def _npz_header(path: str, key: str) -> tuple[tuple[int, ...], np.dtype]:
     return tuple(shape), np.dtype(dtype)
 
 
+def _stored_member_memmap(path: str, key: str) -> np.memmap | None:
+    """Member ``key`` of an .npz memory-mapped in place when it is stored uncompressed (``np.savez``), else None.
+
+    The member's data start = its local file header offset + 30 + name and extra field lengths (the ZIP format,
+    APPNOTE 4.3.7) + the .npy header's length (read through ``zipfile``)."""
+    import struct
+
+    with zipfile.ZipFile(path) as z:
+        info = z.getinfo(f"{key}.npy")
+        if info.compress_type != zipfile.ZIP_STORED:
+            return None
+        with z.open(info) as f:
+            version = np.lib.format.read_magic(f)
+            read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            shape, fortran, dtype = read(f)
+            npy_header = f.tell()
+    with open(path, "rb") as fh:
+        fh.seek(info.header_offset)
+        local = fh.read(30)
+    if local[:4] != b"PK\x03\x04":
+        return None
+    name_len, extra_len = struct.unpack("<HH", local[26:30])
+    offset = info.header_offset + 30 + name_len + extra_len + npy_header
+    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=tuple(shape), order="F" if fortran else "C")
+
+
 def _load(path: str, key: str | None = None, mmap: bool = False) -> np.ndarray:
     try:
         if key is None:
             return np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
+        if mmap:
+            mapped = _stored_member_memmap(path, key)
+            if mapped is not None:
+                return mapped
         with np.load(path, allow_pickle=False) as z:
             return z[key]
     except (OSError, ValueError, zipfile.BadZipFile) as e:
@@ -91,8 +123,8 @@ class ArraySource:
 
     Attributes: ``classes`` (from ``classes`` / ``classes.txt``, else ``"0" .. str(max label)``), ``labels``
     (int64 numpy (N,)), ``clip_shape`` (T, H, W, 3), ``file_bytes`` (bytes on disk of the clip and label files),
-    ``resident_bytes`` (clip bytes this source holds in each process's RAM once read: the full array for .npz,
-    0 for the memory-mapped .npy), ``report`` (always empty; the folder source's log lines).
+    ``resident_bytes`` (clip bytes this source holds in each process's RAM once read: the full array for a
+    compressed .npz, 0 for a stored .npz member or the .npy pair, both memory-mapped), ``report`` (always empty; the folder source's log lines).
 
     Raises:
         DataError: a file or key is missing or unreadable; clips not rank 5, not uint8, C != 3 or empty; labels
@@ -107,7 +139,7 @@ class ArraySource:
             if not p.is_file():
                 raise DataError(f"data split '{split}': {p} does not exist (expected an .npz with clips, labels)")
             self.clips_file = self.labels_file = str(p)
-            self._mmap = False
+            self._mmap = False  # the .npy pair's flag; a stored .npz member is mapped by _load(mmap=True) too
             shape, dtype = _npz_header(str(p), "clips")
             where = f"{p}['clips']"
             check_clips(where, shape, dtype)
@@ -115,7 +147,9 @@ class ArraySource:
             with zipfile.ZipFile(p) as z:
                 classes = _load(str(p), "classes").tolist() if "classes.npy" in z.namelist() else None
             self.file_bytes = os.path.getsize(p)
-            self.resident_bytes = int(np.prod(shape))
+            with zipfile.ZipFile(p) as z:
+                stored = z.getinfo("clips.npy").compress_type == zipfile.ZIP_STORED
+            self.resident_bytes = 0 if stored else int(np.prod(shape))
             lwhere = f"{p}['labels']"
         else:
             self.clips_file, self.labels_file = str(p / f"{split}_clips.npy"), str(p / f"{split}_labels.npy")
@@ -147,9 +181,10 @@ class ArraySource:
 
     @property
     def clips(self) -> np.ndarray:
-        """The uint8 (N, T, H, W, 3) clip array (memory-mapped for .npy; loaded on first use for .npz)."""
+        """The uint8 (N, T, H, W, 3) clip array (memory-mapped for .npy and stored .npz members; decompressed on
+        first use for a compressed .npz)."""
         if self._arr is None:
-            self._arr = _load(self.clips_file, mmap=True) if self._mmap else _load(self.clips_file, "clips")
+            self._arr = _load(self.clips_file, mmap=True) if self._mmap else _load(self.clips_file, "clips", mmap=True)
         return self._arr
 
     def __len__(self) -> int:
