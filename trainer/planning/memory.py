@@ -252,7 +252,12 @@ def predict_step_memory(
     with warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=True):
         warnings.simplefilter("ignore")  # deepcopy of fake tensors (EMA) warns about data pointers
         model = task.build_model(num_outputs)  # built as fake tensors: initialisers run on shapes only
-        shape = (size, size) if size else tuple(int(d) for d in task.input_size())
+        example = task.example_batch(1, image_size=size, num_outputs=num_outputs)
+        if "image" in example:  # the image tasks: what the example really is (detection: not square)
+            shape = tuple(int(d) for d in example["image"].shape[-2:])
+        else:  # clips (B, T, 3, S, S) or cached features: the frame size the task reports
+            shape = (size, size) if size else tuple(int(d) for d in task.input_size())
+        del example
         if cfg.channels_last:  # Module.to would swap tensors, which fake tensors (weak-referenced) refuse
             for p in model.parameters():
                 if p.dim() == 4:
