@@ -41,14 +41,19 @@ def _tree(pid: int) -> list[int]:
     return out
 
 
-def _pss(pid: int) -> int:
+def _rollup(pid: int) -> dict[str, int]:
+    """Bytes per field of ``/proc/<pid>/smaps_rollup`` (Pss, Private_Dirty, ...); empty once the process is gone."""
+    out = {}
     try:
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
+            out[line.split(":")[0]] = int(line.split()[1]) * 1024
+    except (OSError, IndexError, ValueError):
         pass
-    return 0
+    return out
+
+
+def _pss(pid: int) -> int:
+    return _rollup(pid).get("Pss", 0)
 
 
 def _write_arrays(root: Path, clips: int, seed: int = 0, compressed: bool = False) -> None:
@@ -130,8 +135,12 @@ def main() -> None:
             )
             for c in configs
         ]
-        peaks, host_peak = [0] * k, 0
+        peaks, host_peak, per_process = [0] * k, 0, {}
         while any(p.poll() is None for p in procs):
+            for q in _tree(procs[0].pid) if procs[0].poll() is None else []:
+                r = _rollup(q)  # job 1's processes by pid (the main process first: the lowest pid)
+                if r.get("Pss", 0) > per_process.get(q, {}).get("Pss", 0):
+                    per_process[q] = r
             sizes = [sum(_pss(q) for q in _tree(p.pid)) if p.poll() is None else 0 for p in procs]
             peaks = [max(a, b) for a, b in zip(peaks, sizes)]
             host_peak = max(host_peak, sum(sizes))
@@ -144,6 +153,12 @@ def main() -> None:
             f"| {k} | {', '.join(f'{b / 2**30:.2f}' for b in peaks)} | {predicted:.2f} (+ {cache:.2f} page cache "
             f"per host) | {host_peak / 2**30:.2f} |"
         )
+        if k == 1:
+            parts = ", ".join(
+                f"process {pos} (pid {pid}): PSS {r.get('Pss', 0) / 2**20:,.0f} / private dirty {r.get('Private_Dirty', 0) / 2**20:,.0f}"
+                for pos, (pid, r) in enumerate(sorted(per_process.items()))
+            )
+            print(f"|   | one job's processes at their peaks (MiB): {parts} | | |")
 
 
 if __name__ == "__main__":

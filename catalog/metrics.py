@@ -15,21 +15,16 @@ from typing import Optional
 #: Keys of every epoch line, whatever the task (engine: loss, throughput, time).
 COMMON = ("train_loss", "images_per_s", "epoch_time_s")
 
+#: The keys of the top-k classifiers' evaluator (classification and video).
+_TOP_K = ("val_top1", "val_top5", "val_loss", "ema_val_top1", "ema_val_top5", "ema_val_loss", "train_top1")
+
 #: Task name -> the keys its evaluator and training statistics add (``val_<metric>``, ``ema_val_<metric>`` with
 #: EMA on, ``train_<statistic>`` and ``train_<loss term>``); the first is the task's headline metric (graphed and
 #: filtered on EC2). Per-class keys whose names come from the data (detection's ``val_ap_<category>``,
 #: segmentation's ``val_iou_<class>``) are not
 #: listed: they are in the JSONL and TensorBoard, not in SageMaker's fixed list.
 TASK_METRICS: dict[str, tuple[str, ...]] = {
-    "classification": (
-        "val_top1",
-        "val_top5",
-        "val_loss",
-        "ema_val_top1",
-        "ema_val_top5",
-        "ema_val_loss",
-        "train_top1",
-    ),
+    "classification": _TOP_K,
     "detection": (
         "val_map",
         "val_map_50",
@@ -59,15 +54,7 @@ TASK_METRICS: dict[str, tuple[str, ...]] = {
         "train_loss_ce",
         "train_loss_dice",
     ),
-    "video": (
-        "val_top1",
-        "val_top5",
-        "val_loss",
-        "ema_val_top1",
-        "ema_val_top5",
-        "ema_val_loss",
-        "train_top1",
-    ),
+    "video": _TOP_K,  # clip classification: the same evaluator (TopKEvaluator)
 }
 
 #: SageMaker's limit on MetricDefinitions per training job.

@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import difflib
-import warnings
 from types import SimpleNamespace
 from typing import Optional
 
@@ -98,6 +97,8 @@ class FrameTransformer(nn.Module):
     Args:
         num_classes: C. frame_backbone: a torchvision ResNet name. frame_weights: optional local state_dict
         file for the backbone (torchvision ResNet keys, with or without ``fc.*``). max_frames: largest T.
+        backbone: an already built :func:`frozen_resnet` to hold instead (the video task passes the one it
+        filled the feature cache with); ``frame_backbone`` / ``frame_weights`` are then not read.
 
     Raises:
         ConfigError: unknown ``frame_backbone``; bad ``frame_weights`` file (see :func:`load_frame_weights`).
@@ -114,9 +115,10 @@ class FrameTransformer(nn.Module):
         mlp_dim: int = 1024,
         dropout: float = 0.1,
         max_frames: int = 32,
+        backbone: Optional[nn.Module] = None,
     ):
         super().__init__()
-        self.backbone = frozen_resnet(frame_backbone, frame_weights)
+        self.backbone = backbone if backbone is not None else frozen_resnet(frame_backbone, frame_weights)
         self.feature_dim = self.backbone.feature_dim
         self.max_frames = int(max_frames)
         self.proj = nn.Linear(self.feature_dim, dim)
@@ -220,7 +222,7 @@ class TorchvisionVideoModel(nn.Module):
         return self.net(clip.permute(0, 2, 1, 3, 4))
 
 
-def build_video_model(cfg, num_classes: int) -> nn.Module:
+def build_video_model(cfg, num_classes: int, backbone: Optional[nn.Module] = None) -> nn.Module:
     """The video model named by ``cfg.model`` (one of :data:`VIDEO_MODELS`) for ``num_classes`` classes.
 
     Reads (via getattr, defaults as in the config): ``model``, ``frame_backbone`` ("resnet18"), ``frame_weights``
@@ -249,6 +251,7 @@ def build_video_model(cfg, num_classes: int) -> nn.Module:
         mlp_dim=int(getattr(cfg, "temporal_mlp_dim", 1024)),
         dropout=float(getattr(cfg, "temporal_dropout", 0.1)),
         max_frames=int(getattr(cfg, "num_frames", 32)),
+        backbone=backbone,
     )
 
 
@@ -264,27 +267,15 @@ def check_video_input(cfg) -> None:
             s3d has minimum sizes), naming ``model``, ``num_frames``, ``image_size`` and the model's message.
     """
     t, s = int(getattr(cfg, "num_frames", 32)), int(getattr(cfg, "image_size", 224))
+    from trainer.models.meta_check import meta_rejection
+
     shape_cfg = SimpleNamespace(**{**_fields(cfg), "frame_weights": None})
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            with torch.device("meta"):
-                model = build_video_model(shape_cfg, 10).eval()
-        except ConfigError:
-            raise
-        except Exception:  # noqa: BLE001 - not buildable on meta: nothing to check here
-            return
-        try:
-            with torch.no_grad():
-                model(torch.empty(1, t, 3, s, s, device="meta"))
-        except NotImplementedError:  # an op without a meta kernel: cannot tell
-            return
-        except (AssertionError, RuntimeError, ValueError, IndexError) as e:
-            msg = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
-            raise ConfigError(
-                f"model: {shape_cfg.model} cannot take clips of num_frames={t} frames of {s}x{s} pixels "
-                f"(image_size={s}): {msg}; choose another num_frames, image_size or model"
-            ) from None
+    rejected = meta_rejection(lambda: build_video_model(shape_cfg, 10), [(1, t, 3, s, s)])
+    if rejected:
+        raise ConfigError(
+            f"model: {shape_cfg.model} cannot take clips of num_frames={t} frames of {s}x{s} pixels "
+            f"(image_size={s}): {rejected[1]}; choose another num_frames, image_size or model"
+        )
 
 
 _FIELDS = (

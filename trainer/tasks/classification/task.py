@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import difflib
 import functools
-import warnings
 from typing import Optional
 
 import torch
@@ -58,27 +57,15 @@ def check_input_size(name: str, sizes: dict[int, str]) -> None:
             a size too small for the model's downsampling), naming ``model``, the size's fields and the
             model's own message.
     """
-    with warnings.catch_warnings():  # googlenet/inception warn about their init; the real build warns once
-        warnings.simplefilter("ignore")
-        try:
-            with torch.device("meta"):
-                model = build_classifier(name, 10).eval()
-        except ConfigError:
-            raise
-        except Exception:  # noqa: BLE001 - not buildable on meta: nothing to check here
-            return
-        for size, fields in sorted(sizes.items()):
-            try:
-                with torch.no_grad():
-                    model(torch.empty(1, 3, size, size, device="meta"))
-            except NotImplementedError:  # an op without a meta kernel: cannot tell
-                return
-            except (AssertionError, RuntimeError, ValueError, IndexError) as e:
-                msg = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
-                raise ConfigError(
-                    f"model: {name} cannot take {size}x{size} images ({fields}): {msg}; "
-                    "choose another image_size or model"
-                ) from None
+    from trainer.models.meta_check import meta_rejection
+
+    ordered = sorted(sizes)
+    rejected = meta_rejection(lambda: build_classifier(name, 10), [(1, 3, size, size) for size in ordered])
+    if rejected:
+        size, msg = rejected[0][-1], rejected[1]
+        raise ConfigError(
+            f"model: {name} cannot take {size}x{size} images ({sizes[size]}): {msg}; choose another image_size or model"
+        )
 
 
 class _TrainTransformForEpoch:

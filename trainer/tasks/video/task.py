@@ -150,18 +150,16 @@ class VideoTask(Task):
         return out
 
     def build_model(self, num_outputs: int) -> nn.Module:
-        """The configured video model with ``num_outputs`` classes; frame_transformer's frozen backbone is replaced by
-        :meth:`_frozen_backbone` (the cache's weights).
+        """The configured video model with ``num_outputs`` classes; frame_transformer holds :meth:`_frozen_backbone`
+        (the weights the feature cache was filled with).
 
         Raises:
             ConfigError: unknown model, unusable ``frame_weights``.
         """
         from trainer.models.video import build_video_model
 
-        model = build_video_model(self.cfg, num_outputs)
-        if self.cfg.model == "frame_transformer":
-            model.backbone.load_state_dict(self._frozen_backbone().state_dict())
-        return model
+        backbone = self._frozen_backbone() if self.cfg.model == "frame_transformer" else None
+        return build_video_model(self.cfg, num_outputs, backbone=backbone)
 
     # .. one step ..........................................................................................
     def _device_batch(self, batch: dict) -> dict:
