@@ -1,0 +1,203 @@
+"""DINO's training step under torch.profiler: host syncs and operator calls per step (issue 23's CPU proxy).
+
+The real ``TrainStep`` (:func:`trainer.engine.step.build_single_rank_step`: model, AdamW, clipping, precision) of
+the detection task runs on two kinds of batch: the task's example batch (``--image-size`` px, 8 boxes per image)
+and real facemask-coco batches through the real dataset, augmentation and ``collate_detection`` (``--data``).
+Per step it prints:
+
+- host syncs: ``aten::_local_scalar_dense`` (``.item()``, ``int(t)``, ``bool(t)``: each blocks the host until the
+  GPU has caught up), ``aten::nonzero`` (boolean-mask indexing: its output size is data-dependent, a sync on CUDA),
+  and Python-level ``.tolist()`` / ``.numpy()`` / ``.cpu()`` calls (counted by wrapping those methods, since on a
+  CPU they make no ATen call); on the CPU every such call is counted, although on a GPU a call on a tensor that
+  already lives on the host would not sync, so the CPU figure is an upper bound of the GPU's;
+- ATen operator calls (every ``aten::`` event, forward and backward: a proxy for CUDA kernel launches);
+- the Hungarian matcher's share of the step's wall time (its ``linear_sum_assignment`` runs on the host).
+
+The counts do not depend on the machine or the thread count: ``tests/tasks/test_dino_step_proxy.py`` pins them.
+It ends with one line ``host_syncs_per_step=N aten_calls_per_step=M`` (the larger of the two batch kinds).
+
+    python benchmarks/dino_step.py --data ../shared/data/facemask-coco            # CPU proxy, batch 2, 512 px
+    python benchmarks/dino_step.py --data DIR --device cuda --model resnet50 --image-size 800 --precision bf16-mixed
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from trainer.config import load_config  # noqa: E402
+from trainer.engine.step import build_single_rank_step  # noqa: E402
+
+SYNC_OPS = ("aten::_local_scalar_dense", "aten::nonzero")
+HOST_COPY_METHODS = ("tolist", "numpy", "cpu")
+
+
+def facemask_overrides(data: str) -> dict:
+    """Config keys that read ../shared/data/facemask-coco's layout (train2017/, annotations/custom_train.json)."""
+    return {
+        "data_dir": data,
+        "train_split": "train",
+        "val_split": "val",
+        "coco_annotations": "annotations/custom_{split}.json",
+        "coco_images": "{split}2017",
+    }
+
+
+def build(args) -> tuple:
+    """(TrainStep, real device batches or []) for ``args`` (DINO-4scale sizes unless overridden)."""
+    over = {
+        "task": "detection",
+        "model": args.model,
+        "device": args.device,
+        "precision": args.precision,
+        "batch_size": args.batch,
+        "optimizer": "adamw",
+        "lr": 1e-4,
+        "weight_decay": 1e-4,
+        "gradient_clip": 0.1,
+        "num_queries": args.num_queries,
+        "min_scale": args.image_size,
+        "max_scale": args.image_size,
+        "max_size": round(args.image_size * 1333 / 800),
+        "eval_size": args.image_size,
+        "num_workers": 0,
+        "channels_last": False,
+        "compile": args.compile,
+    }
+    if args.data:
+        over.update(facemask_overrides(args.data))
+    cfg = load_config(None, over)
+    torch.manual_seed(0)
+    rig = build_single_rank_step(cfg, torch.device(args.device), 3)
+    real = []
+    if args.data:
+        data = rig.task.build_data()
+        ds = data.train
+        # the images with the most boxes first (facemask has up to 115 per image): the matcher's worst case
+        order = sorted(range(len(ds)), key=lambda i: -int(ds.split.box_start[i + 1] - ds.split.box_start[i]))
+        picks = order[: args.batch * args.real_batches]
+        for k in range(args.real_batches):
+            items = [ds[(0, i)] for i in picks[k * args.batch : (k + 1) * args.batch]]
+            real.append(rig.task.train_batch(data.collate(items)))
+    return rig, real
+
+
+@contextlib.contextmanager
+def count_host_copies(counts: dict):
+    """Count calls of ``Tensor.tolist/numpy/cpu`` (they make no ATen call on a CPU tensor) into ``counts``."""
+    saved = {name: getattr(torch.Tensor, name) for name in HOST_COPY_METHODS}
+
+    def wrap(name, fn):
+        def counted(self, *a, **kw):
+            counts[name] = counts.get(name, 0) + 1
+            return fn(self, *a, **kw)
+
+        return counted
+
+    for name, fn in saved.items():
+        setattr(torch.Tensor, name, wrap(name, fn))
+    try:
+        yield counts
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.Tensor, name, fn)
+
+
+def profile_steps(rig, batches: list, steps: int, device: str) -> dict:
+    """Profile ``steps`` optimizer steps cycling over ``batches``; per-step counts and the matcher's time share."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    matcher = rig.task.criterion.matcher
+    match_s = [0.0]
+    original = matcher.forward
+
+    def timed(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return original(*a, **kw)
+        finally:
+            match_s[0] += time.perf_counter() - t0
+
+    for b in batches:  # warm-up: allocator, oneDNN primitives, compiled graphs
+        rig.step(b)
+    host = {}
+    matcher.forward = timed
+    try:
+        with count_host_copies(host), profile(activities=activities) as prof:
+            t0 = time.perf_counter()
+            for i in range(steps):
+                rig.step(batches[i % len(batches)])
+            if device == "cuda":
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+    finally:
+        matcher.forward = original
+    events = prof.key_averages()
+    calls = {e.key: e.count for e in events}
+    aten = sum(c for k, c in calls.items() if k.startswith("aten::"))
+    syncs = {k: calls.get(k, 0) for k in SYNC_OPS}
+    result = {
+        "steps": steps,
+        "ms_per_step": 1e3 * wall / steps,
+        "syncs": {k: v / steps for k, v in syncs.items()},
+        "host_copies": {k: host.get(k, 0) / steps for k in HOST_COPY_METHODS},
+        "aten_calls": aten / steps,
+        "matcher_share": match_s[0] / wall,
+        "top": sorted(((c / steps, k) for k, c in calls.items() if k.startswith("aten::")), reverse=True)[:12],
+    }
+    result["host_syncs"] = sum(result["syncs"].values()) + sum(result["host_copies"].values())
+    if device == "cuda":
+        result["cuda_syncs"] = calls.get("cudaStreamSynchronize", 0) / steps
+        result["kernel_launches"] = calls.get("cudaLaunchKernel", 0) / steps
+    return result
+
+
+def measure(args) -> dict:
+    """{batch kind: profile_steps result} for the example batch and (with ``--data``) real facemask batches."""
+    rig, real = build(args)
+    kinds = {"example": [rig.example_batch(args.batch, args.image_size)]}
+    if real:
+        kinds["facemask"] = real
+    return {name: profile_steps(rig, batches, args.steps, args.device) for name, batches in kinds.items()}
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", help="facemask-coco folder (../shared/data/facemask-coco); without it: example only")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--model", default="resnet18", help="ResNet backbone (resnet18 keeps the CPU proxy quick)")
+    ap.add_argument("--batch", type=int, default=2, help="micro-batch (images per step)")
+    ap.add_argument("--image-size", type=int, default=512, help="shorter side in px (longer: x 1333/800)")
+    ap.add_argument("--num-queries", type=int, default=900)
+    ap.add_argument("--precision", default="32")
+    ap.add_argument("--steps", type=int, default=2, help="profiled steps per batch kind")
+    ap.add_argument("--real-batches", type=int, default=2)
+    ap.add_argument("--compile", action="store_true", help="torch.compile as the trainer's --compile does")
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
+    results = measure(args)
+    for name, r in results.items():
+        print(
+            f"{name}: {r['ms_per_step']:.0f} ms/step, host syncs {r['host_syncs']:.1f} "
+            f"({', '.join(f'{k} {v:.1f}' for k, v in {**r['syncs'], **r['host_copies']}.items())}), "
+            f"ATen calls {r['aten_calls']:.0f}, matcher {100 * r['matcher_share']:.1f} % of wall"
+            + (f", cudaStreamSynchronize {r['cuda_syncs']:.0f}, kernel launches {r['kernel_launches']:.0f}"
+               if "cuda_syncs" in r else "")
+        )
+        print("  top ATen calls per step: " + ", ".join(f"{k} {c:.0f}" for c, k in r["top"]))
+    syncs = max(r["host_syncs"] for r in results.values())
+    aten = max(r["aten_calls"] for r in results.values())
+    print(f"host_syncs_per_step={syncs:g} aten_calls_per_step={aten:.0f}")
+
+
+if __name__ == "__main__":
+    main()
