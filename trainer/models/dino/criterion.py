@@ -25,14 +25,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
-from torchvision.ops import box_convert, generalized_box_iou, generalized_box_iou_loss, sigmoid_focal_loss
+from torchvision.ops import sigmoid_focal_loss
 
-from trainer.models.dino.matcher import MatchIndices
-from trainer.models.dino.utils import has_values
+from trainer.models.dino.matcher import MatchIndices, pad_targets
+from trainer.models.dino.utils import box_giou, cxcywh_to_xyxy
 
 __all__ = ["DinoCriterion", "dino_weight_dict", "dn_positive_indices", "LOSS_KEYS"]
 
@@ -67,6 +67,30 @@ def dino_weight_dict(
     return {k: float(v) for k, v in weights.items()}
 
 
+def _dn_single_pad(dn_meta: Mapping, sizes: Sequence[int]) -> tuple[int, int]:
+    pad_size, groups = int(dn_meta["pad_size"]), int(dn_meta["num_dn_group"])
+    if groups <= 0 or pad_size % groups != 0:
+        raise ValueError(f"dn_meta: pad_size={pad_size} is not a positive multiple of num_dn_group={groups}")
+    single_pad = pad_size // groups
+    for n in sizes:
+        if 2 * n > single_pad:
+            raise ValueError(
+                f"dn_meta: an image has {n} targets but a denoising group holds only {single_pad} queries "
+                "(pos + neg), so the dn_meta was built for other targets"
+            )
+    return single_pad, groups
+
+
+def _dn_pairs(dn_meta: Mapping, sizes: Sequence[int]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """:func:`dn_positive_indices` as numpy arrays from the target counts alone (no tensor is read)."""
+    single_pad, groups = _dn_single_pad(dn_meta, sizes)
+    out = []
+    for n in sizes:
+        tgt = np.tile(np.arange(n, dtype=np.int64), groups)
+        out.append((np.repeat(np.arange(groups, dtype=np.int64) * single_pad, n) + tgt, tgt))
+    return out
+
+
 def dn_positive_indices(dn_meta: Mapping, targets: Sequence[Mapping[str, Tensor]]) -> list[MatchIndices]:
     """Fixed assignment of the positive denoising queries to their own targets (no Hungarian matching).
 
@@ -84,32 +108,34 @@ def dn_positive_indices(dn_meta: Mapping, targets: Sequence[Mapping[str, Tensor]
 
     Returns:
         B tuples ``(dn_query_idx, tgt_idx)``, int64 on the CPU, each of length ``num_dn_group * N_i``, group-major.
+
+    Raises:
+        ValueError: ``pad_size`` not a multiple of ``num_dn_group``, or a group too small for an image's targets.
     """
-    pad_size, groups = int(dn_meta["pad_size"]), int(dn_meta["num_dn_group"])
-    if groups <= 0 or pad_size % groups != 0:
-        raise ValueError(f"dn_meta: pad_size={pad_size} is not a positive multiple of num_dn_group={groups}")
-    single_pad = pad_size // groups
-    result: list[MatchIndices] = []
-    for t in targets:
-        n = int(t["labels"].shape[0])
-        if 2 * n > single_pad:
-            raise ValueError(
-                f"dn_meta: an image has {n} targets but a denoising group holds only {single_pad} queries "
-                "(pos + neg), so the dn_meta was built for other targets"
-            )
-        tgt = torch.arange(n, dtype=torch.int64).repeat(groups)  # [0..n-1, 0..n-1, ...]
-        query = (torch.arange(groups, dtype=torch.int64) * single_pad).repeat_interleave(n) + tgt
-        result.append((query, tgt))
-    return result
+    sizes = [int(t["labels"].shape[0]) for t in targets]
+    return [(torch.from_numpy(q), torch.from_numpy(t)) for q, t in _dn_pairs(dn_meta, sizes)]
 
 
-def _num_boxes(targets: Sequence[Mapping[str, Tensor]], device: torch.device) -> Tensor:
-    """DETR's normaliser: target boxes in the batch, summed over ranks / world size, clamped to >= 1 (float32, 0-d)."""
-    n = torch.tensor(float(sum(int(t["labels"].shape[0]) for t in targets)), device=device)
+def _num_boxes(sizes: Sequence[int], device: torch.device) -> Tensor:
+    """DETR's normaliser: target boxes in the batch, summed over ranks / world size, clamped to >= 1 (float32, 0-d,
+    on ``device``; the count comes from the targets' shapes, so nothing is read back from the device)."""
+    n = torch.tensor(float(sum(sizes)), device=device)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(n)
         n = n / dist.get_world_size()
     return n.clamp(min=1.0)
+
+
+def _flat_pairs(pairs: Sequence[Sequence[tuple[np.ndarray, np.ndarray]]], device: torch.device) -> Tensor:
+    """(set, image) -> (query idx, target idx) arrays as one int64 (4, K) device tensor of rows (set, image, query,
+    target): built on the host, one host-to-device copy."""
+    cols = [
+        np.stack([np.full_like(q, s), np.full_like(q, i), q, t])
+        for s, per_image in enumerate(pairs)
+        for i, (q, t) in enumerate(per_image)
+    ]
+    flat = np.concatenate(cols, 1) if cols else np.zeros((4, 0), dtype=np.int64)
+    return torch.from_numpy(np.ascontiguousarray(flat, dtype=np.int64)).to(device, non_blocking=True)
 
 
 class DinoCriterion(nn.Module):
@@ -117,7 +143,8 @@ class DinoCriterion(nn.Module):
 
     Args:
         num_classes: C, the width of ``pred_logits`` (upstream: max category id + 1, e.g. 91 for COCO).
-        matcher: e.g. :class:`~trainer.models.dino.matcher.HungarianMatcher` (DINO-4scale costs 2 / 5 / 2).
+        matcher: :class:`~trainer.models.dino.matcher.HungarianMatcher` (DINO-4scale costs 2 / 5 / 2), or any module
+            with its ``match_stacked`` method.
         weight_dict: weight of every loss key that can be produced (see :func:`dino_weight_dict`); a missing key is an
             error rather than a silently dropped term. Weight 0 keeps a term logged but out of the total.
         focal_alpha: alpha of the sigmoid focal loss (DINO-4scale: 0.25); gamma is 2 as upstream.
@@ -128,6 +155,10 @@ class DinoCriterion(nn.Module):
     computed names): ``L`` (last layer), ``L_{i}`` (``aux_outputs[i]``), ``L_interm`` (``interm_outputs``), ``L_dn`` and
     ``L_dn_{i}`` (denoising queries of the last / i-th layer). The dn keys are always present (zeros when
     ``dn_meta`` is None or the batch has no targets), so the logged key set is stable from step to step.
+
+    The prediction sets are stacked and every term is computed for all of them at once (one matcher pass with one
+    device-to-host copy, one focal loss over (S, B, Q, C), one gather of matched boxes): the number of operator
+    calls does not grow with the number of decoder layers, and nothing but the matcher's copy reads the device.
     """
 
     def __init__(
@@ -153,59 +184,44 @@ class DinoCriterion(nn.Module):
         self.focal_gamma = float(focal_gamma)
         self.losses = list(losses)
 
-    # --- individual terms (unweighted) -------------------------------------------------------------------------
+    # --- the terms of S stacked prediction sets (unweighted) ----------------------------------------------------
 
-    def loss_labels(
-        self, outputs: Mapping[str, Tensor], targets: Sequence[Mapping], indices: list[MatchIndices], num_boxes: Tensor
+    def set_terms(
+        self, logits: Tensor, boxes: Tensor, pairs: Tensor, tgt_labels: Tensor, tgt_boxes: Tensor, norm: Tensor
     ) -> dict[str, Tensor]:
-        """Sigmoid focal loss over every (query, class) pair, summed, / num_boxes (upstream's ``* Q`` convention)."""
-        logits = outputs["pred_logits"].float()
+        """Unweighted terms of S prediction sets at once.
+
+        Args:
+            logits: (S, B, Q, C) raw logits; boxes: (S, B, Q, 4) normalised cxcywh.
+            pairs: int64 (4, K) rows (set, image, query, target index into the padded targets).
+            tgt_labels: (B, T) int64; tgt_boxes: (B, T, 4) cxcywh (:func:`~.matcher.pad_targets`).
+            norm: 0-d float32, the normaliser (``num_boxes``, times ``num_dn_group`` for denoising).
+
+        Returns:
+            ``{"loss_ce": (S,), "loss_bbox": (S,), "loss_giou": (S,)}`` (those of ``self.losses``), float32:
+            ``loss_ce`` = sigmoid focal loss summed over queries and classes / norm (upstream's ``* Q``
+            convention), ``loss_bbox`` = L1 of the matched pairs / norm, ``loss_giou`` = sum of 1 - GIoU / norm.
+        """
+        logits, boxes = logits.float(), boxes.float()
         if logits.shape[-1] != self.num_classes:
             raise ValueError(f"DinoCriterion: pred_logits has {logits.shape[-1]} classes, expected {self.num_classes}")
-        onehot = torch.zeros_like(logits)
-        batch_idx, query_idx = self._src_index(indices, logits.device)
-        labels = torch.cat([t["labels"][j.to(t["labels"].device)] for t, (_, j) in zip(targets, indices)])
-        labels = labels.to(device=logits.device, dtype=torch.int64)
-        onehot[batch_idx, query_idx, labels] = 1.0
-        loss = sigmoid_focal_loss(logits, onehot, alpha=self.focal_alpha, gamma=self.focal_gamma, reduction="sum")
-        return {"loss_ce": loss / num_boxes}
-
-    def loss_boxes(
-        self, outputs: Mapping[str, Tensor], targets: Sequence[Mapping], indices: list[MatchIndices], num_boxes: Tensor
-    ) -> dict[str, Tensor]:
-        """L1 on normalised cxcywh and 1 - GIoU on xyxy of the matched pairs, each summed / num_boxes."""
-        pred = outputs["pred_boxes"].float()
-        batch_idx, query_idx = self._src_index(indices, pred.device)
-        src = pred[batch_idx, query_idx]
-        tgt = torch.cat([t["boxes"][j.to(t["boxes"].device)] for t, (_, j) in zip(targets, indices)])
-        tgt = tgt.to(device=pred.device, dtype=torch.float32)
-        loss_bbox = F.l1_loss(src, tgt, reduction="sum") / num_boxes
-        # Element-wise GIoU of the matched pairs (torchvision's loss form: the diagonal of the pairwise
-        # generalized_box_iou upstream takes, without the N x N matrix; eps=1e-7 guards degenerate boxes).
-        src_xyxy, tgt_xyxy = box_convert(src, "cxcywh", "xyxy"), box_convert(tgt, "cxcywh", "xyxy")
-        if has_values(src):
-            loss_giou = generalized_box_iou_loss(src_xyxy, tgt_xyxy, "sum") / num_boxes
-        else:  # shape-only tensors: torchvision's loss masks by value; the pairwise form has no such step
-            loss_giou = (1 - generalized_box_iou(src_xyxy, tgt_xyxy).diagonal()).sum() / num_boxes
-        return {"loss_bbox": loss_bbox, "loss_giou": loss_giou}
-
-    @staticmethod
-    def _src_index(indices: list[MatchIndices], device: torch.device) -> tuple[Tensor, Tensor]:
-        batch = torch.cat([torch.full_like(src, i) for i, (src, _) in enumerate(indices)]).to(device)
-        query = torch.cat([src for src, _ in indices]).to(device)
-        return batch, query
-
-    def _terms(
-        self, outputs: Mapping[str, Tensor], targets: Sequence[Mapping], indices: list[MatchIndices], num_boxes: Tensor
-    ) -> dict[str, Tensor]:
+        s = logits.shape[0]
+        set_idx, img_idx, query_idx, tgt_idx = pairs.unbind(0)
         out: dict[str, Tensor] = {}
-        for name in self.losses:
-            fn = self.loss_labels if name == "labels" else self.loss_boxes
-            out.update(fn(outputs, targets, indices, num_boxes))
+        if "labels" in self.losses:
+            onehot = torch.zeros_like(logits)
+            onehot[set_idx, img_idx, query_idx, tgt_labels[img_idx, tgt_idx]] = 1.0
+            focal = sigmoid_focal_loss(logits, onehot, alpha=self.focal_alpha, gamma=self.focal_gamma)
+            out["loss_ce"] = focal.flatten(1).sum(1) / norm
+        if "boxes" in self.losses:
+            src = boxes[set_idx, img_idx, query_idx]
+            tgt = tgt_boxes[img_idx, tgt_idx]
+            per_pair = torch.stack(
+                [(src - tgt).abs().sum(-1), 1.0 - box_giou(cxcywh_to_xyxy(src), cxcywh_to_xyxy(tgt), eps=1e-7)], 1
+            )
+            summed = per_pair.new_zeros(s, 2).index_add(0, set_idx, per_pair) / norm
+            out["loss_bbox"], out["loss_giou"] = summed.unbind(1)
         return out
-
-    def _zero_terms(self, device: torch.device) -> dict[str, Tensor]:
-        return {k: torch.zeros((), dtype=torch.float32, device=device) for n in self.losses for k in LOSS_KEYS[n]}
 
     # --- forward ----------------------------------------------------------------------------------------------
 
@@ -221,59 +237,68 @@ class DinoCriterion(nn.Module):
 
         Returns:
             ``{name: weighted float32 0-d tensor}``; sum them with :meth:`total`.
+
+        Raises:
+            ValueError: a target label outside [0, C) (checked from the matcher's one copy), more targets in an
+                image than queries, non-finite predictions, inconsistent ``dn_meta``.
+            KeyError: a computed term without a weight in ``weight_dict``.
         """
+        return self.loss_and_terms(outputs, targets)[1]
+
+    def loss_and_terms(self, outputs: Mapping, targets: Sequence[Mapping[str, Tensor]]) -> tuple[Tensor, dict]:
+        """(training objective, weighted terms): :meth:`forward`'s dict and the sum of its values, the sum taken
+        over the stacked per-set terms (a few operator calls, not one per term). Errors as :meth:`forward`."""
         device = outputs["pred_logits"].device
-        self._check_labels(targets)
         with torch.autocast(device_type=device.type, enabled=False):
-            raw = self._unweighted(outputs, targets, device)
-        missing = sorted(k for k in raw if k not in self.weight_dict)
-        if missing:
-            raise KeyError(f"DinoCriterion: weight_dict has no weight for {missing} (see dino_weight_dict())")
-        return {k: v * self.weight_dict[k] for k, v in raw.items()}
+            groups = self._unweighted(outputs, targets, device)
+            names = [name for keys, _ in groups for name in keys]
+            missing = sorted(k for k in names if k not in self.weight_dict)
+            if missing:
+                raise KeyError(f"DinoCriterion: weight_dict has no weight for {missing} (see dino_weight_dict())")
+            flat = torch.cat([values for _, values in groups])
+            weights = torch.tensor([self.weight_dict[k] for k in names], dtype=torch.float32)
+            weighted = flat * weights.to(device, non_blocking=True)
+            total = weighted.sum()
+        return total, dict(zip(names, weighted.unbind(0)))
 
-    def _check_labels(self, targets: Sequence[Mapping[str, Tensor]]) -> None:
-        """Out-of-range labels would index past the one-hot (a device-side assert on CUDA): fail clearly, once."""
-        labels = [t["labels"].reshape(-1) for t in targets if t["labels"].numel()]
-        if not labels or not has_values(labels[0]):  # shape-only tensors (plan's memory prediction)
-            return
-        flat = torch.cat([x.to(labels[0].device) for x in labels])
-        lo, hi = torch.stack(torch.aminmax(flat)).tolist()  # one device->host sync per step
-        if lo < 0 or hi >= self.num_classes:
-            raise ValueError(f"DinoCriterion: target labels must lie in [0, {self.num_classes}), got [{lo}, {hi}]")
-
-    def _unweighted(self, outputs: Mapping, targets: Sequence[Mapping], device: torch.device) -> dict[str, Tensor]:
-        num_boxes = _num_boxes(targets, device)
+    def _unweighted(
+        self, outputs: Mapping, targets: Sequence[Mapping], device: torch.device
+    ) -> list[tuple[list[str], Tensor]]:
+        """Unweighted terms as groups of (names, float32 (K,) values), every computed key once."""
+        sizes = [int(t["labels"].shape[0]) for t in targets]
+        num_boxes = _num_boxes(sizes, device)
+        tgt_labels, tgt_boxes = pad_targets(targets, device)
         aux = list(outputs.get("aux_outputs") or [])
-        losses: dict[str, Tensor] = {}
-
-        losses.update(self._terms(outputs, targets, self.matcher(outputs, targets), num_boxes))
-        for i, layer in enumerate(aux):
-            terms = self._terms(layer, targets, self.matcher(layer, targets), num_boxes)
-            losses.update({f"{k}_{i}": v for k, v in terms.items()})
         interm = outputs.get("interm_outputs")
-        if interm is not None:
-            terms = self._terms(interm, targets, self.matcher(interm, targets), num_boxes)
-            losses.update({f"{k}_interm": v for k, v in terms.items()})
+        sets = [outputs, *aux] + ([interm] if interm is not None else [])
+        suffixes = ["", *(f"_{i}" for i in range(len(aux)))] + (["_interm"] if interm is not None else [])
+
+        logits = torch.stack([x["pred_logits"] for x in sets])
+        boxes = torch.stack([x["pred_boxes"] for x in sets])
+        matched = self.matcher.match_stacked(logits, boxes, tgt_labels, tgt_boxes, sizes)
+        terms = self.set_terms(logits, boxes, _flat_pairs(matched, device), tgt_labels, tgt_boxes, num_boxes)
+        groups = [([f"{key}{sfx}" for sfx in suffixes], per_set) for key, per_set in terms.items()]
 
         # Denoising: positive dn queries against their own targets, normalised by num_boxes * num_dn_group.
         dn_meta = outputs.get("dn_meta")
-        has_targets = any(int(t["labels"].shape[0]) > 0 for t in targets)
-        if dn_meta is not None and has_targets:
+        dn_suffixes = ["_dn", *(f"_dn_{i}" for i in range(len(aux)))]
+        if dn_meta is not None and sum(sizes) > 0:
             known = dn_meta["output_known_lbs_bboxes"]
             dn_aux = list(known.get("aux_outputs") or [])
             if len(dn_aux) != len(aux):
                 raise ValueError(f"dn_meta has {len(dn_aux)} aux layers but outputs has {len(aux)}")
-            dn_idx = dn_positive_indices(dn_meta, targets)
+            dn_sets = [known, *dn_aux]
+            pairs = _flat_pairs([_dn_pairs(dn_meta, sizes)] * len(dn_sets), device)
+            dn_logits = torch.stack([x["pred_logits"] for x in dn_sets])
+            dn_boxes = torch.stack([x["pred_boxes"] for x in dn_sets])
             dn_norm = num_boxes * int(dn_meta["num_dn_group"])
-            losses.update({f"{k}_dn": v for k, v in self._terms(known, targets, dn_idx, dn_norm).items()})
-            for i, layer in enumerate(dn_aux):
-                losses.update({f"{k}_dn_{i}": v for k, v in self._terms(layer, targets, dn_idx, dn_norm).items()})
+            terms = self.set_terms(dn_logits, dn_boxes, pairs, tgt_labels, tgt_boxes, dn_norm)
+            groups += [([f"{key}{sfx}" for sfx in dn_suffixes], per_set) for key, per_set in terms.items()]
         else:
-            zeros = self._zero_terms(device)
-            losses.update({f"{k}_dn": v for k, v in zeros.items()})
-            for i in range(len(aux)):
-                losses.update({f"{k}_dn_{i}": v.clone() for k, v in zeros.items()})
-        return losses
+            keys = [k for n in self.losses for k in LOSS_KEYS[n]]
+            names = [f"{k}{sfx}" for k in keys for sfx in dn_suffixes]
+            groups.append((names, torch.zeros(len(names), dtype=torch.float32, device=device)))
+        return groups
 
     @staticmethod
     def total(loss_dict: Mapping[str, Tensor]) -> Tensor:

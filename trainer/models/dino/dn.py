@@ -16,10 +16,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
-from trainer.models.dino.utils import has_values, inverse_sigmoid
+from trainer.models.dino.utils import inverse_sigmoid
 
 
 def num_dn_groups(dn_number: int, max_gt: int) -> int:
@@ -36,29 +37,15 @@ def dn_attention_mask(num_groups: int, single_pad: int, num_queries: int, device
     """Decoder self-attention mask, (pad + Q, pad + Q) bool, True = may NOT attend; pad = groups * 2 * single_pad.
 
     Matching queries cannot see any denoising query (no ground truth leaks); each denoising group sees itself
-    and the matching queries but no other group.
+    and the matching queries but no other group. Built from each row's group id (matching queries: group
+    ``num_groups``) in a fixed number of operator calls, whatever the number of groups.
     """
     group = 2 * single_pad
     pad = num_groups * group
-    mask = torch.zeros(pad + num_queries, pad + num_queries, dtype=torch.bool, device=device)
-    mask[pad:, :pad] = True
-    for g in range(num_groups):
-        rows = slice(g * group, (g + 1) * group)
-        mask[rows, : g * group] = True
-        mask[rows, (g + 1) * group : pad] = True
-    return mask
-
-
-def check_labels(targets: Sequence[dict], num_classes: int) -> None:
-    """Raise ValueError when a target label is outside [0, num_classes) (it would index ``label_enc`` wrongly).
-    Shape-only labels (:func:`~trainer.models.dino.utils.has_values` False) cannot be checked and pass."""
-    for i, t in enumerate(targets):
-        labels = t["labels"]
-        if labels.numel() and has_values(labels) and (int(labels.min()) < 0 or int(labels.max()) >= num_classes):
-            raise ValueError(
-                f"DINO denoising: targets[{i}]['labels'] must lie in [0, num_classes={num_classes}), got "
-                f"min {int(labels.min())}, max {int(labels.max())}"
-            )
+    gid = torch.arange(pad + num_queries, device=device).div(max(group, 1), rounding_mode="floor")
+    gid = gid.clamp(max=num_groups)
+    # row r may not attend column c when c is a denoising query of another group than r's
+    return (gid[None, :] < num_groups) & (gid[:, None] != gid[None, :])
 
 
 def prepare_for_cdn(
@@ -79,6 +66,11 @@ def prepare_for_cdn(
     ``sign * r * (w/2, h/2) * box_noise_scale`` with a random sign, r ~ U[0, 1) for positives and U[1, 2) for
     negatives (so negatives lie farther from the box), then clamped to [0, 1].
 
+    Nothing is read back from the device: the layout comes from the targets' shapes (index tensors built on the
+    host, one copy to the device), and labels are clamped into [0, num_classes) for the embedding lookup instead
+    of checked here (an out-of-range label would be a device-side assert on CUDA). The range check is the
+    criterion's, in the matcher's one device-to-host copy of the same step.
+
     Args:
         targets: per image {"labels": int64 (N_b,) in [0, num_classes), "boxes": float (N_b, 4) cxcywh in [0, 1]}.
         label_enc: ``nn.Embedding(num_classes + 1, hidden_dim)`` (row ``num_classes`` is never used by noise).
@@ -87,54 +79,54 @@ def prepare_for_cdn(
     Returns:
         input_query_label (B, pad_size, hidden_dim), input_query_bbox (B, pad_size, 4) unsigmoid,
         attn_mask (pad_size + num_queries,) * 2 bool, dn_meta {"pad_size", "num_dn_group"}.
-
-    Raises:
-        ValueError: a label outside [0, num_classes).
     """
-    check_labels(targets, num_classes)
     device = label_enc.weight.device
     batch_size = len(targets)
     counts = [int(t["labels"].numel()) for t in targets]
     max_gt = max(counts, default=0)
     groups = num_dn_groups(dn_number, max_gt)
-    labels = torch.cat([t["labels"].to(device=device, dtype=torch.long) for t in targets])
-    boxes = torch.cat([t["boxes"].to(device=device, dtype=torch.float32) for t in targets])
-    batch_idx = torch.cat([torch.full((n,), i, dtype=torch.long, device=device) for i, n in enumerate(counts)])
-    n_boxes = labels.numel()
-    # 2 * groups blocks (positive, negative, positive, ...), each the batch's boxes in order
-    known_labels = labels.repeat(2 * groups)
-    known_boxes = boxes.repeat(2 * groups, 1)
-    known_bid = batch_idx.repeat(2 * groups)
-
-    if label_noise_ratio > 0 and known_labels.numel():
-        p = torch.rand(known_labels.shape, device=device, generator=generator)
-        chosen = p < label_noise_ratio * 0.5
-        new = torch.randint(0, num_classes, known_labels.shape, device=device, generator=generator)
-        known_labels = torch.where(chosen, new, known_labels)
-
-    if box_noise_scale > 0 and known_boxes.numel():
-        xyxy = torch.cat([known_boxes[:, :2] - known_boxes[:, 2:] / 2, known_boxes[:, :2] + known_boxes[:, 2:] / 2], 1)
-        diff = torch.cat([known_boxes[:, 2:] / 2, known_boxes[:, 2:] / 2], 1)
-        sign = torch.randint(0, 2, known_boxes.shape, device=device, generator=generator).float() * 2.0 - 1.0
-        part = torch.rand(known_boxes.shape, device=device, generator=generator)
-        negative = (torch.arange(known_boxes.shape[0], device=device) // max(n_boxes, 1)) % 2 == 1
-        part = part + negative[:, None].float()
-        xyxy = (xyxy + part * sign * diff * box_noise_scale).clamp(0.0, 1.0)
-        known_boxes = torch.cat([(xyxy[:, :2] + xyxy[:, 2:]) / 2, xyxy[:, 2:] - xyxy[:, :2]], 1)
-
     single_pad = max_gt
     pad_size = single_pad * 2 * groups
     weight = label_enc.weight
     input_query_label = weight.new_zeros(batch_size, pad_size, hidden_dim)
     input_query_bbox = torch.zeros(batch_size, pad_size, 4, device=device)
-    if n_boxes:
-        within = torch.cat([torch.arange(n, device=device) for n in counts])
-        block = torch.arange(2 * groups, device=device).repeat_interleave(n_boxes)
-        rows = within.repeat(2 * groups) + block * single_pad
-        input_query_label = input_query_label.index_put((known_bid, rows), label_enc(known_labels))
-        input_query_bbox = input_query_bbox.index_put((known_bid, rows), inverse_sigmoid(known_boxes))
     attn_mask = dn_attention_mask(groups, single_pad, num_queries, device)
-    return input_query_label, input_query_bbox, attn_mask, {"pad_size": pad_size, "num_dn_group": groups}
+    meta = {"pad_size": pad_size, "num_dn_group": groups}
+    n_boxes = sum(counts)
+    if n_boxes == 0:
+        return input_query_label, input_query_bbox, attn_mask, meta
+
+    labels = torch.cat([t["labels"].reshape(-1) for t in targets]).to(device=device, dtype=torch.long)
+    boxes = torch.cat([t["boxes"].reshape(-1, 4) for t in targets]).to(device=device, dtype=torch.float32)
+    # 2 * groups blocks (positive, negative, positive, ...), each the batch's boxes in order; per row: its image,
+    # its slot in the image's group block, and whether it is a negative -- from the counts alone, on the host.
+    blocks = 2 * groups
+    image = np.repeat(np.arange(batch_size), counts)
+    within = np.concatenate([np.arange(n) for n in counts])
+    block = np.repeat(np.arange(blocks), n_boxes)
+    layout = np.stack([np.tile(image, blocks), np.tile(within, blocks) + block * single_pad, block % 2])
+    known_bid, rows, negative = torch.from_numpy(layout.astype(np.int64)).to(device, non_blocking=True).unbind(0)
+    known_labels = labels.clamp(0, num_classes - 1).repeat(blocks)
+    known_boxes = boxes.repeat(blocks, 1)
+
+    if label_noise_ratio > 0:
+        p = torch.rand(known_labels.shape, device=device, generator=generator)
+        chosen = p < label_noise_ratio * 0.5
+        new = torch.randint(0, num_classes, known_labels.shape, device=device, generator=generator)
+        known_labels = torch.where(chosen, new, known_labels)
+
+    if box_noise_scale > 0:
+        half = known_boxes[:, 2:] / 2
+        xyxy = torch.cat([known_boxes[:, :2] - half, known_boxes[:, :2] + half], 1)
+        diff = torch.cat([half, half], 1)
+        sign = torch.randint(0, 2, known_boxes.shape, device=device, generator=generator).float() * 2.0 - 1.0
+        part = torch.rand(known_boxes.shape, device=device, generator=generator) + negative[:, None]
+        xyxy = (xyxy + part * sign * diff * box_noise_scale).clamp(0.0, 1.0)
+        known_boxes = torch.cat([(xyxy[:, :2] + xyxy[:, 2:]) / 2, xyxy[:, 2:] - xyxy[:, :2]], 1)
+
+    input_query_label = input_query_label.index_put((known_bid, rows), label_enc(known_labels))
+    input_query_bbox = input_query_bbox.index_put((known_bid, rows), inverse_sigmoid(known_boxes))
+    return input_query_label, input_query_bbox, attn_mask, meta
 
 
 def dn_post_process(outputs_class: Tensor, outputs_coord: Tensor, dn_meta: dict, aux_loss: bool = True):

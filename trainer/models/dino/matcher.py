@@ -21,17 +21,29 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 from scipy.optimize import linear_sum_assignment
 from torch import Tensor, nn
-from torchvision.ops import box_convert, generalized_box_iou
 
-from trainer.models.dino.utils import has_values
+from trainer.models.dino.utils import box_giou, cxcywh_to_xyxy, has_values
 
-__all__ = ["HungarianMatcher", "MatchIndices"]
+__all__ = ["HungarianMatcher", "MatchIndices", "pad_targets"]
 
 #: One image's assignment: (prediction indices into Q, target indices into N), both int64 on the CPU, equal length.
 MatchIndices = tuple[Tensor, Tensor]
+
+
+def pad_targets(targets: Sequence[Mapping[str, Tensor]], device: torch.device) -> tuple[Tensor, Tensor]:
+    """The batch's targets as two padded tensors: labels int64 (B, T) and boxes float32 (B, T, 4) normalised cxcywh,
+    ``T = max N_i`` (at least 1); padding rows hold label 0 and box 0. Two ``pad_sequence`` calls, no host sync."""
+    labels = [t["labels"].to(device=device, dtype=torch.int64).reshape(-1) for t in targets]
+    boxes = [t["boxes"].to(device=device, dtype=torch.float32).reshape(-1, 4) for t in targets]
+    if not labels or max(x.shape[0] for x in labels) == 0:
+        b = len(targets)
+        return torch.zeros(b, 1, dtype=torch.int64, device=device), torch.zeros(b, 1, 4, device=device)
+    pad = torch.nn.utils.rnn.pad_sequence
+    return pad(labels, batch_first=True), pad(boxes, batch_first=True)
 
 
 class HungarianMatcher(nn.Module):
@@ -44,8 +56,10 @@ class HungarianMatcher(nn.Module):
         focal_alpha: focal-loss alpha of the class cost (DINO-4scale: 0.25).
         focal_gamma: focal-loss gamma of the class cost (upstream hard-codes 2.0).
 
-    The forward pass runs without gradients, in float32 (even under autocast); the cost blocks of all images are
-    moved to the CPU in one transfer, and each image is solved with :func:`scipy.optimize.linear_sum_assignment`.
+    The costs run without gradients, in float32 (even under autocast), for every prediction set of a step at once
+    (:meth:`match_stacked`: the decoder layers and the encoder proposals, stacked): the cost blocks of all sets and
+    images, plus the targets' label range, reach the host in **one** device-to-host copy (the step's only host
+    sync), then each (set, image) is solved with :func:`scipy.optimize.linear_sum_assignment`.
     """
 
     def __init__(
@@ -71,40 +85,102 @@ class HungarianMatcher(nn.Module):
             f"focal_alpha={self.focal_alpha}, focal_gamma={self.focal_gamma}"
         )
 
-    def cost_matrix(self, logits: Tensor, boxes: Tensor, tgt_labels: Tensor, tgt_boxes: Tensor) -> Tensor:
-        """Matching cost of one image.
+    def batched_cost(self, logits: Tensor, boxes: Tensor, tgt_labels: Tensor, tgt_boxes: Tensor) -> Tensor:
+        """Matching costs of every query against every (padded) target of its image, all sets at once.
 
         Args:
-            logits: (Q, C) raw class logits (sigmoid, no background class).
-            boxes: (Q, 4) predicted boxes, normalised (cx, cy, w, h) in [0, 1].
-            tgt_labels: (N,) int64 class indices in [0, C).
-            tgt_boxes: (N, 4) target boxes, normalised (cx, cy, w, h).
+            logits: (S, B, Q, C) raw class logits (sigmoid, no background class), S prediction sets.
+            boxes: (S, B, Q, 4) predicted boxes, normalised (cx, cy, w, h).
+            tgt_labels: (B, T) int64 class indices (clamped into [0, C) here; the range is checked by
+                :meth:`match_stacked`).
+            tgt_boxes: (B, T, 4) target boxes, normalised (cx, cy, w, h).
 
         Returns:
-            (Q, N) float32 cost (see the module docstring for the formula); lower is a better match.
+            (S, B, Q, T) float32 cost (module docstring); lower is a better match.
         """
-        logits = logits.float()
-        boxes = boxes.float()
+        logits, boxes = logits.float(), boxes.float()
+        s, b, q, c = logits.shape
+        labels = tgt_labels.to(device=logits.device, dtype=torch.int64).clamp(0, c - 1)
         tgt_boxes = tgt_boxes.to(device=boxes.device, dtype=torch.float32)
-        tgt_labels = tgt_labels.to(device=logits.device, dtype=torch.int64)
-
-        # Focal-shaped class cost, evaluated only at the target classes: (Q, N).
-        prob = logits.sigmoid()[:, tgt_labels]
+        t = labels.shape[-1]
+        # Focal-shaped class cost, evaluated only at the target classes: (S, B, Q, T).
+        prob = logits.sigmoid().gather(3, labels[None, :, None, :].expand(s, b, q, t))
         alpha, gamma = self.focal_alpha, self.focal_gamma
         neg = (1.0 - alpha) * prob.pow(gamma) * -(1.0 - prob + 1e-8).log()
         pos = alpha * (1.0 - prob).pow(gamma) * -(prob + 1e-8).log()
         cost_class = pos - neg
+        cost_bbox = torch.cdist(boxes.reshape(s * b, q, 4), tgt_boxes.repeat(s, 1, 1), p=1).view(s, b, q, t)
+        giou = box_giou(cxcywh_to_xyxy(boxes)[..., :, None, :], cxcywh_to_xyxy(tgt_boxes)[None, :, None, :, :])
+        return self.cost_bbox * cost_bbox + self.cost_class * cost_class - self.cost_giou * giou
 
-        cost_bbox = torch.cdist(boxes, tgt_boxes, p=1)
-        cost_giou = -generalized_box_iou(
-            box_convert(boxes, "cxcywh", "xyxy"),
-            box_convert(tgt_boxes, "cxcywh", "xyxy"),
-        )
-        return self.cost_bbox * cost_bbox + self.cost_class * cost_class + self.cost_giou * cost_giou
+    def cost_matrix(self, logits: Tensor, boxes: Tensor, tgt_labels: Tensor, tgt_boxes: Tensor) -> Tensor:
+        """Matching cost of one image: logits (Q, C), boxes (Q, 4) cxcywh, tgt_labels (N,) int64 in [0, C),
+        tgt_boxes (N, 4) cxcywh -> (Q, N) float32 (:meth:`batched_cost` for one set and one image)."""
+        return self.batched_cost(logits[None, None], boxes[None, None], tgt_labels[None], tgt_boxes[None])[0, 0]
+
+    @torch.no_grad()
+    def match_stacked(
+        self, logits: Tensor, boxes: Tensor, tgt_labels: Tensor, tgt_boxes: Tensor, sizes: Sequence[int]
+    ) -> list[list[tuple[np.ndarray, np.ndarray]]]:
+        """Match S prediction sets of a batch in one pass (one device-to-host copy).
+
+        Args:
+            logits: (S, B, Q, C) raw logits; boxes: (S, B, Q, 4) normalised cxcywh.
+            tgt_labels: (B, T) int64, tgt_boxes: (B, T, 4) cxcywh, padded (:func:`pad_targets`).
+            sizes: N_i, the real targets of each image (Python ints, <= T).
+
+        Returns:
+            ``result[s][i] = (pred_idx, tgt_idx)``, int64 numpy arrays of length N_i, ``pred_idx`` ascending.
+
+        Raises:
+            ValueError: an image has more targets than there are queries (Q >= N_i is assumed, as in DETR: every
+                target must receive its own query), a target label outside [0, C), or the cost holds NaN/inf
+                (e.g. a diverged model).
+        """
+        s, b, num_queries, num_classes = logits.shape
+        if len(sizes) != b:
+            raise ValueError(f"HungarianMatcher: {len(sizes)} targets for a batch of {b} predictions")
+        for i, n in enumerate(sizes):
+            if n > num_queries:
+                raise ValueError(
+                    f"HungarianMatcher: image {i} has {n} targets but the model has only {num_queries} queries; "
+                    "one-to-one matching needs num_queries >= targets per image (raise num_queries or cap targets)"
+                )
+        empty = np.zeros(0, dtype=np.int64)
+        if sum(sizes) == 0:
+            return [[(empty, empty) for _ in sizes] for _ in range(s)]
+        if not has_values(logits):
+            # Shape-only costs (plan's memory prediction): queries 0..n-1 to targets 0..n-1, the same number
+            # of matches, so the same loss-term sizes, as a real assignment.
+            return [[(np.arange(n), np.arange(n)) for n in sizes] for _ in range(s)]
+        with torch.autocast(device_type=logits.device.type, enabled=False):
+            cost = self.batched_cost(logits, boxes, tgt_labels, tgt_boxes)
+            real = torch.cat([tgt_labels[i, :n] for i, n in enumerate(sizes) if n]).to(cost.device)
+            label_range = torch.stack(torch.aminmax(real)).to(torch.float32)
+            blocks = [cost[:, i, :, :n].reshape(-1) for i, n in enumerate(sizes) if n]
+            flat = torch.cat([*blocks, label_range]).cpu().numpy()  # the one host sync of the step
+        lo, hi = int(flat[-2]), int(flat[-1])
+        if lo < 0 or hi >= num_classes:
+            raise ValueError(f"HungarianMatcher: target labels must lie in [0, {num_classes}), got [{lo}, {hi}]")
+        if not np.isfinite(flat).all():
+            raise ValueError("HungarianMatcher: the matching cost contains NaN or inf (non-finite predictions?)")
+        result: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(s)]
+        offset = 0
+        for n in sizes:
+            if n == 0:
+                for per_set in result:
+                    per_set.append((empty, empty))
+                continue
+            block = flat[offset : offset + s * num_queries * n].reshape(s, num_queries, n)
+            offset += s * num_queries * n
+            for k in range(s):
+                rows, cols = linear_sum_assignment(block[k])
+                result[k].append((rows.astype(np.int64), cols.astype(np.int64)))
+        return result
 
     @torch.no_grad()
     def forward(self, outputs: Mapping[str, Tensor], targets: Sequence[Mapping[str, Tensor]]) -> list[MatchIndices]:
-        """Match each image's queries to its targets.
+        """Match each image's queries to its targets (one prediction set; :meth:`match_stacked` does many).
 
         Args:
             outputs: ``{"pred_logits": (B, Q, C) raw logits, "pred_boxes": (B, Q, 4) normalised cxcywh}``; other
@@ -116,49 +192,12 @@ class HungarianMatcher(nn.Module):
             query ``pred_idx[k]`` is assigned to target ``tgt_idx[k]``; ``pred_idx`` is sorted ascending.
 
         Raises:
-            ValueError: batch sizes disagree, an image has more targets than there are queries (Q >= N_i is assumed,
-                as in DETR: every target must receive its own query), or the cost holds NaN/inf (e.g. a diverged model).
+            ValueError: as :meth:`match_stacked`.
         """
         logits = outputs["pred_logits"]
-        boxes = outputs["pred_boxes"]
-        bs, num_queries = logits.shape[:2]
-        if len(targets) != bs:
-            raise ValueError(f"HungarianMatcher: {len(targets)} targets for a batch of {bs} predictions")
-        sizes = [int(t["boxes"].shape[0]) for t in targets]
-        for i, n in enumerate(sizes):
-            if n > num_queries:
-                raise ValueError(
-                    f"HungarianMatcher: image {i} has {n} targets but the model has only {num_queries} queries; "
-                    "one-to-one matching needs num_queries >= targets per image (raise num_queries or cap targets)"
-                )
-
-        empty = torch.empty(0, dtype=torch.int64)
-        if sum(sizes) == 0:
-            return [(empty, empty.clone()) for _ in range(bs)]
-
-        # Per-image cost blocks (Q x N_i, not Q x sum(N) as one batched matrix would), one device->host copy.
-        with torch.autocast(device_type=logits.device.type, enabled=False):
-            blocks = [
-                self.cost_matrix(logits[i], boxes[i], t["labels"], t["boxes"]).flatten()
-                for i, (t, n) in enumerate(zip(targets, sizes))
-                if n > 0
-            ]
-            flat = torch.cat(blocks).cpu()
-        if not has_values(flat):
-            # Shape-only costs (plan's memory prediction): queries 0..n-1 to targets 0..n-1, the same number
-            # of matches, so the same loss-term sizes, as a real assignment.
-            return [(torch.arange(n), torch.arange(n)) for n in sizes]
-        if not torch.isfinite(flat).all():
-            raise ValueError("HungarianMatcher: the matching cost contains NaN or inf (non-finite predictions?)")
-
-        result: list[MatchIndices] = []
-        offset = 0
-        for n in sizes:
-            if n == 0:
-                result.append((empty.clone(), empty.clone()))
-                continue
-            cost = flat[offset : offset + num_queries * n].view(num_queries, n)
-            offset += num_queries * n
-            rows, cols = linear_sum_assignment(cost.numpy())
-            result.append((torch.as_tensor(rows, dtype=torch.int64), torch.as_tensor(cols, dtype=torch.int64)))
-        return result
+        if len(targets) != logits.shape[0]:
+            raise ValueError(f"HungarianMatcher: {len(targets)} targets for a batch of {logits.shape[0]} predictions")
+        labels, boxes = pad_targets(targets, logits.device)
+        sizes = [int(t["labels"].shape[0]) for t in targets]
+        sets = self.match_stacked(logits[None], outputs["pred_boxes"][None], labels, boxes, sizes)
+        return [(torch.from_numpy(r), torch.from_numpy(c)) for r, c in sets[0]]

@@ -142,16 +142,23 @@ class DINO(nn.Module):
             srcs, masks, poss, input_query_bbox, input_query_label, attn_mask
         )
         # keeps label_enc in the graph when no denoising ran (DDP's unused-parameter check), as upstream
-        hs = torch.cat([hs[:1] + self.label_enc.weight[0, 0] * 0.0, hs[1:]])
+        hs = hs + self.label_enc.weight[0, 0] * 0.0
 
-        # look forward twice: layer i's box refines the un-detached box of layer i-1 (reference[i])
-        outputs_coord = torch.stack(
-            [
-                (box_embed(layer_hs) + inverse_sigmoid(layer_ref)).sigmoid()
-                for layer_ref, box_embed, layer_hs in zip(reference[:-1], self.bbox_embed, hs)
-            ]
-        )
-        outputs_class = torch.stack([cls_embed(layer_hs) for cls_embed, layer_hs in zip(self.class_embed, hs)])
+        # look forward twice: layer i's box refines the un-detached box of layer i-1 (reference[i]). With the heads
+        # shared across layers (DINO-4scale) every layer goes through them in one call.
+        if all(m is self.bbox_embed[0] for m in self.bbox_embed):
+            outputs_coord = (self.bbox_embed[0](hs) + inverse_sigmoid(reference[:-1])).sigmoid()
+        else:
+            outputs_coord = torch.stack(
+                [
+                    (box_embed(layer_hs) + inverse_sigmoid(layer_ref)).sigmoid()
+                    for layer_ref, box_embed, layer_hs in zip(reference[:-1], self.bbox_embed, hs)
+                ]
+            )
+        if all(m is self.class_embed[0] for m in self.class_embed):
+            outputs_class = self.class_embed[0](hs)
+        else:
+            outputs_class = torch.stack([cls_embed(layer_hs) for cls_embed, layer_hs in zip(self.class_embed, hs)])
         if dn_meta is not None:
             outputs_class, outputs_coord = dn_post_process(outputs_class, outputs_coord, dn_meta, self.aux_loss)
 

@@ -31,6 +31,42 @@ def level_shapes(spatial_shapes) -> list[tuple[int, int]]:
     return [(int(h), int(w)) for h, w in spatial_shapes]
 
 
+def box_giou(boxes1: Tensor, boxes2: Tensor, eps: float = 0.0) -> Tensor:
+    """Generalised IoU of (x1, y1, x2, y2) boxes, broadcast over the leading dims (Rezatofighi et al. 2019,
+    arXiv:1902.09630, Alg. 1): ``IoU - (|C| - |A u B|) / |C|``, C the smallest enclosing box.
+
+    ``boxes1[..., :, None, :]`` against ``boxes2[..., None, :, :]`` gives the pairwise (..., Q, N) matrix of
+    ``torchvision.ops.generalized_box_iou`` (equal values with ``eps=0``); equal shapes give the element-wise form
+    of ``torchvision.ops.generalized_box_iou_loss`` (``1 - box_giou(a, b, 1e-7)``), here without its boolean-mask
+    indexing (``aten::nonzero``, a host sync on CUDA): the intersection's sides are clamped at 0 instead, the same
+    values and zero gradient where the boxes do not overlap.
+
+    Args:
+        boxes1, boxes2: float (..., 4) broadcastable, x2 >= x1 and y2 >= y1.
+        eps: added to the union and the enclosing area (0 as the pairwise torchvision form, 1e-7 as its loss).
+
+    Returns:
+        float (...) in [-1, 1] (broadcast shape without the last dim).
+    """
+    area1 = (boxes1[..., 2] - boxes1[..., 0]) * (boxes1[..., 3] - boxes1[..., 1])
+    area2 = (boxes2[..., 2] - boxes2[..., 0]) * (boxes2[..., 3] - boxes2[..., 1])
+    inter_wh = (
+        torch.minimum(boxes1[..., 2:], boxes2[..., 2:]) - torch.maximum(boxes1[..., :2], boxes2[..., :2])
+    ).clamp(min=0)
+    inter = inter_wh[..., 0] * inter_wh[..., 1]
+    union = area1 + area2 - inter
+    enclose_wh = torch.maximum(boxes1[..., 2:], boxes2[..., 2:]) - torch.minimum(boxes1[..., :2], boxes2[..., :2])
+    enclose = enclose_wh[..., 0] * enclose_wh[..., 1]
+    return inter / (union + eps) - (enclose - union) / (enclose + eps)
+
+
+def cxcywh_to_xyxy(boxes: Tensor) -> Tensor:
+    """(..., 4) (cx, cy, w, h) -> (..., 4) (x1, y1, x2, y2), any leading dims (``torchvision.ops.box_convert``
+    takes (N, 4) only)."""
+    centre, half = boxes[..., :2], boxes[..., 2:] / 2
+    return torch.cat([centre - half, centre + half], -1)
+
+
 def inverse_sigmoid(x: Tensor, eps: float = 1e-3) -> Tensor:
     """log(x / (1 - x)) with x clamped to [0, 1] and both terms to >= eps (upstream's eps 1e-3): finite for 0 and 1."""
     x = x.clamp(0.0, 1.0)

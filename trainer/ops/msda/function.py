@@ -18,8 +18,6 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.autograd.function import once_differentiable
 
-from trainer.ops.msda.reference import ms_deform_attn_reference
-
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _ext: Optional[object] = None
 _ext_error: Optional[str] = None
@@ -241,7 +239,9 @@ def ms_deform_attn(
     *,
     level_shapes: Optional[Sequence[tuple[int, int]]] = None,
 ) -> torch.Tensor:
-    """Multi-scale deformable attention: CUDA kernels on CUDA tensors, else the reference (one warning).
+    """Multi-scale deformable attention: CUDA kernels on CUDA tensors, else the reference (one warning), both
+    through the custom operator ``torch.ops.trainstack.ms_deform_attn`` (:mod:`trainer.ops.msda.library`: one
+    node for ``torch.compile``, a fake implementation for tracing, autograd registered).
 
     Args:
         value: (N, S, M, D) fp32/fp64/fp16/bf16, S = sum of H*W over levels.
@@ -271,10 +271,11 @@ def ms_deform_attn(
     )
     if _kernel_stand_in and is_fake(value):
         return _KernelStandIn.apply(value, sampling_locations, attention_weights)
-    if value.is_cuda and load_extension() is not None:
-        return MSDeformAttnFunction.apply(
-            value, spatial_shapes, level_start_index, sampling_locations, attention_weights, im2col_step
-        )
-    _warn_fallback(f"tensors on {value.device}" if not value.is_cuda else _ext_error)
-    shapes = spatial_shapes if level_shapes is None else level_shapes
-    return ms_deform_attn_reference(value, shapes, sampling_locations, attention_weights)
+    if not value.is_cuda or load_extension() is None:
+        _warn_fallback(f"tensors on {value.device}" if not value.is_cuda else _ext_error)
+    from trainer.ops.msda.library import ms_deform_attn_op
+
+    flat = [int(x) for hw in level_shapes for x in hw] if level_shapes is not None else []
+    return ms_deform_attn_op(
+        value, spatial_shapes, level_start_index, sampling_locations, attention_weights, int(im2col_step), flat
+    )

@@ -49,3 +49,50 @@ def ms_deform_attn_reference(
     weights = attention_weights.transpose(1, 2).reshape(n * m, 1, lq, n_levels * n_points)
     out = (torch.stack(samples, dim=-2).flatten(-2) * weights).sum(-1).view(n, m * d, lq)
     return out.transpose(1, 2).contiguous()
+
+
+def ms_deform_attn_reference_backward(
+    value: torch.Tensor,
+    spatial_shapes: torch.Tensor | Sequence[tuple[int, int]],
+    sampling_locations: torch.Tensor,
+    attention_weights: torch.Tensor,
+    grad_output: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`ms_deform_attn_reference` without autograd (what the op's backward runs off CUDA).
+
+    With ``out = sum_{l, p} w[l, p] * S_l[p]`` per query and head, ``S_l = grid_sample(value_l, 2 * loc_l - 1)``:
+    ``dL/dw[l, p] = <grad_out, S_l[p]>`` over the D channels (the samples are recomputed), and ``value`` and the
+    locations get ``aten::grid_sampler_2d_backward`` of ``grad_out * w[l, p]`` (times 2 for the locations, from the
+    grid's [-1, 1] convention).
+
+    Args:
+        value, spatial_shapes, sampling_locations, attention_weights: as the forward.
+        grad_output: (N, Lq, M * D), value's dtype.
+
+    Returns:
+        (grad_value (N, S, M, D), grad_sampling_locations (N, Lq, M, L, P, 2), grad_attention_weights
+        (N, Lq, M, L, P)), each in its input's dtype, contiguous.
+    """
+    n, _, m, d = value.shape
+    _, lq, _, n_levels, n_points, _ = sampling_locations.shape
+    pairs = spatial_shapes.tolist() if isinstance(spatial_shapes, torch.Tensor) else spatial_shapes
+    shapes = [(int(h), int(w)) for h, w in pairs]
+    value_list = value.split([h * w for h, w in shapes], dim=1)
+    grids = 2 * sampling_locations - 1
+    grad = grad_output.transpose(1, 2).reshape(n * m, d, lq, 1)
+    weights = attention_weights.transpose(1, 2).reshape(n * m, 1, lq, n_levels, n_points)
+    grad_values, grad_grids, grad_weights = [], [], []
+    for lvl, (h, w) in enumerate(shapes):
+        value_l = value_list[lvl].flatten(2).transpose(1, 2).reshape(n * m, d, h, w)
+        grid_l = grids[:, :, :, lvl].transpose(1, 2).flatten(0, 1)
+        samples = F.grid_sample(value_l, grid_l, mode="bilinear", padding_mode="zeros", align_corners=False)
+        grad_weights.append((grad * samples).sum(1))  # (N*M, Lq, P)
+        grad_value_l, grad_grid_l = torch.ops.aten.grid_sampler_2d_backward(
+            grad * weights[:, :, :, lvl], value_l, grid_l, 0, 0, False, [True, True]
+        )
+        grad_values.append(grad_value_l.reshape(n, m * d, h * w).transpose(1, 2).reshape(n, h * w, m, d))
+        grad_grids.append(grad_grid_l.view(n, m, lq, n_points, 2))
+    grad_value = torch.cat(grad_values, 1).contiguous()
+    grad_loc = (2 * torch.stack(grad_grids, 3)).transpose(1, 2).contiguous()
+    grad_attn = torch.stack(grad_weights, 2).view(n, m, lq, n_levels, n_points).transpose(1, 2).contiguous()
+    return grad_value, grad_loc.to(sampling_locations.dtype), grad_attn.to(attention_weights.dtype)

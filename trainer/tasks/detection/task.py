@@ -295,8 +295,7 @@ class DetectionTask(Task):
         """DINO's forward with the targets (denoising), then the criterion (float32): the weighted sum and the
         :data:`LOGGED_TERMS` (the criterion is built beside the model by :meth:`build_model`)."""
         out = model(batch["image"], batch["mask"], batch["targets"])
-        losses = self.criterion(out, batch["targets"])
-        total = self.criterion.total(losses)
+        total, losses = self.criterion.loss_and_terms(out, batch["targets"])
         return StepOutput(
             loss=total, outputs=out, n=batch["n"], terms={k: losses[k].detach() for k in LOGGED_TERMS if k in losses}
         )
