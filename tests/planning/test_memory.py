@@ -42,13 +42,16 @@ def test_allocator_model_rounds_like_the_cuda_caching_allocator():
 
 @pytest.mark.parametrize("batch,size", [(32, 96), (128, 32)])
 def test_prediction_matches_the_measured_cpu_peak_in_fp32(cfg, batch, size):
-    """Tolerance 10 %: on CPU-2 the prediction is 4-5 % below torch's CPU allocator peak (oneDNN temporaries
-    are invisible to fake tensors); the GPU comparison is benchmarks/memory_prediction.py on a lent GPU."""
+    """Tolerance 10 %, measured with oneDNN off: its convolution temporaries are CPU-only and machine-dependent
+    (invisible to fake tensors, absent on a GPU): on an AMD EPYC VM they added 64 MiB (+35 %) at batch 128 x 32 px,
+    while the prediction is within 1 % of the peak without them. The GPU comparison is
+    benchmarks/memory_prediction.py on a lent GPU."""
     torch.manual_seed(0)
     rig = build_single_rank_step(cfg, torch.device("cpu"), 10)
     x = rig.example_batch(batch, size)
-    rig.step(x)  # optimizer state exists from here on, as in step two of the prediction
-    measured = cpu_step_peak_bytes(rig, x)
+    with torch.backends.mkldnn.flags(enabled=False):
+        rig.step(x)  # optimizer state exists from here on, as in step two of the prediction
+        measured = cpu_step_peak_bytes(rig, x)
     pred = predict_step_memory(
         cfg, batch, num_outputs=10, image_size=size, precision=FP32, context_bytes=0, eval_batch=1
     )
@@ -117,7 +120,10 @@ def test_dino_prediction_matches_the_measured_cpu_peak(shared_data, tmp_path):
     assert pred.input_size == (128, 192)
     assert abs(pred.allocated_peak_bytes / measured - 1) < 0.10, (pred.allocated_peak_bytes, measured)
     assert pred.breakdown_at_peak == {}  # MemTracker refuses the frozen stem's parameters
-    # The GPU prediction counts the CUDA kernels' allocations: no grid_sample intermediates are kept (at 384 px
-    # the encoder's deformable attention, not the backbone, sets the peak).
+    # The op is one custom operator on every device (trainer/ops/msda/library.py): like the CUDA kernels, its
+    # reference path saves only its inputs (the backward recomputes the samples), so the prediction with the
+    # kernels' stand-in and the one through the operator's fake implementation agree (before the operator, the
+    # reference kept every level's grid_sample samples for autograd and predicted over 25 % more at 384 px).
     ref, gpu = (predict_step_memory(cfg, 2, image_size=384, cuda_kernels=k, **kw) for k in (False, True))
-    assert gpu.input_size == (384, 576) and gpu.allocated_peak_bytes < 0.8 * ref.allocated_peak_bytes
+    assert gpu.input_size == (384, 576)
+    assert abs(gpu.allocated_peak_bytes / ref.allocated_peak_bytes - 1) < 0.02

@@ -217,6 +217,12 @@ class TrainConfig:
     scale_step: int = _det(32, "Training resize: step between the shortest-side choices (pixels).")
     max_size: int = _det(1333, "Longest side after any resize, training and evaluation (pixels).")
     eval_size: int = _det(800, "Evaluation resize: shortest side (pixels), longest at most max_size.")
+    pad_to_multiple: int = _det(
+        64,
+        "Batches are padded up to a multiple of this many pixels (1 = the exact largest image, as upstream), so "
+        "padded sizes repeat from batch to batch (torch.compile, cuDNN autotuning) and the stride-64 level has no "
+        "partial pixel.",
+    )
     num_queries: int = _det(900, "DINO queries (anchors from the top encoder proposals).")
     num_select: int = _det(300, "Detections kept per image after post-processing (top-k over query x class).")
     dn_number: int = _det(100, "Contrastive denoising queries (0 = no denoising).")

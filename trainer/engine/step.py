@@ -26,6 +26,25 @@ from trainer.engine.precision import Precision, resolve_precision, set_tf32
 from trainer.tasks.base import StepOutput, Task
 
 
+def clip_grad_norm(params: list, max_norm: float) -> torch.Tensor:
+    """Scale the gradients so that their global L2 norm is at most ``max_norm``; returns the norm before clipping
+    (0-d float32 tensor, on the gradients' device).
+
+    ``torch.nn.utils.clip_grad_norm_(params, max_norm)`` with ``foreach`` when every gradient is on one device and
+    dtype (the same values: per-tensor norms from ``torch._foreach_norm``, the norm of their stack, the factor
+    ``min(1, max_norm / (norm + 1e-6))`` applied by ``torch._foreach_mul_``), without its per-tensor
+    ``norm.to(device)`` calls (one host-side operator call per parameter per step). Other cases go to torch's.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    if len({(g.device, g.dtype) for g in grads}) > 1 or any(g.is_sparse for g in grads):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
+    torch._foreach_mul_(grads, (max_norm / (total + 1e-6)).clamp(max=1.0))
+    return total
+
+
 @dataclass
 class TrainStep:
     """Model, optimizer, GradScaler, EMA and precision of one rank, and the two halves of a training step.
@@ -73,12 +92,12 @@ class TrainStep:
         if use_scaler:
             if clip > 0:
                 self.scaler.unscale_(self.optimizer)
-                torch.nn.utils.clip_grad_norm_(params, clip)
+                clip_grad_norm(params, clip)
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
             if clip > 0:
-                torch.nn.utils.clip_grad_norm_(params, clip)
+                clip_grad_norm(params, clip)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.ema is not None:
@@ -154,7 +173,7 @@ def build_train_step(
     optimizer = build_optimizer(cfg, model, task.lr_scales())
     scaler = torch.amp.GradScaler(device.type, enabled=precision.use_scaler)
     if cfg.compile and compile_model:
-        model.compile()  # in place: a wrapper below wraps the compiled module, state_dict keys unchanged
+        task.compile_model(model)  # in place: a wrapper below wraps the compiled module, state_dict keys unchanged
     train_model = wrap(model) if wrap is not None else model
     return TrainStep(cfg, task, model, train_model, optimizer, scaler, ema, precision, device, num_outputs)
 

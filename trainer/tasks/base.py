@@ -131,6 +131,12 @@ class Task(ABC):
     def build_model(self, num_outputs: int) -> nn.Module:
         """Create the model on CPU with freshly initialised (seeded) weights."""
 
+    def compile_model(self, model: nn.Module) -> None:
+        """``torch.compile`` the model in place (``compile: true``); state_dict keys stay unchanged. Default: the
+        whole module. A task whose model has a part that compiles badly as a whole (data-dependent host code,
+        shapes that change every batch) compiles its repeated blocks instead."""
+        model.compile()
+
     def lr_scales(self) -> dict[str, float]:
         """Per-module learning-rate multipliers: parameter-name prefix -> factor of ``lr`` (e.g. DINO's backbone at
         0.1 x lr). Default: none (every parameter at ``lr``)."""

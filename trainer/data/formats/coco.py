@@ -42,8 +42,10 @@ RandomSizeCrop(384, 600), RandomResize(scales, max_size)}, with scales 480..800 
 eval = RandomResize([800], max_size=1333) (shorter side 800, longer at most 1333). Every size is a parameter.
 Images stay uint8 (normalisation happens on the device, as for classification).
 
-Collate (:func:`collate_detection`) pads to the exact largest height and width of the batch (DETR's
-``NestedTensor``; no rounding up to a multiple of 32) and returns DETR's target convention (normalised cxcywh).
+Collate (:func:`collate_detection`) pads to the largest height and width of the batch (DETR's ``NestedTensor``),
+rounded up to ``pad_to_multiple`` pixels (the config's default 64: padded sizes repeat, so compiled graphs and
+autotuned kernels are reused; 1 = the exact largest size, as upstream), and returns DETR's target convention
+(normalised cxcywh).
 """
 
 from __future__ import annotations
@@ -661,13 +663,16 @@ def _xyxy_to_cxcywh_normalised(boxes: torch.Tensor, h: int, w: int) -> torch.Ten
     return out / torch.tensor([w, h, w, h], dtype=torch.float32)
 
 
-def collate_detection(items: list) -> dict:
+def collate_detection(items: list, pad_to_multiple: int = 1) -> dict:
     """Pad a list of :class:`CocoDetectionDataset` items into one batch (DETR's NestedTensor convention).
+
+    ``pad_to_multiple``: Hmax and Wmax are rounded up to a multiple of it (1: the exact largest size); bind it
+    with ``functools.partial`` for a DataLoader.
 
     Returns::
 
         {"image":   uint8 (B, 3, Hmax, Wmax), each image at the top-left, zeros bottom/right (Hmax, Wmax: the
-                    exact largest height and width in the batch, not rounded to a multiple of 32),
+                    largest height and width in the batch, rounded up to a multiple of ``pad_to_multiple``),
          "mask":    bool (B, Hmax, Wmax), True on padding, False on image pixels,
          "targets": [{"boxes": float32 (N, 4) cx, cy, w, h normalised by the unpadded transformed image's width
                       and height (0..1), "labels": int64 (N,), "image_id": int, "orig_size": int64 (2,) (H, W)
@@ -686,8 +691,10 @@ def collate_detection(items: list) -> dict:
             "targets": [],
             "bad": bad,
         }
-    hmax = max(int(g[0].shape[-2]) for g in good)
-    wmax = max(int(g[0].shape[-1]) for g in good)
+    if pad_to_multiple < 1:
+        raise ValueError(f"collate_detection: pad_to_multiple must be >= 1, got {pad_to_multiple}")
+    hmax = -(-max(int(g[0].shape[-2]) for g in good) // pad_to_multiple) * pad_to_multiple
+    wmax = -(-max(int(g[0].shape[-1]) for g in good) // pad_to_multiple) * pad_to_multiple
     images = torch.zeros((len(good), 3, hmax, wmax), dtype=torch.uint8)
     mask = torch.ones((len(good), hmax, wmax), dtype=torch.bool)
     targets = []

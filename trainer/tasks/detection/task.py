@@ -8,6 +8,7 @@ noised queries from them), and the criterion's terms (final layer, denoising, en
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Optional
 
@@ -37,6 +38,26 @@ LOGGED_TERMS = (
 #: resize to 400/500/600, then a random crop of 384..600), so small CPU runs keep the recipe's proportions.
 CROP_RESIZE_FRACTIONS = (0.5, 0.625, 0.75)
 CROP_SIZE_FRACTIONS = (0.48, 0.75)
+
+
+def compile_unavailable(device: torch.device) -> Optional[str]:
+    """Why ``torch.compile`` (Inductor) cannot compile for ``device``, or None: CUDA needs Triton
+    (``torch.utils._triton.has_triton``), the CPU a C++ compiler (``torch._inductor.config.cpp.cxx`` or ``$CXX``,
+    else g++/c++ on PATH)."""
+    import os
+    import shutil
+
+    if device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        return None if has_triton() else "Triton is not installed (torch.compile needs it for CUDA)"
+    if device.type == "cpu":
+        from torch._inductor import config
+
+        candidates = [c for c in (*(config.cpp.cxx or ()), os.environ.get("CXX"), "g++", "c++") if c]
+        if not any(shutil.which(c) for c in candidates):
+            return "no C++ compiler on PATH (torch.compile needs one for the CPU; set CXX)"
+    return None
 
 
 def training_scales(min_scale: int, max_scale: int, step: int) -> tuple[int, ...]:
@@ -77,6 +98,7 @@ class DetectionTask(Task):
             "scale_step",
             "max_size",
             "eval_size",
+            "pad_to_multiple",
             "num_queries",
             "num_select",
             "hidden_dim",
@@ -138,6 +160,23 @@ class DetectionTask(Task):
             dn_box_noise_scale=cfg.dn_box_noise_scale,
             dn_label_noise_ratio=cfg.dn_label_noise_ratio,
         )
+
+    def compile_model(self, model: nn.Module) -> None:
+        """``torch.compile`` each encoder and decoder layer of DINO (``compile: true``), not the whole model: the
+        backbone and heads stay eager, and so does the host-side code around the layers (contrastive denoising's
+        layout, query selection, the matcher), which would break a whole-model graph. Our deformable-attention
+        op is one node of these graphs (the custom operator ``trainstack::ms_deform_attn``). The layers of one
+        stack share their code, so one compiled graph serves all of them; with ``pad_to_multiple`` the padded
+        sizes repeat, so few shapes are compiled.
+
+        Raises:
+            ConfigError: torch.compile cannot run here (no Triton for CUDA tensors, no C++ compiler for the CPU).
+        """
+        reason = compile_unavailable(self.dist.device)
+        if reason:
+            raise ConfigError(f"compile: {reason}; train without --compile")
+        for layer in [*model.transformer.encoder.layers, *model.transformer.decoder.layers]:
+            layer.compile()
 
     def lr_scales(self) -> dict[str, float]:
         """The backbone at ``backbone_lr_scale`` x lr (upstream: lr 1e-4, lr_backbone 1e-5)."""
@@ -216,7 +255,7 @@ class DetectionTask(Task):
         return TaskData(
             train_ds,
             val_ds,
-            collate_detection,
+            functools.partial(collate_detection, pad_to_multiple=cfg.pad_to_multiple),
             self.num_classes,
             report,
             label_space={"categories": list(train.categories), "category_ids": list(train.label_to_category_id)},
@@ -317,10 +356,12 @@ class DetectionTask(Task):
 
     # .. planning ...........................................................................................
     def input_size(self, train: bool = True) -> tuple[int, int]:
-        """(H, W) of the largest input: shorter side ``max_scale`` (training) or ``eval_size`` (evaluation), longer
-        side ``max_size`` (a landscape image at the resize cap; DINO's recipe gives 800 x 1333)."""
+        """(H, W) of the largest batch: shorter side ``max_scale`` (training) or ``eval_size`` (evaluation), longer
+        side ``max_size`` (a landscape image at the resize cap; DINO's recipe gives 800 x 1333), each rounded up to
+        ``pad_to_multiple`` as the collate pads it (832 x 1344 at the default 64)."""
         short = self.cfg.max_scale if train else self.cfg.eval_size
-        return short, max(short, self.cfg.max_size)
+        m = self.cfg.pad_to_multiple
+        return -(-short // m) * m, -(-max(short, self.cfg.max_size) // m) * m
 
     def example_batch(
         self,
@@ -381,7 +422,7 @@ class DetectionTask(Task):
             image, target = transform(tv_tensors.Image(img), none)
             target.update(image_id=first_index + paths.index(path), orig_size=(h, w))
             items.append((image, target, ()))
-        batch = self.eval_batch(collate_detection(items))
+        batch = self.eval_batch(collate_detection(items, self.cfg.pad_to_multiple))
         batch.update(paths=kept, bad=bad, originals=originals)
         return batch
 
