@@ -71,6 +71,8 @@ def build(args) -> tuple:
         "channels_last": False,
         "compile": args.compile,
     }
+    if args.hidden_dim:
+        over.update(hidden_dim=args.hidden_dim, dim_feedforward=args.dim_feedforward)
     if args.data:
         over.update(facemask_overrides(args.data))
     cfg = load_config(None, over)
@@ -200,6 +202,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=int, default=2, help="profiled steps per batch kind")
     ap.add_argument("--real-batches", type=int, default=2)
     ap.add_argument("--compile", action="store_true", help="torch.compile as the trainer's --compile does")
+    ap.add_argument("--hidden-dim", type=int, help="narrower transformer (the counts do not change; the test's speed)")
+    ap.add_argument("--dim-feedforward", type=int, default=2048)
     return ap
 
 

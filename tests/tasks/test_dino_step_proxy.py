@@ -1,0 +1,72 @@
+"""Issue 23's CPU proxy of DINO's GPU step (benchmarks/dino_step.py): host syncs and ATen operator calls per
+training step, counted with torch.profiler on the CPU. Counts, not times: they do not depend on the machine, the
+thread count or the layer widths, so the DINO-4scale architecture (6 + 6 layers, 4 levels, 900 queries, dn 100)
+runs here at width 64 and 192 px to stay quick. Before issue 23 the same step made 451 host syncs and about
+41,000 ATen calls (docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import dino_step  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+#: Ceilings pinned from the measured counts (example and facemask batches alike: 2 host-copy calls, which are one
+#: device-to-host copy, ``.cpu().numpy()``; 15,291 / 15,295 ATen calls at 2026-11-25), with a little room.
+MAX_HOST_SYNCS = 2
+MAX_ATEN_CALLS = 15_600
+
+
+@pytest.fixture(scope="module")
+def counts(shared_data):
+    args = dino_step.parser().parse_args(
+        [
+            "--data",
+            str(shared_data / "facemask-coco"),
+            "--image-size",
+            "192",
+            "--num-queries",
+            "900",
+            "--steps",
+            "1",
+            "--real-batches",
+            "1",
+            "--hidden-dim",
+            "64",
+            "--dim-feedforward",
+            "128",
+        ]
+    )
+    return dino_step.measure(args)
+
+
+def test_one_host_sync_per_step_and_no_data_dependent_shapes(counts):
+    assert set(counts) == {"example", "facemask"}  # the real collate's batch with the most boxes is profiled too
+    for kind, r in counts.items():
+        assert r["syncs"] == {"aten::_local_scalar_dense": 0, "aten::nonzero": 0}, kind
+        assert r["host_copies"] == {"tolist": 0, "numpy": 1, "cpu": 1}, kind  # the matcher's one copy
+        assert r["host_syncs"] <= MAX_HOST_SYNCS, kind
+
+
+def test_aten_calls_per_step_stay_under_the_ceiling(counts):
+    for kind, r in counts.items():
+        assert 5_000 < r["aten_calls"] <= MAX_ATEN_CALLS, (kind, r["aten_calls"], r["top"])
+        assert r["matcher_share"] < 0.5, kind
+
+
+def test_the_counting_rule_counts_a_multi_tensor_op_once():
+    class E:
+        def __init__(self, name, parent=None):
+            self.name, self.cpu_parent = name, parent
+
+    fused = E("aten::_fused_adamw_")
+    top = E("aten::mm")
+    events = [fused, E("aten::_local_scalar_dense", fused), E("aten::add_", E("aten::copy_", fused)), top]
+    events += [E("cudaLaunchKernel", fused)]
+    calls, aten = dino_step.count_calls(events)
+    assert aten == 2 and calls.get("aten::_local_scalar_dense", 0) == 0 and calls["cudaLaunchKernel"] == 1
