@@ -181,6 +181,31 @@ def profile_steps(rig, batches: list, steps: int, device: str) -> dict:
     return result
 
 
+def time_steps(rig, batch_sizes: list[int], image_size: int, steps: int, device: str) -> list[dict]:
+    """ms per step, images/s and peak memory of the example batch at each batch size, without the profiler
+    (after two warm-up steps; the GPU is synchronised around the timed steps)."""
+    rows = []
+    for b in batch_sizes:
+        x = rig.example_batch(b, image_size)
+        for _ in range(2):
+            rig.step(x)
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            rig.step(x)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        dt = (time.perf_counter() - t0) / steps
+        row = {"batch": b, "ms_per_step": 1e3 * dt, "images_per_s": b / dt}
+        if device == "cuda":
+            row["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            row["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+        rows.append(row)
+    return rows
+
+
 def measure(args) -> dict:
     """{batch kind: profile_steps result} for the example batch and (with ``--data``) real facemask batches."""
     rig, real = build(args)
@@ -204,11 +229,20 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--compile", action="store_true", help="torch.compile as the trainer's --compile does")
     ap.add_argument("--hidden-dim", type=int, help="narrower transformer (the counts do not change; the test's speed)")
     ap.add_argument("--dim-feedforward", type=int, default=2048)
+    ap.add_argument("--time-batches", default="", help="comma list of batch sizes to time without the profiler")
+    ap.add_argument("--time-steps", type=int, default=10)
     return ap
 
 
 def main() -> None:
     args = parser().parse_args()
+    if args.time_batches:
+        rig, _ = build(args)
+        for row in time_steps(
+            rig, [int(b) for b in args.time_batches.split(",")], args.image_size, args.time_steps, args.device
+        ):
+            print("timed: " + " ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+        del rig
     results = measure(args)
     for name, r in results.items():
         print(

@@ -1,7 +1,15 @@
 """Multi-scale deformable attention: our CUDA op against the PyTorch reference (grid_sample), DINO-4scale.
 
     python benchmarks/msda.py                       # GPU: fp32 and bf16, encoder and decoder shapes
+    python benchmarks/msda.py --upstream-src DIR    # + upstream DINO's op built from a checkout, side by side
     python benchmarks/msda.py --device cpu --small  # proves the script on a CPU machine (reference only)
+
+``--upstream-src``: a checkout of upstream DINO's op (IDEA-Research/DINO ``models/dino/ops``, Apache-2.0; the
+folder holding ``src/vision.cpp``, or the repository root), e.g. ``../shared/gpu-check/upstream_msda`` (patched only
+to compile on current torch). It is built here with torch's JIT loader (nothing of it enters the project) and
+timed on the same inputs through a thin autograd wrapper of its ``ms_deform_attn_forward/backward``; it has fp32
+and fp64 kernels only, so its rows appear for fp32. "ours" is :func:`trainer.ops.msda.ms_deform_attn`, the entry
+point DINO calls (custom operator, autograd included).
 
 Shapes (DINO-4scale, 800 x 1333 input; levels 100x167, 50x84, 25x42, 13x21 -> S = 22,223; M=8, D=32, L=4,
 P=4): encoder N=2, Lq=S; decoder N=2, Lq=900 and 1,100. ``--small`` uses levels a quarter the size and fewer
@@ -53,13 +61,79 @@ def make(n, levels, lq, dtype, device, m=8, d=32, p=4):
     return value, shapes, starts, loc, attn.to(device, dtype)
 
 
-def impls(device: str) -> dict:
-    """name -> callable(value, shapes, starts, loc, attn)."""
+UPSTREAM_SOURCES = ("vision.cpp", "cpu/ms_deform_attn_cpu.cpp", "cuda/ms_deform_attn_cuda.cu")
+
+
+def upstream_source_dir(path: str) -> Path:
+    """The ``src`` folder of an upstream op checkout: ``path`` itself, ``path/src`` or ``path/models/dino/ops/src``.
+
+    Raises:
+        SystemExit(2): none of them holds the three source files (one line naming what is missing).
+    """
+    root = Path(path)
+    for cand in (root, root / "src", root / "models" / "dino" / "ops" / "src"):
+        if all((cand / f).is_file() for f in UPSTREAM_SOURCES):
+            return cand
+    print(
+        f"error: --upstream-src: {path} holds no upstream MSDA sources (expected {', '.join(UPSTREAM_SOURCES)} under "
+        "it, its src/ or models/dino/ops/src/)",
+        file=sys.stderr,
+    )
+    raise SystemExit(2)
+
+
+def build_upstream(src: Path):
+    """Upstream's op compiled by ``torch.utils.cpp_extension.load`` (its own flags: ``-DWITH_CUDA``, no half ops)."""
+    from torch.utils import cpp_extension
+
+    from trainer.ops.msda.build import extra_include_dirs
+
+    t0 = time.time()
+    mod = cpp_extension.load(
+        name="upstream_msda",
+        sources=[str(src / f) for f in UPSTREAM_SOURCES],
+        extra_include_paths=[str(src), *extra_include_dirs(cpp_extension.CUDA_HOME)],
+        extra_cflags=["-O3", "-DWITH_CUDA"],
+        extra_cuda_cflags=[
+            "-O3",
+            "-DCUDA_HAS_FP16=1",
+            "-D__CUDA_NO_HALF_OPERATORS__",
+            "-D__CUDA_NO_HALF_CONVERSIONS__",
+            "-D__CUDA_NO_HALF2_OPERATORS__",
+        ],
+        verbose=False,
+    )
+    print(f"upstream op built from {src} in {time.time() - t0:.0f} s\n", flush=True)
+    return mod
+
+
+def upstream_impl(mod):
+    """callable(value, shapes, starts, loc, attn) over upstream's raw forward/backward, with autograd."""
+
+    class Upstream(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, v, sh, st, lc, a):
+            ctx.save_for_backward(v, sh, st, lc, a)
+            return mod.ms_deform_attn_forward(v, sh, st, lc, a, 64)
+
+        @staticmethod
+        def backward(ctx, g):
+            v, sh, st, lc, a = ctx.saved_tensors
+            gv, gl, ga = mod.ms_deform_attn_backward(v, sh, st, lc, a, g.contiguous(), 64)
+            return gv, None, None, gl, ga
+
+    return Upstream.apply
+
+
+def impls(device: str, upstream=None) -> dict:
+    """name -> callable(value, shapes, starts, loc, attn); ``upstream``: the built upstream module or None."""
     out = {"reference": lambda v, sh, st, lc, a: msda.ms_deform_attn_reference(v, sh, lc, a)}
     if device == "cuda":
         if msda.load_extension() is None:
             sys.exit(f"benchmarks/msda.py: {msda.extension_error()}")
-        out = {"cuda": lambda v, sh, st, lc, a: msda.MSDeformAttnFunction.apply(v, sh, st, lc, a, 64), **out}
+        out = {"ours": lambda v, sh, st, lc, a: msda.ms_deform_attn(v, sh, st, lc, a, 64), **out}
+        if upstream is not None:
+            out = {"upstream": upstream_impl(upstream), **out}
     return out
 
 
@@ -110,7 +184,12 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", default="fp32,bf16", help="comma list of fp32, bf16, fp16")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--upstream-src", help="a checkout of upstream DINO's op to build and time beside ours")
     a = ap.parse_args(argv)
+    src = upstream_source_dir(a.upstream_src) if a.upstream_src else None
+    if src is not None and a.device != "cuda":
+        print("error: --upstream-src: upstream's op has CUDA kernels only; run with --device cuda", file=sys.stderr)
+        return 2
     if a.device == "cuda" and not torch.cuda.is_available():
         sys.exit("benchmarks/msda.py: no CUDA GPU; use --device cpu --small to check the script (reference only)")
     dtypes = [d.strip() for d in a.dtypes.split(",") if d.strip()]
@@ -128,10 +207,16 @@ def main(argv=None) -> int:
         "| max abs diff vs reference |"
     )
     print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    upstream = build_upstream(src) if src is not None else None
+    ratios = []
     for name, n, levels, lq in cases(a.small):
         for dt in dtypes:
             inputs = make(n, levels, lq, DTYPES[dt], a.device)
-            results = {k: measure(fn, inputs, a.device, a.iters, a.warmup) for k, fn in impls(a.device).items()}
+            fns = impls(a.device, upstream if dt == "fp32" else None)
+            results = {k: measure(fn, inputs, a.device, a.iters, a.warmup) for k, fn in fns.items()}
+            if "upstream" in results:
+                up, ours = results["upstream"], results["ours"]
+                ratios.append((name, dt, up["fwd"] / ours["fwd"], up["both"] / ours["both"]))
             ref = results["reference"]
             for impl, r in results.items():
                 diff = (r["out"].float() - ref["out"].float()).abs().max().item()
@@ -141,6 +226,8 @@ def main(argv=None) -> int:
                     f"{ref['fwd'] / r['fwd']:.1f}x | {ref['both'] / r['both']:.1f}x | {diff:.2e} |",
                     flush=True,
                 )
+    for name, dt, fwd, both in ratios:
+        print(f"ours vs upstream, {name} {dt}: {fwd:.2f}x forward, {both:.2f}x forward+backward (> 1: ours faster)")
     return 0
 
 

@@ -41,3 +41,31 @@ def test_benchmark_script_runs_on_cpu():
         timeout=120,
     )
     assert bad.returncode != 0 and "--dtypes: unknown ['fp8']" in bad.stderr
+
+
+def test_upstream_src_is_checked_before_anything_runs(shared_data, tmp_path):
+    """``--upstream-src`` names a checkout of upstream's op: a folder without its sources, or a CPU run (upstream
+    has CUDA kernels only), is one line and exit 2; the shared checkout is recognised (root or its src/)."""
+    import importlib.util
+
+    def run(*args):
+        return subprocess.run(
+            [sys.executable, "benchmarks/msda.py", "--device", "cpu", *args],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    missing = run("--upstream-src", str(tmp_path))
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1
+    assert "--upstream-src" in missing.stderr and "vision.cpp" in missing.stderr
+    checkout = shared_data.parent / "gpu-check" / "upstream_msda"  # ../shared/gpu-check beside the data
+    assert checkout.is_dir(), f"{checkout} missing (../shared/gpu-check/upstream_msda)"
+    for path in (checkout, checkout / "src"):
+        cpu = run("--upstream-src", str(path))
+        assert cpu.returncode == 2 and "CUDA kernels only" in cpu.stderr and cpu.stderr.count("\n") == 1
+    spec = importlib.util.spec_from_file_location("msda_bench", REPO / "benchmarks" / "msda.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.upstream_source_dir(str(checkout)) == checkout / "src"

@@ -96,7 +96,8 @@ def test_predicted_memory_and_estimated_throughput_without_a_probe(cfg):
 
 
 def test_detection_plan_predicts_dino_memory_at_its_largest_input(shared_data):
-    """No --model-memory-gib: plan builds the task's model (DINO here) under fake tensors at Task.input_size."""
+    """No --model-memory-gib: plan builds the task's model (DINO here) under fake tensors at Task.input_size, the
+    largest batch as the collate pads it (64 x 96 px rounded up to pad_to_multiple 64: 64 x 128)."""
     from test_detection import TINY
 
     det = load_config(
@@ -104,7 +105,7 @@ def test_detection_plan_predicts_dino_memory_at_its_largest_input(shared_data):
     )
     plan = make_plan(det, PlanOptions(instances=("ml.g5.2xlarge",), dataset_size=100, num_classes=2))
     row = _rows(plan)["ml.g5.2xlarge"]
-    assert plan["model"] == "detection resnet18 at 64x96 px" and plan["image_size"] == [64, 96]
+    assert plan["model"] == "detection resnet18 at 64x128 px" and plan["image_size"] == [64, 128]
     assert row["memory_source"] == "predicted (bf16-mixed, trainer/planning/memory.py)" and row["fits"]
     assert 0.6 < row["memory_per_gpu_gib"] < 1.5  # a tiny DINO: mostly the 600 MiB CUDA context
     # DINO's speed does not follow its FLOPs (gathers, matching on the host): no time or cost is invented.

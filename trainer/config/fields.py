@@ -156,7 +156,12 @@ class TrainConfig:
         "amp", "amp | 32 | bf16-mixed | 16-mixed (see trainer.config's module doc).", choices=PRECISIONS
     )
     channels_last: bool = _speed(True, "Use the channels_last memory format for model and inputs.")
-    compile: bool = _speed(False, "torch.compile the model.", aliases=("compile_model",))
+    compile: bool = _speed(
+        False,
+        "torch.compile the model (detection: each encoder and decoder layer of DINO, not the whole model; refused "
+        "with one line where Inductor cannot run).",
+        aliases=("compile_model",),
+    )
     tf32: bool = _speed(True, "Allow TF32 matmul/conv on Ampere and newer GPUs.")
 
     # --- checkpoint ----------------------------------------------------------------------------------
