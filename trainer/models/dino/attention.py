@@ -103,7 +103,7 @@ class MSDeformAttn(nn.Module):
         weights = self.attention_weights(query).view(n, lq, m, lvl * p)
         weights = F.softmax(weights, -1).view(n, lq, m, lvl, p)
         if reference_points.shape[-1] == 2:
-            normalizer = torch.stack([input_spatial_shapes[..., 1], input_spatial_shapes[..., 0]], -1)
+            normalizer = input_spatial_shapes.flip(-1)  # (W, H) per level
             locations = reference_points[:, :, None, :, None, :] + offsets / normalizer[None, None, None, :, None, :]
         elif reference_points.shape[-1] == 4:
             ref = reference_points[:, :, None, :, None]

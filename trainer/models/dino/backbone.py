@@ -50,7 +50,8 @@ class PositionEmbeddingSineHW(nn.Module):
         self.scale = 2 * math.pi
 
     def forward(self, mask: Tensor) -> Tensor:
-        """mask (B, H, W) bool, True on padding -> float32 (B, 2 * num_pos_feats, H, W)."""
+        """mask (B, H, W) bool, True on padding -> float32 (B, 2 * num_pos_feats, H, W) (y features, then x; both
+        axes in one pass)."""
         not_mask = ~mask
         eps = 1e-6
         y_embed = not_mask.cumsum(1, dtype=torch.float32)
@@ -59,11 +60,10 @@ class PositionEmbeddingSineHW(nn.Module):
         x_embed = x_embed / (x_embed[:, :, -1:] + eps) * self.scale
         n = self.num_pos_feats
         idx = torch.div(torch.arange(n, dtype=torch.float32, device=mask.device), 2, rounding_mode="floor")
-        pos_x = x_embed[..., None] / self.temperature_w ** (2 * idx / n)
-        pos_y = y_embed[..., None] / self.temperature_h ** (2 * idx / n)
-        pos_x = torch.stack((pos_x[..., 0::2].sin(), pos_x[..., 1::2].cos()), dim=4).flatten(3)
-        pos_y = torch.stack((pos_y[..., 0::2].sin(), pos_y[..., 1::2].cos()), dim=4).flatten(3)
-        return torch.cat((pos_y, pos_x), dim=3).permute(0, 3, 1, 2)
+        dim_t = torch.stack([self.temperature_h ** (2 * idx / n), self.temperature_w ** (2 * idx / n)])  # (2, n)
+        pos = torch.stack([y_embed, x_embed], -1)[..., None] / dim_t  # (B, H, W, 2, n)
+        pos = torch.stack((pos[..., 0::2].sin(), pos[..., 1::2].cos()), dim=-1).flatten(-3)
+        return pos.permute(0, 3, 1, 2)
 
     def extra_repr(self) -> str:
         return f"num_pos_feats={self.num_pos_feats}, temperature=({self.temperature_h}, {self.temperature_w})"

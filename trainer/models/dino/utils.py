@@ -94,16 +94,12 @@ class MLP(nn.Module):
         return x
 
 
-def _sine(coord: Tensor, num_feats: int, temperature: float = 10000.0) -> Tensor:
-    """(..., ) coordinate in [0, 1] -> (..., num_feats): sin/cos interleaved of coord * 2pi / T^(2i/num_feats)."""
-    dim_t = torch.arange(num_feats, dtype=torch.float32, device=coord.device)
-    dim_t = temperature ** (2 * torch.div(dim_t, 2, rounding_mode="floor") / num_feats)
-    pos = coord.float()[..., None] * (2 * math.pi) / dim_t
-    return torch.stack((pos[..., 0::2].sin(), pos[..., 1::2].cos()), dim=-1).flatten(-2)
-
-
-def gen_sineembed_for_position(pos_tensor: Tensor, d_model: int = 256) -> Tensor:
+def gen_sineembed_for_position(pos_tensor: Tensor, d_model: int = 256, temperature: float = 10000.0) -> Tensor:
     """Sine embedding of anchor boxes (DAB-DETR / DINO sec. 3.2 query positional embedding).
+
+    Each coordinate c in [0, 1] becomes ``d_model // 2`` features: ``c * 2 pi / T^(2 floor(i/2) / n)``, sine at even
+    and cosine at odd i (interleaved), T = 10000; the coordinates' features are concatenated in upstream's order.
+    All coordinates are embedded in one pass (a fixed number of operator calls, not one chain per coordinate).
 
     Args:
         pos_tensor: (..., 2) as (x, y) or (..., 4) as (cx, cy, w, h), normalised to [0, 1].
@@ -112,14 +108,19 @@ def gen_sineembed_for_position(pos_tensor: Tensor, d_model: int = 256) -> Tensor
     Returns:
         float32 (..., 2 * (d_model // 2)) for 2 coordinates or (..., 4 * (d_model // 2)) for 4, in the upstream
         order (y, x) or (y, x, w, h).
+
+    Raises:
+        ValueError: the last dim is neither 2 nor 4.
     """
+    k = pos_tensor.size(-1)
+    if k not in (2, 4):
+        raise ValueError(f"gen_sineembed_for_position: last dim must be 2 or 4, got {k}")
     n = d_model // 2
-    if pos_tensor.size(-1) == 2:
-        return torch.cat([_sine(pos_tensor[..., 1], n), _sine(pos_tensor[..., 0], n)], dim=-1)
-    if pos_tensor.size(-1) == 4:
-        parts = [pos_tensor[..., 1], pos_tensor[..., 0], pos_tensor[..., 2], pos_tensor[..., 3]]
-        return torch.cat([_sine(p, n) for p in parts], dim=-1)
-    raise ValueError(f"gen_sineembed_for_position: last dim must be 2 or 4, got {pos_tensor.size(-1)}")
+    coords = torch.cat([pos_tensor[..., 1:2], pos_tensor[..., :1], pos_tensor[..., 2:]], -1)  # (y, x[, w, h])
+    dim_t = torch.arange(n, dtype=torch.float32, device=pos_tensor.device)
+    dim_t = temperature ** (2 * torch.div(dim_t, 2, rounding_mode="floor") / n)
+    pos = coords.float()[..., None] * (2 * math.pi) / dim_t  # (..., k, n)
+    return torch.stack((pos[..., 0::2].sin(), pos[..., 1::2].cos()), dim=-1).flatten(-3)
 
 
 def gen_encoder_output_proposals(
