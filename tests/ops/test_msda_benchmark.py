@@ -69,3 +69,17 @@ def test_upstream_src_is_checked_before_anything_runs(shared_data, tmp_path):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     assert bench.upstream_source_dir(str(checkout)) == checkout / "src"
+
+
+def test_gpu_script_parses_and_refuses_missing_data_before_touching_the_gpu(tmp_path):
+    """benchmarks/gpu_dino.sh (issue 23's GPU figures in one command) is valid bash and checks DATA first."""
+    script = REPO / "benchmarks" / "gpu_dino.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    res = subprocess.run(
+        ["bash", str(script)],
+        env={"PATH": "/usr/bin:/bin", "DATA": str(tmp_path), "OUT": str(tmp_path / "out")},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 2 and "facemask-coco" in res.stderr and res.stderr.count("\n") == 1
