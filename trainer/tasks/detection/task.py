@@ -54,7 +54,9 @@ def compile_unavailable(device: torch.device) -> Optional[str]:
     if device.type == "cpu":
         from torch._inductor import config
 
-        candidates = [c for c in (*(config.cpp.cxx or ()), os.environ.get("CXX"), "g++", "c++") if c]
+        cxx = config.cpp.cxx
+        cxx = (cxx,) if isinstance(cxx, str) else tuple(cxx or ())
+        candidates = [c for c in (*cxx, os.environ.get("CXX"), "g++", "c++") if c]
         if not any(shutil.which(c) for c in candidates):
             return "no C++ compiler on PATH (torch.compile needs one for the CPU; set CXX)"
     return None
