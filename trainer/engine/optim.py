@@ -67,8 +67,8 @@ def build_optimizer(
     The fused implementation (``fused=True``: a few kernels per parameter group instead of a dozen per parameter,
     and no per-parameter ``step.item()`` on the host) where torch has it for the parameters' device
     (:func:`fused_supported`): both optimizers on CUDA; on the CPU AdamW only (its unfused CPU loop reads every
-    step counter with ``.item()``); SGD keeps torch's default on the CPU, as before, so the classification CPU
-    figures and tests stay as measured. Fused and unfused optimizers share their ``state_dict`` format, so
+    step counter with ``.item()``); SGD keeps torch's default on the CPU, as before, so the CPU figures and
+    tests measured with it stay valid. Fused and unfused optimizers share their ``state_dict`` format, so
     checkpoints move between them.
     """
     groups = param_groups(model, cfg.weight_decay, cfg.no_decay_norm_bias, cfg.lr, lr_scales)
