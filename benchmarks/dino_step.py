@@ -178,7 +178,22 @@ def profile_steps(rig, batches: list, steps: int, device: str) -> dict:
     if device == "cuda":
         result["cuda_syncs"] = calls.get("cudaStreamSynchronize", 0) / steps
         result["kernel_launches"] = calls.get("cudaLaunchKernel", 0) / steps
+        kernels = gpu_kernel_times(prof)
+        result["gpu_kernel_ms"] = sum(kernels.values()) / steps
+        result["top_kernels"] = sorted(((ms / steps, k) for k, ms in kernels.items()), reverse=True)[:8]
     return result
+
+
+def gpu_kernel_times(prof) -> dict[str, float]:
+    """Summed device time (ms) of each GPU kernel name in a profile (torch.profiler's CUDA events)."""
+    out: dict[str, float] = {}
+    for evt in prof.key_averages():
+        if str(getattr(evt, "device_type", "")).endswith("CUDA"):
+            us = getattr(evt, "self_device_time_total", None)
+            if us is None:
+                us = getattr(evt, "self_cuda_time_total", 0)
+            out[evt.key] = out.get(evt.key, 0.0) + us / 1e3
+    return out
 
 
 def time_steps(rig, batch_sizes: list[int], image_size: int, steps: int, device: str) -> list[dict]:
@@ -256,6 +271,11 @@ def main() -> None:
             )
         )
         print("  top ATen calls per step: " + ", ".join(f"{k} {c:.0f}" for c, k in r["top"]))
+        if "gpu_kernel_ms" in r:
+            print(
+                f"  GPU kernel time {r['gpu_kernel_ms']:.1f} ms of {r['ms_per_step']:.1f} ms wall per step; top: "
+                + "; ".join(f"{k[:60]} {ms:.2f} ms" for ms, k in r["top_kernels"])
+            )
     syncs = max(r["host_syncs"] for r in results.values())
     aten = max(r["aten_calls"] for r in results.values())
     print(f"host_syncs_per_step={syncs:g} aten_calls_per_step={aten:.0f}")

@@ -3,46 +3,78 @@
 # repository root. Each step has its own time limit; logs and a summary under $OUT (default /tmp/gpu-dino-out).
 #   DATA=DIR       folder holding facemask-coco/ (../shared/data on a developer machine; carry it to a GPU machine)
 #   UPSTREAM=DIR   optional checkout of upstream DINO's op (../shared/gpu-check/upstream_msda), timed beside ours
+#   KERNELS=LIST   our op's kernel forms to test and time side by side (TRAINSTACK_MSDA_KERNEL values; default v1,v2)
+#   BASE=DIR       optional older checkout of this repository: its DINO step profiled beside this one (same GPU)
+#   PROFILE=FILE   ../shared/gpu-check/dino_profile.py (ms/step at batch 2/4/8, profiler counts), run on both trees
+#   BUDGET=SEC     stop starting steps once this many seconds have passed (default 540)
 #   PY=python3     the interpreter (the image's or .venv/bin/python)
-# Steps: op build for this GPU (when missing), op tests, op table (ours / upstream / reference, fp32 and bf16),
-# DINO-4scale R50 TrainStep at 800 px bf16: ms/step at batch 2/4/8 and the profiler counts (eager, then
-# --compile), and the real loop on facemask (120 steps, batch 2) with GPU busy % from nvidia-smi.
+# Steps: op build for this GPU (when missing), op tests for each kernel form, op table (forms / upstream /
+# reference, fp32 and bf16), DINO-4scale R50 TrainStep at 800 px bf16 (profile: ms/step at batch 2/4/8; the CPU
+# proxy's counts and GPU kernel times), the real loop on facemask (120 steps, batch 2) with GPU busy % from
+# nvidia-smi, BASE's profile, then the step with --compile. DINO runs use the last kernel form whose tests passed.
 set -u
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
 DATA=${DATA:-../shared/data}
 OUT=${OUT:-/tmp/gpu-dino-out}
+KERNELS=${KERNELS:-v1,v2}
+BUDGET=${BUDGET:-540}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+extra_path=${PYTHONPATH:-}  # e.g. carried wheels installed with --target
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${extra_path:+:$extra_path}
 if [[ ! -d $DATA/facemask-coco ]]; then
   echo "error: DATA=$DATA holds no facemask-coco/ (set DATA to the folder that has it)" >&2
   exit 2
 fi
-step() {
+step() {  # step NAME LIMIT CMD...: runs CMD under min(LIMIT, time left), log in $OUT/NAME.log
   local name=$1 t=$2; shift 2
+  local left=$((BUDGET - SECONDS))
+  if ((left < 20)); then echo "=== $name skipped: budget spent"; return 99; fi
+  ((t > left)) && t=$left
   echo "=== $name ($(date +%T), limit ${t}s)"
   local s=$SECONDS
   timeout -k 5 "$t" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
-  tail -n 25 "$OUT/$name.log"
+  tail -n 30 "$OUT/$name.log"
   echo "=== $name rc=$rc in $((SECONDS - s))s"
+  return $rc
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
 $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
-if ! $PY -c "from trainer.ops import msda; import sys; sys.exit(0 if msda.load_extension() else 1)" 2>/dev/null; then
-  arch=$($PY -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
-  step build 300 env TORCH_CUDA_ARCH_LIST="$arch" MAX_JOBS=16 PYTHON="$PY" bash images/build_msda.sh
+arch=$($PY -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
+export TORCH_CUDA_ARCH_LIST=$arch  # the same flags for both loads of upstream's op (else it rebuilds)
+if [[ -n ${UPSTREAM:-} ]]; then  # upstream's JIT build in the background, cached for the op table
+  export TORCH_EXTENSIONS_DIR=/tmp/gpu-dino-ext
+  MAX_JOBS=8 $PY -c "import sys; sys.path.insert(0, 'benchmarks'); import msda as b; \
+b.build_upstream(b.upstream_source_dir('$UPSTREAM'))" > "$OUT/upstream_build.log" 2>&1 &
+  up_pid=$!
 fi
-step op_tests 150 $PY -m pytest -q -p no:cacheprovider tests/ops/test_msda_cuda.py tests/ops/test_msda_library.py
-step op_table 300 $PY benchmarks/msda.py --dtypes fp32,bf16 --iters 10 ${UPSTREAM:+--upstream-src "$UPSTREAM"}
-DINO=(benchmarks/dino_step.py --device cuda --model resnet50 --image-size 800 --precision bf16-mixed
-  --data "$DATA/facemask-coco" --steps 5 --time-batches 2,4,8)
-step dino_step 240 $PY "${DINO[@]}"
-step dino_step_compiled 420 $PY "${DINO[@]}" --compile
+if ! $PY -c "from trainer.ops import msda; import sys; sys.exit(0 if msda.load_extension() else 1)" 2>/dev/null; then
+  step build 300 env MAX_JOBS=16 PYTHON="$PY" bash images/build_msda.sh
+fi
+if [[ -n ${BASE:-} ]] && ! ls "$BASE"/trainer/ops/msda/_C*.so > /dev/null 2>&1; then
+  cp trainer/ops/msda/_C*.so "$BASE/trainer/ops/msda/"  # same forward/backward bindings as BASE's kernels
+fi
+passed=""
+for k in ${KERNELS//,/ }; do
+  if step "op_tests_${k//:/_}" 120 env TRAINSTACK_MSDA_KERNEL="$k" $PY -m pytest -q -x -p no:cacheprovider \
+    tests/ops/test_msda_cuda.py tests/ops/test_msda_library.py; then passed=$k; fi
+done
+export TRAINSTACK_MSDA_KERNEL=${passed:-v1}
+echo "DINO runs with TRAINSTACK_MSDA_KERNEL=$TRAINSTACK_MSDA_KERNEL"
+if [[ -n ${up_pid:-} ]]; then
+  wait "$up_pid"
+  grep -q "upstream op built" "$OUT/upstream_build.log" || { echo "upstream build failed:"; tail -n 15 "$OUT/upstream_build.log"; UPSTREAM=""; }
+fi
+step op_table 150 $PY benchmarks/msda.py --dtypes fp32,bf16 --iters 20 --kernels "$KERNELS" \
+  ${UPSTREAM:+--upstream-src "$UPSTREAM"}
+[[ -n ${PROFILE:-} ]] && step dino_profile 120 $PY "$PROFILE"
+step dino_step 120 $PY benchmarks/dino_step.py --device cuda --model resnet50 --image-size 800 --precision bf16-mixed \
+  --data "$DATA/facemask-coco" --steps 5
 nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu --format=csv -lms 500 > "$OUT/smi.csv" 2>&1 &
 smi=$!
 t_start=$(date '+%Y/%m/%d %T')
-step dino_train 240 $PY -m trainer train --config configs/dino_4scale_coco.yaml --data-dir "$DATA/facemask-coco" \
+step dino_train 180 $PY -m trainer train --config configs/dino_4scale_coco.yaml --data-dir "$DATA/facemask-coco" \
   --train-split train --val-split val --coco-annotations 'annotations/custom_{split}.json' --coco-images '{split}2017' \
   --batch-size 2 --epochs 1 --max-steps-per-epoch 120 --num-workers 8 --log-every-steps 20 --device cuda \
   --checkpoint-dir /tmp/gpu-dino/ck --log-dir /tmp/gpu-dino/logs --no-auto-resume
@@ -51,6 +83,15 @@ kill $smi 2>/dev/null
 echo "GPU busy % during the real loop (nvidia-smi every 0.5 s, samples with memory in use):"
 awk -F', ' -v a="$t_start" -v b="$t_end" 'NR > 1 && $1 >= a && $1 <= b && $2+0 > 1000 {u += $3; n++}
   END {if (n) printf "%.1f %% over %d samples\n", u/n, n}' "$OUT/smi.csv" | tee "$OUT/busy.txt"
-grep -h "host_syncs_per_step\|^timed:" "$OUT"/dino_step*.log > "$OUT/summary.txt" 2>/dev/null
-grep -h "images_per_s" "$OUT/dino_train.log" | tail -n 2 >> "$OUT/summary.txt"
+if [[ -n ${BASE:-} && -n ${PROFILE:-} ]]; then
+  (cd "$BASE" && PYTHONPATH=$PWD${extra_path:+:$extra_path} TRAINSTACK_MSDA_KERNEL=v1 step dino_profile_base 120 $PY "$PROFILE")
+fi
+step dino_step_compiled 300 $PY benchmarks/dino_step.py --device cuda --model resnet50 --image-size 800 \
+  --precision bf16-mixed --steps 5 --compile
+{
+  grep -h "^vs upstream" "$OUT/op_table.log"
+  grep -h "ms/step\|GPU kernel time\|summed GPU" "$OUT"/dino_profile*.log
+  grep -h "host_syncs_per_step\|GPU kernel time" "$OUT"/dino_step*.log
+  grep -h "images_per_s" "$OUT/dino_train.log" | tail -n 2
+} > "$OUT/summary.txt" 2>/dev/null
 echo "done in ${SECONDS}s; summary in $OUT/summary.txt"

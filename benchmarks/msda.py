@@ -20,6 +20,7 @@ forward+backward beyond the inputs (CUDA only), speed-up over the reference, and
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -125,13 +126,34 @@ def upstream_impl(mod):
     return Upstream.apply
 
 
-def impls(device: str, upstream=None) -> dict:
-    """name -> callable(value, shapes, starts, loc, attn); ``upstream``: the built upstream module or None."""
+def ours_with(kernel: str):
+    """Our entry point with ``TRAINSTACK_MSDA_KERNEL=kernel`` for the duration of each call."""
+
+    def fn(v, sh, st, lc, a):
+        old = os.environ.get("TRAINSTACK_MSDA_KERNEL")
+        os.environ["TRAINSTACK_MSDA_KERNEL"] = kernel
+        try:
+            return msda.ms_deform_attn(v, sh, st, lc, a, 64)
+        finally:
+            if old is None:
+                del os.environ["TRAINSTACK_MSDA_KERNEL"]
+            else:
+                os.environ["TRAINSTACK_MSDA_KERNEL"] = old
+
+    return fn
+
+
+def impls(device: str, upstream=None, kernels: tuple[str, ...] = ()) -> dict:
+    """name -> callable(value, shapes, starts, loc, attn); ``upstream``: the built upstream module or None;
+    ``kernels``: our CUDA kernel forms to time as separate rows (``TRAINSTACK_MSDA_KERNEL`` values)."""
     out = {"reference": lambda v, sh, st, lc, a: msda.ms_deform_attn_reference(v, sh, lc, a)}
     if device == "cuda":
         if msda.load_extension() is None:
             sys.exit(f"benchmarks/msda.py: {msda.extension_error()}")
-        out = {"ours": lambda v, sh, st, lc, a: msda.ms_deform_attn(v, sh, st, lc, a, 64), **out}
+        if kernels:
+            out = {**{f"ours {k}": ours_with(k) for k in kernels}, **out}
+        else:
+            out = {"ours": lambda v, sh, st, lc, a: msda.ms_deform_attn(v, sh, st, lc, a, 64), **out}
         if upstream is not None:
             out = {"upstream": upstream_impl(upstream), **out}
     return out
@@ -185,6 +207,9 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--upstream-src", help="a checkout of upstream DINO's op to build and time beside ours")
+    ap.add_argument(
+        "--kernels", default="", help="comma list of our kernel forms to time side by side, e.g. v1,v2:2,v2:4"
+    )
     a = ap.parse_args(argv)
     src = upstream_source_dir(a.upstream_src) if a.upstream_src else None
     if src is not None and a.device != "cuda":
@@ -193,6 +218,7 @@ def main(argv=None) -> int:
     if a.device == "cuda" and not torch.cuda.is_available():
         sys.exit("benchmarks/msda.py: no CUDA GPU; use --device cpu --small to check the script (reference only)")
     dtypes = [d.strip() for d in a.dtypes.split(",") if d.strip()]
+    kernels = tuple(k.strip() for k in a.kernels.split(",") if k.strip())
     unknown = [d for d in dtypes if d not in DTYPES]
     if unknown:
         sys.exit(f"benchmarks/msda.py: --dtypes: unknown {unknown}; choose from {sorted(DTYPES)}")
@@ -209,14 +235,18 @@ def main(argv=None) -> int:
     print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     upstream = build_upstream(src) if src is not None else None
     ratios = []
+    upstream_times: dict[str, dict] = {}
     for name, n, levels, lq in cases(a.small):
         for dt in dtypes:
             inputs = make(n, levels, lq, DTYPES[dt], a.device)
-            fns = impls(a.device, upstream if dt == "fp32" else None)
+            fns = impls(a.device, upstream if dt == "fp32" else None, kernels)
             results = {k: measure(fn, inputs, a.device, a.iters, a.warmup) for k, fn in fns.items()}
             if "upstream" in results:
-                up, ours = results["upstream"], results["ours"]
-                ratios.append((name, dt, up["fwd"] / ours["fwd"], up["both"] / ours["both"]))
+                upstream_times[name] = results["upstream"]
+            up = upstream_times.get(name)  # upstream runs fp32 only: bf16/fp16 rows compare with its fp32
+            for impl in (k for k in results if k.startswith("ours") and up is not None):
+                ours = results[impl]
+                ratios.append((f"{impl}, {name}", dt, up["fwd"] / ours["fwd"], up["both"] / ours["both"]))
             ref = results["reference"]
             for impl, r in results.items():
                 diff = (r["out"].float() - ref["out"].float()).abs().max().item()
@@ -227,7 +257,7 @@ def main(argv=None) -> int:
                     flush=True,
                 )
     for name, dt, fwd, both in ratios:
-        print(f"ours vs upstream, {name} {dt}: {fwd:.2f}x forward, {both:.2f}x forward+backward (> 1: ours faster)")
+        print(f"vs upstream fp32, {name} {dt}: {fwd:.2f}x forward, {both:.2f}x forward+backward (> 1: ours faster)")
     return 0
 
 

@@ -24,7 +24,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
 STAMP = HERE / ".build-stamp"
 DEFAULT_ARCHS = "8.0;8.6;9.0"
-SOURCES = ("csrc/msda.cpp", "csrc/msda_kernel.cu")
+SOURCES = ("csrc/msda.cpp", "csrc/msda_kernel.cu", "csrc/msda_kernel_v2.cu")
 
 
 def built_library() -> Path | None:
@@ -99,6 +99,9 @@ def build(force: bool = False) -> int:
     )
     from setuptools import setup
 
+    # ninja (when installed) compiles the sources in parallel, MAX_JOBS at a time; without it, one after another
+    use_ninja = shutil.which("ninja") is not None
+
     ext = cpp_extension.CUDAExtension(
         name="trainer.ops.msda._C",
         sources=[str((HERE / s).relative_to(REPO)) for s in SOURCES],
@@ -116,7 +119,7 @@ def build(force: bool = False) -> int:
         setup(
             name="trainstack-msda",
             ext_modules=[ext],
-            cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=False)},
+            cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=use_ninja)},
             script_args=[
                 "-q",
                 "build_ext",
