@@ -3,21 +3,21 @@
 # repository root. Each step has its own time limit; logs and a summary under $OUT (default /tmp/gpu-dino-out).
 #   DATA=DIR       folder holding facemask-coco/ (../shared/data on a developer machine; carry it to a GPU machine)
 #   UPSTREAM=DIR   optional checkout of upstream DINO's op (../shared/gpu-check/upstream_msda), timed beside ours
-#   KERNELS=LIST   our op's kernel forms to test and time side by side (TRAINSTACK_MSDA_KERNEL values; default v1,v2)
 #   BASE=DIR       optional older checkout of this repository: its DINO step profiled beside this one (same GPU)
 #   PROFILE=FILE   ../shared/gpu-check/dino_profile.py (ms/step at batch 2/4/8, profiler counts), run on both trees
+#   STEPS=N        optimizer steps of each real-loop run (default 300, about one facemask epoch at batch 2)
 #   BUDGET=SEC     stop starting steps once this many seconds have passed (default 540)
 #   PY=python3     the interpreter (the image's or .venv/bin/python)
-# Steps: op build for this GPU (when missing), op tests for each kernel form, op table (forms / upstream /
-# reference, fp32 and bf16), DINO-4scale R50 TrainStep at 800 px bf16 (profile: ms/step at batch 2/4/8; the CPU
-# proxy's counts and GPU kernel times), the real loop on facemask (120 steps, batch 2) with GPU busy % from
-# nvidia-smi, BASE's profile, then the step with --compile. DINO runs use the last kernel form whose tests passed.
+# Steps: op build for this GPU (when missing), op tests, op table (ours / upstream / reference, fp32 and bf16, wall
+# and GPU time), DINO-4scale R50 TrainStep at 800 px bf16 (ms/step at batch 2/4/8 and on real facemask batches; the
+# CPU proxy's counts and GPU kernel times), eager then --compile; the real loop on facemask (STEPS steps, batch 2)
+# with GPU busy % from nvidia-smi, eager then --compile; BASE's profile last.
 set -u
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
 DATA=${DATA:-../shared/data}
 OUT=${OUT:-/tmp/gpu-dino-out}
-KERNELS=${KERNELS:-v1,v2}
+STEPS=${STEPS:-300}
 BUDGET=${BUDGET:-540}
 mkdir -p "$OUT"
 extra_path=${PYTHONPATH:-}  # e.g. carried wheels installed with --target
@@ -55,43 +55,43 @@ fi
 if [[ -n ${BASE:-} ]] && ! ls "$BASE"/trainer/ops/msda/_C*.so > /dev/null 2>&1; then
   cp trainer/ops/msda/_C*.so "$BASE/trainer/ops/msda/"  # same forward/backward bindings as BASE's kernels
 fi
-passed=""
-for k in ${KERNELS//,/ }; do
-  if step "op_tests_${k//:/_}" 120 env TRAINSTACK_MSDA_KERNEL="$k" $PY -m pytest -q -x -p no:cacheprovider \
-    tests/ops/test_msda_cuda.py tests/ops/test_msda_library.py; then passed=$k; fi
-done
-export TRAINSTACK_MSDA_KERNEL=${passed:-v1}
-echo "DINO runs with TRAINSTACK_MSDA_KERNEL=$TRAINSTACK_MSDA_KERNEL"
+step op_tests 120 $PY -m pytest -q -x -p no:cacheprovider tests/ops/test_msda_cuda.py tests/ops/test_msda_library.py
 if [[ -n ${up_pid:-} ]]; then
   wait "$up_pid"
   grep -q "upstream op built" "$OUT/upstream_build.log" || { echo "upstream build failed:"; tail -n 15 "$OUT/upstream_build.log"; UPSTREAM=""; }
 fi
-step op_table 150 $PY benchmarks/msda.py --dtypes fp32,bf16 --iters 20 --kernels "$KERNELS" \
-  ${UPSTREAM:+--upstream-src "$UPSTREAM"}
+step op_table 150 $PY benchmarks/msda.py --dtypes fp32,bf16 --iters 20 ${UPSTREAM:+--upstream-src "$UPSTREAM"}
 [[ -n ${PROFILE:-} ]] && step dino_profile 120 $PY "$PROFILE"
-step dino_step 120 $PY benchmarks/dino_step.py --device cuda --model resnet50 --image-size 800 --precision bf16-mixed \
-  --data "$DATA/facemask-coco" --steps 5
-nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu --format=csv -lms 500 > "$OUT/smi.csv" 2>&1 &
-smi=$!
-t_start=$(date '+%Y/%m/%d %T')
-step dino_train 180 $PY -m trainer train --config configs/dino_4scale_coco.yaml --data-dir "$DATA/facemask-coco" \
-  --train-split train --val-split val --coco-annotations 'annotations/custom_{split}.json' --coco-images '{split}2017' \
-  --batch-size 2 --epochs 1 --max-steps-per-epoch 120 --num-workers 8 --log-every-steps 20 --device cuda \
-  --checkpoint-dir /tmp/gpu-dino/ck --log-dir /tmp/gpu-dino/logs --no-auto-resume
-t_end=$(date '+%Y/%m/%d %T')
-kill $smi 2>/dev/null
-echo "GPU busy % during the real loop (nvidia-smi every 0.5 s, samples with memory in use):"
-awk -F', ' -v a="$t_start" -v b="$t_end" 'NR > 1 && $1 >= a && $1 <= b && $2+0 > 1000 {u += $3; n++}
-  END {if (n) printf "%.1f %% over %d samples\n", u/n, n}' "$OUT/smi.csv" | tee "$OUT/busy.txt"
+DINO=(benchmarks/dino_step.py --device cuda --model resnet50 --image-size 800 --precision bf16-mixed
+  --data "$DATA/facemask-coco" --steps 5)
+step dino_step 120 $PY "${DINO[@]}" --time-batches 2,4,8
+step dino_step_compiled 180 $PY "${DINO[@]}" --time-batches 2 --compile
+train() {  # train NAME [extra flags]: the real loop on facemask, GPU busy % from nvidia-smi into $OUT/NAME.busy
+  local name=$1; shift
+  nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu --format=csv -lms 500 > "$OUT/$name.smi.csv" 2>&1 &
+  local smi=$! t_start t_end
+  t_start=$(date '+%Y/%m/%d %T')
+  step "$name" 240 $PY -m trainer train --config configs/dino_4scale_coco.yaml --data-dir "$DATA/facemask-coco" \
+    --train-split train --val-split val --coco-annotations 'annotations/custom_{split}.json' \
+    --coco-images '{split}2017' --batch-size 2 --epochs 1 --max-steps-per-epoch "$STEPS" --num-workers 8 \
+    --log-every-steps 20 --device cuda --checkpoint-dir "/tmp/gpu-dino/$name/ck" --log-dir "/tmp/gpu-dino/$name/logs" \
+    --no-auto-resume "$@"
+  t_end=$(date '+%Y/%m/%d %T')
+  kill $smi 2>/dev/null
+  echo "GPU busy % during $name (nvidia-smi every 0.5 s, samples with memory in use):"
+  awk -F', ' -v a="$t_start" -v b="$t_end" 'NR > 1 && $1 >= a && $1 <= b && $2+0 > 1000 {u += $3; n++}
+    END {if (n) printf "%.1f %% over %d samples\n", u/n, n}' "$OUT/$name.smi.csv" | tee "$OUT/$name.busy"
+}
+train dino_train
+train dino_train_compiled --compile
 if [[ -n ${BASE:-} && -n ${PROFILE:-} ]]; then
-  (cd "$BASE" && PYTHONPATH=$PWD${extra_path:+:$extra_path} TRAINSTACK_MSDA_KERNEL=v1 step dino_profile_base 120 $PY "$PROFILE")
+  (cd "$BASE" && PYTHONPATH=$PWD${extra_path:+:$extra_path} step dino_profile_base 120 $PY "$PROFILE")
 fi
-step dino_step_compiled 300 $PY benchmarks/dino_step.py --device cuda --model resnet50 --image-size 800 \
-  --precision bf16-mixed --steps 5 --compile
 {
   grep -h "^vs upstream" "$OUT/op_table.log"
   grep -h "ms/step\|GPU kernel time\|summed GPU" "$OUT"/dino_profile*.log
-  grep -h "host_syncs_per_step\|GPU kernel time" "$OUT"/dino_step*.log
-  grep -h "images_per_s" "$OUT/dino_train.log" | tail -n 2
+  grep -h "host_syncs_per_step\|^timed:\|GPU kernel time\|matcher" "$OUT"/dino_step*.log
+  for f in "$OUT"/dino_train*.log; do echo "$f"; grep -h "images_per_s" "$f" | cut -c1-120; done
+  cat "$OUT"/*.busy
 } > "$OUT/summary.txt" 2>/dev/null
 echo "done in ${SECONDS}s; summary in $OUT/summary.txt"

@@ -20,7 +20,6 @@ forward+backward beyond the inputs (CUDA only), speed-up over the reference, and
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -126,34 +125,13 @@ def upstream_impl(mod):
     return Upstream.apply
 
 
-def ours_with(kernel: str):
-    """Our entry point with ``TRAINSTACK_MSDA_KERNEL=kernel`` for the duration of each call."""
-
-    def fn(v, sh, st, lc, a):
-        old = os.environ.get("TRAINSTACK_MSDA_KERNEL")
-        os.environ["TRAINSTACK_MSDA_KERNEL"] = kernel
-        try:
-            return msda.ms_deform_attn(v, sh, st, lc, a, 64)
-        finally:
-            if old is None:
-                del os.environ["TRAINSTACK_MSDA_KERNEL"]
-            else:
-                os.environ["TRAINSTACK_MSDA_KERNEL"] = old
-
-    return fn
-
-
-def impls(device: str, upstream=None, kernels: tuple[str, ...] = ()) -> dict:
-    """name -> callable(value, shapes, starts, loc, attn); ``upstream``: the built upstream module or None;
-    ``kernels``: our CUDA kernel forms to time as separate rows (``TRAINSTACK_MSDA_KERNEL`` values)."""
+def impls(device: str, upstream=None) -> dict:
+    """name -> callable(value, shapes, starts, loc, attn); ``upstream``: the built upstream module or None."""
     out = {"reference": lambda v, sh, st, lc, a: msda.ms_deform_attn_reference(v, sh, lc, a)}
     if device == "cuda":
         if msda.load_extension() is None:
             sys.exit(f"benchmarks/msda.py: {msda.extension_error()}")
-        if kernels:
-            out = {**{f"ours {k}": ours_with(k) for k in kernels}, **out}
-        else:
-            out = {"ours": lambda v, sh, st, lc, a: msda.ms_deform_attn(v, sh, st, lc, a, 64), **out}
+        out = {"ours": lambda v, sh, st, lc, a: msda.ms_deform_attn(v, sh, st, lc, a, 64), **out}
         if upstream is not None:
             out = {"upstream": upstream_impl(upstream), **out}
     return out
@@ -196,7 +174,24 @@ def measure(fn, inputs, device, iters, warmup) -> dict:
         step()
         peak = (torch.cuda.max_memory_allocated() - base) / 2**20
     both = timed(step, device, iters, warmup)
-    return {"fwd": fwd, "both": both, "peak": peak, "out": out}
+    gpu = kernel_ms(step, iters) if device == "cuda" else None
+    return {"fwd": fwd, "both": both, "peak": peak, "out": out, "gpu": gpu}
+
+
+def kernel_ms(fn, iters: int) -> float:
+    """GPU time (ms) of one ``fn()``: the device time of every kernel and memset it launches, summed by
+    torch.profiler over ``iters`` calls and averaged; unlike wall time it leaves out the host's share (Python,
+    dispatch, launches), which dominates small shapes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    total_us = sum(
+        getattr(e, "self_device_time_total", 0) for e in prof.key_averages() if str(e.device_type).endswith("CUDA")
+    )
+    return total_us / 1e3 / iters
 
 
 def main(argv=None) -> int:
@@ -207,9 +202,6 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--upstream-src", help="a checkout of upstream DINO's op to build and time beside ours")
-    ap.add_argument(
-        "--kernels", default="", help="comma list of our kernel forms to time side by side, e.g. v1,v2:2,v2:4"
-    )
     a = ap.parse_args(argv)
     src = upstream_source_dir(a.upstream_src) if a.upstream_src else None
     if src is not None and a.device != "cuda":
@@ -218,7 +210,6 @@ def main(argv=None) -> int:
     if a.device == "cuda" and not torch.cuda.is_available():
         sys.exit("benchmarks/msda.py: no CUDA GPU; use --device cpu --small to check the script (reference only)")
     dtypes = [d.strip() for d in a.dtypes.split(",") if d.strip()]
-    kernels = tuple(k.strip() for k in a.kernels.split(",") if k.strip())
     unknown = [d for d in dtypes if d not in DTYPES]
     if unknown:
         sys.exit(f"benchmarks/msda.py: --dtypes: unknown {unknown}; choose from {sorted(DTYPES)}")
@@ -229,35 +220,40 @@ def main(argv=None) -> int:
         f"median of {a.iters}\n"
     )
     print(
-        "| case | dtype | impl | fwd ms | fwd+bwd ms | peak MiB (fwd+bwd) | fwd speed-up | fwd+bwd speed-up "
-        "| max abs diff vs reference |"
+        "| case | dtype | impl | fwd ms | fwd+bwd ms | fwd+bwd GPU ms | peak MiB (fwd+bwd) | fwd speed-up "
+        "| fwd+bwd speed-up | max abs diff vs reference |"
     )
-    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     upstream = build_upstream(src) if src is not None else None
     ratios = []
     upstream_times: dict[str, dict] = {}
     for name, n, levels, lq in cases(a.small):
         for dt in dtypes:
             inputs = make(n, levels, lq, DTYPES[dt], a.device)
-            fns = impls(a.device, upstream if dt == "fp32" else None, kernels)
+            fns = impls(a.device, upstream if dt == "fp32" else None)
             results = {k: measure(fn, inputs, a.device, a.iters, a.warmup) for k, fn in fns.items()}
             if "upstream" in results:
                 upstream_times[name] = results["upstream"]
             up = upstream_times.get(name)  # upstream runs fp32 only: bf16/fp16 rows compare with its fp32
             for impl in (k for k in results if k.startswith("ours") and up is not None):
                 ours = results[impl]
-                ratios.append((f"{impl}, {name}", dt, up["fwd"] / ours["fwd"], up["both"] / ours["both"]))
+                gpu = up["gpu"] / ours["gpu"] if up["gpu"] and ours["gpu"] else float("nan")
+                ratios.append((f"{impl}, {name}", dt, up["fwd"] / ours["fwd"], up["both"] / ours["both"], gpu))
             ref = results["reference"]
             for impl, r in results.items():
                 diff = (r["out"].float() - ref["out"].float()).abs().max().item()
                 peak = "-" if r["peak"] is None else f"{r['peak']:.0f}"
+                gpu = "-" if r["gpu"] is None else f"{r['gpu']:.3f}"
                 print(
-                    f"| {name} | {dt} | {impl} | {r['fwd']:.2f} | {r['both']:.2f} | {peak} | "
+                    f"| {name} | {dt} | {impl} | {r['fwd']:.2f} | {r['both']:.2f} | {gpu} | {peak} | "
                     f"{ref['fwd'] / r['fwd']:.1f}x | {ref['both'] / r['both']:.1f}x | {diff:.2e} |",
                     flush=True,
                 )
-    for name, dt, fwd, both in ratios:
-        print(f"vs upstream fp32, {name} {dt}: {fwd:.2f}x forward, {both:.2f}x forward+backward (> 1: ours faster)")
+    for name, dt, fwd, both, gpu in ratios:
+        print(
+            f"vs upstream fp32, {name} {dt}: {fwd:.2f}x forward, {both:.2f}x forward+backward, "
+            f"{gpu:.2f}x forward+backward GPU time (> 1: ours faster)"
+        )
     return 0
 
 

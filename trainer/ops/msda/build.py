@@ -24,7 +24,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
 STAMP = HERE / ".build-stamp"
 DEFAULT_ARCHS = "8.0;8.6;9.0"
-SOURCES = ("csrc/msda.cpp", "csrc/msda_kernel.cu", "csrc/msda_kernel_v2.cu")
+SOURCES = ("csrc/msda.cpp", "csrc/msda_kernel.cu")
 
 
 def built_library() -> Path | None:

@@ -18,8 +18,6 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.autograd.function import once_differentiable
 
-from trainer.ops.msda.library import cuda_backward, cuda_forward
-
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _ext: Optional[object] = None
 _ext_error: Optional[str] = None
@@ -159,16 +157,15 @@ class MSDeformAttnFunction(torch.autograd.Function):
             raise RuntimeError(f"MSDeformAttnFunction: {_ext_error}")
         ctx.im2col_step = int(im2col_step)
         ctx.save_for_backward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
-        return cuda_forward(
-            ext, value, spatial_shapes, level_start_index, sampling_locations, attention_weights, ctx.im2col_step
+        return ext.forward(
+            value, spatial_shapes, level_start_index, sampling_locations, attention_weights, ctx.im2col_step
         )
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_output):
         value, spatial_shapes, level_start_index, sampling_locations, attention_weights = ctx.saved_tensors
-        grad_value, grad_loc, grad_attn = cuda_backward(
-            load_extension(),
+        grad_value, grad_loc, grad_attn = load_extension().backward(
             value,
             spatial_shapes,
             level_start_index,

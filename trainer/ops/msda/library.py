@@ -13,7 +13,6 @@ The checked entry point is :func:`trainer.ops.msda.ms_deform_attn`; this module 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
@@ -26,41 +25,6 @@ def _extension():
     from trainer.ops.msda.function import load_extension
 
     return load_extension()
-
-
-def kernel_vec() -> int | None:
-    """The CUDA kernel form chosen by ``TRAINSTACK_MSDA_KERNEL``: ``v1`` or unset -> None (msda_kernel.cu);
-    ``v2`` -> 0 and ``v2:N`` -> N (msda_kernel_v2.cu with N = 1, 2 or 4 channels per thread, 0 = the widest that
-    fits). Read at every call, so a benchmark can time both forms in one process.
-
-    Raises:
-        ValueError: any other value.
-    """
-    spec = os.environ.get("TRAINSTACK_MSDA_KERNEL", "v1").strip()
-    if spec in ("", "v1"):
-        return None
-    if spec == "v2":
-        return 0
-    if spec in ("v2:0", "v2:1", "v2:2", "v2:4"):
-        return int(spec[3:])
-    raise ValueError(f"TRAINSTACK_MSDA_KERNEL={spec!r}: expected v1, v2 or v2:N with N in 0, 1, 2, 4")
-
-
-def cuda_forward(ext, value, spatial_shapes, level_start_index, sampling_locations, attention_weights, im2col_step):
-    """The compiled forward kernel of the form :func:`kernel_vec` selects -> (N, Lq, M * D) in value's dtype."""
-    args = (value, spatial_shapes, level_start_index, sampling_locations, attention_weights, im2col_step)
-    vec = kernel_vec()
-    return ext.forward(*args) if vec is None else ext.forward_v2(*args, vec)
-
-
-def cuda_backward(
-    ext, value, spatial_shapes, level_start_index, sampling_locations, attention_weights, grad_output, im2col_step
-):
-    """The compiled backward kernel of the form :func:`kernel_vec` selects -> [grad_value, grad_sampling_locations,
-    grad_attention_weights] in the inputs' dtype (accumulated in fp32 for fp16/bf16)."""
-    args = (value, spatial_shapes, level_start_index, sampling_locations, attention_weights, grad_output, im2col_step)
-    vec = kernel_vec()
-    return ext.backward(*args) if vec is None else ext.backward_v2(*args, vec)
 
 
 def _shapes(spatial_shapes: Tensor, level_shapes: Sequence[int]):
@@ -85,9 +49,7 @@ def ms_deform_attn_op(
     flattened as Python ints, or [] -> (N, Lq, M * D) in value's dtype."""
     ext = _extension() if value.is_cuda else None
     if ext is not None:
-        return cuda_forward(
-            ext, value, spatial_shapes, level_start_index, sampling_locations, attention_weights, im2col_step
-        )
+        return ext.forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, im2col_step)
     shapes = _shapes(spatial_shapes, level_shapes)
     return ms_deform_attn_reference(value, shapes, sampling_locations, attention_weights)
 
@@ -115,15 +77,8 @@ def ms_deform_attn_backward_op(
     shapes and dtypes (the CUDA kernels accumulate fp16/bf16 in fp32)."""
     ext = _extension() if value.is_cuda else None
     if ext is not None:
-        gv, gl, ga = cuda_backward(
-            ext,
-            value,
-            spatial_shapes,
-            level_start_index,
-            sampling_locations,
-            attention_weights,
-            grad_output,
-            im2col_step,
+        gv, gl, ga = ext.backward(
+            value, spatial_shapes, level_start_index, sampling_locations, attention_weights, grad_output, im2col_step
         )
         return gv, gl, ga
     shapes = _shapes(spatial_shapes, level_shapes)

@@ -51,14 +51,6 @@ at::Tensor forward(const at::Tensor& value, const at::Tensor& spatial_shapes, co
   return msda_cuda_forward(value, spatial_shapes, level_start_index, sampling_loc, attn_weight, im2col_step);
 }
 
-at::Tensor forward_v2(const at::Tensor& value, const at::Tensor& spatial_shapes,
-                      const at::Tensor& level_start_index, const at::Tensor& sampling_loc,
-                      const at::Tensor& attn_weight, int64_t im2col_step, int64_t vec) {
-  check_inputs(value, spatial_shapes, level_start_index, sampling_loc, attn_weight, im2col_step);
-  TORCH_CHECK(vec == 0 || vec == 1 || vec == 2 || vec == 4, "msda: vec must be 0, 1, 2 or 4, got ", vec);
-  return msda_cuda_forward_v2(value, spatial_shapes, level_start_index, sampling_loc, attn_weight, im2col_step, vec);
-}
-
 std::vector<at::Tensor> backward(const at::Tensor& value, const at::Tensor& spatial_shapes,
                                  const at::Tensor& level_start_index, const at::Tensor& sampling_loc,
                                  const at::Tensor& attn_weight, const at::Tensor& grad_output,
@@ -75,27 +67,6 @@ std::vector<at::Tensor> backward(const at::Tensor& value, const at::Tensor& spat
                             im2col_step);
 }
 
-void check_grad_output(const at::Tensor& value, const at::Tensor& sampling_loc, const at::Tensor& grad_output) {
-  const int64_t N = value.size(0), Lq = sampling_loc.size(1), M = value.size(2), D = value.size(3);
-  TORCH_CHECK(grad_output.is_cuda() && grad_output.device() == value.device() && grad_output.is_contiguous(),
-              "msda: grad_output must be a contiguous CUDA tensor on ", value.device());
-  TORCH_CHECK(grad_output.scalar_type() == value.scalar_type(), "msda: grad_output dtype ",
-              grad_output.scalar_type(), " != value dtype ", value.scalar_type());
-  TORCH_CHECK(grad_output.numel() == N * Lq * M * D, "msda: grad_output must have N*Lq*M*D = ", N * Lq * M * D,
-              " elements, got ", grad_output.sizes());
-}
-
-std::vector<at::Tensor> backward_v2(const at::Tensor& value, const at::Tensor& spatial_shapes,
-                                    const at::Tensor& level_start_index, const at::Tensor& sampling_loc,
-                                    const at::Tensor& attn_weight, const at::Tensor& grad_output,
-                                    int64_t im2col_step, int64_t vec) {
-  check_inputs(value, spatial_shapes, level_start_index, sampling_loc, attn_weight, im2col_step);
-  check_grad_output(value, sampling_loc, grad_output);
-  TORCH_CHECK(vec == 0 || vec == 1 || vec == 2 || vec == 4, "msda: vec must be 0, 1, 2 or 4, got ", vec);
-  return msda_cuda_backward_v2(value, spatial_shapes, level_start_index, sampling_loc, attn_weight, grad_output,
-                               im2col_step, vec);
-}
-
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -106,10 +77,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("backward", &backward, "[grad_value, grad_sampling_locations, grad_attention_weights]", py::arg("value"),
         py::arg("spatial_shapes"), py::arg("level_start_index"), py::arg("sampling_locations"),
         py::arg("attention_weights"), py::arg("grad_output"), py::arg("im2col_step"));
-  m.def("forward_v2", &forward_v2, "output (N, Lq, M*D), second kernel form", py::arg("value"),
-        py::arg("spatial_shapes"), py::arg("level_start_index"), py::arg("sampling_locations"),
-        py::arg("attention_weights"), py::arg("im2col_step"), py::arg("vec"));
-  m.def("backward_v2", &backward_v2, "[grad_value, grad_sampling_locations, grad_attention_weights], second form",
-        py::arg("value"), py::arg("spatial_shapes"), py::arg("level_start_index"), py::arg("sampling_locations"),
-        py::arg("attention_weights"), py::arg("grad_output"), py::arg("im2col_step"), py::arg("vec"));
 }

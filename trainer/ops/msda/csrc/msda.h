@@ -13,14 +13,3 @@ std::vector<at::Tensor> msda_cuda_backward(const at::Tensor& value, const at::Te
                                            const at::Tensor& level_start_index, const at::Tensor& sampling_loc,
                                            const at::Tensor& attn_weight, const at::Tensor& grad_output,
                                            int64_t im2col_step);
-
-// The second form of the kernels (msda_kernel_v2.cu); vec: channels per thread, 1, 2 or 4, or 0 for the widest
-// that divides D and the pointers' alignment.
-at::Tensor msda_cuda_forward_v2(const at::Tensor& value, const at::Tensor& spatial_shapes,
-                                const at::Tensor& level_start_index, const at::Tensor& sampling_loc,
-                                const at::Tensor& attn_weight, int64_t im2col_step, int64_t vec);
-
-std::vector<at::Tensor> msda_cuda_backward_v2(const at::Tensor& value, const at::Tensor& spatial_shapes,
-                                              const at::Tensor& level_start_index, const at::Tensor& sampling_loc,
-                                              const at::Tensor& attn_weight, const at::Tensor& grad_output,
-                                              int64_t im2col_step, int64_t vec);
