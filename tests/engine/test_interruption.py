@@ -185,8 +185,12 @@ def _env(**extra) -> dict:
     return {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}", "PYTHONUNBUFFERED": "1", **extra}
 
 
-def _run_until(cmd, step: int, sig: int, env=None, timeout=300) -> tuple[int, str]:
-    """Start ``cmd`` in its own process group; when rank 0 prints ``step=<step>``, signal the whole group."""
+def _run_until(
+    cmd, step: int, sig: int, env=None, timeout=300, pattern: str | None = None, grace: float | None = None
+) -> tuple[int, str]:
+    """Start ``cmd`` in its own process group; when rank 0 prints ``step=<step>`` (or, with ``pattern``, the
+    first line matching that regex), signal the whole group. ``grace``: seconds after the signal until the
+    group gets SIGKILL (as EC2 spot and SageMaker do 120 s after the notice); the return code is then -9."""
     p = subprocess.Popen(
         cmd,
         cwd=REPO,
@@ -197,14 +201,21 @@ def _run_until(cmd, step: int, sig: int, env=None, timeout=300) -> tuple[int, st
         start_new_session=True,
     )
     lines, sent, deadline = [], False, time.monotonic() + timeout
+    killer = None
     for line in p.stdout:
         lines.append(line)
         m = re.match(r"step=(\d+) ", line)
-        if not sent and m and int(m.group(1)) >= step:
+        hit = re.search(pattern, line) if pattern else m and int(m.group(1)) >= step
+        if not sent and hit:
             os.killpg(p.pid, sig)
             sent = True
+            if grace is not None:
+                killer = threading.Timer(grace, lambda: p.poll() is None and os.killpg(p.pid, signal.SIGKILL))
+                killer.start()
         assert time.monotonic() < deadline, "".join(lines[-30:])
     p.wait(timeout=60)
+    if killer is not None:
+        killer.cancel()
     assert sent, "the run ended before the step was reached:\n" + "".join(lines[-30:])
     return p.returncode, "".join(lines)
 

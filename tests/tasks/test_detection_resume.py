@@ -13,20 +13,25 @@ from test_detection import _cfg, facemask_subset
 from test_interruption import REPO, _assert_same_state, _env, _final_state, _run_until
 
 
-def _command(shared_data, tmp_path, name: str) -> list[str]:
-    data = facemask_subset(shared_data, tmp_path / "data", 6, 2)
+def _command(shared_data, tmp_path, name: str, n_train: int = 6, n_val: int = 2, **extra) -> list[str]:
+    """``python -m trainer train --config`` of a 2-epoch DINO run on ``n_train``/``n_val`` facemask images
+    (EMA, AdamW, one loader worker); ``extra``: more config fields."""
+    data = facemask_subset(shared_data, tmp_path / "data", n_train, n_val)
     out = tmp_path / name
     cfg = _cfg(
         data,
         out,
-        epochs=2,
-        batch_size=2,
-        use_ema=True,
-        ema_decay=0.9,
-        num_workers=1,
-        log_every_steps=1,
-        scheduler="cosine",
-        warmup_epochs=0.5,
+        **{
+            "epochs": 2,
+            "batch_size": 2,
+            "use_ema": True,
+            "ema_decay": 0.9,
+            "num_workers": 1,
+            "log_every_steps": 1,
+            "scheduler": "cosine",
+            "warmup_epochs": 0.5,
+            **extra,
+        },
     ).to_dict()
     out.mkdir(parents=True, exist_ok=True)
     (out / "c.yaml").write_text(yaml.safe_dump(cfg))

@@ -4,7 +4,9 @@ On-disk format (``FORMAT_VERSION`` 1), one directory per checkpoint::
 
     <checkpoint_dir>/
       ckpt-000001234/          epoch-end checkpoint at global optimizer step 1234
-      ckpt-000001300-m/        mid-epoch checkpoint (stop request or periodic) at step 1300
+      ckpt-000001300-m/        mid-epoch checkpoint (stop request or periodic) at step 1300, or the last step
+                               of an epoch, written before its evaluation (step_in_epoch == steps per epoch;
+                               pruned once the epoch-end ckpt-000001300 is ``latest``)
         state.pt               model, optimizer, scheduler, grad scaler, EMA, progress, config, fingerprint
         ranks.pt               per-rank state: {"ranks": [{"rng": {python, numpy, torch, cuda}, ...}, ...]}
         manifest.json          format version, progress, the task name, and {file: {bytes, sha256}} for every file above

@@ -64,12 +64,13 @@ class MetricsLogger:
                     f"log_dir: cannot write {e.filename or self.dir}: {e.strerror}; choose a writable folder"
                 ) from None
 
-    def resume_at(self, global_step: int) -> int:
+    def resume_at(self, global_step: int, evaluated: bool = True) -> int:
         """A run resumed after optimizer step ``global_step``: drop the rows a previous run logged beyond it
         (it was stopped or killed after its last checkpoint; the steps are trained again), so every step and
         epoch appears once in ``metrics.jsonl``; TensorBoard discards them too (``purge_step``). Unreadable
-        lines (a write cut short by SIGKILL) are dropped. The file is rewritten atomically. Returns the
-        number of rows dropped."""
+        lines (a write cut short by SIGKILL) are dropped. The file is rewritten atomically. ``evaluated=False``
+        (resumed from the checkpoint written before an epoch's evaluation, which the run evaluates again) also
+        drops epoch rows at ``global_step``. Returns the number of rows dropped."""
         if not self.enabled:
             return 0
         path = self.dir / "metrics.jsonl"
@@ -79,7 +80,8 @@ class MetricsLogger:
             for line in f:
                 try:
                     row = json.loads(line)
-                    keep = int(row.get("step", 0)) <= global_step
+                    step = int(row.get("step", 0))
+                    keep = step < global_step or (step == global_step and (evaluated or row.get("kind") != "epoch"))
                 except (ValueError, TypeError, AttributeError):
                     keep = False
                 if keep:

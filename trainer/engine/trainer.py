@@ -165,7 +165,8 @@ class Trainer:
         self.label_space = dict(data.label_space)
         for line in data.report:
             self.log.info(line)
-        loaders = build_split_loaders(cfg, info, data, self.micro, cfg.eval_batch_size or 2 * self.micro)
+        self.eval_batch = cfg.eval_batch_size or 2 * self.micro
+        loaders = build_split_loaders(cfg, info, data, self.micro, self.eval_batch)
         self.train_loader, self.val_loader = loaders.train, loaders.val
         self.sampler, self.val_sampler = loaders.train_order, loaders.val_order
         per_rank = len(self.sampler)
@@ -197,7 +198,7 @@ class Trainer:
         self.history: list[dict] = []
         self._resume_if_asked()
         if self.resumed_from is not None:
-            dropped = self.log.resume_at(self.global_step)
+            dropped = self.log.resume_at(self.global_step, evaluated=self.step_in_epoch < self.steps_per_epoch)
             if dropped:
                 self.log.info(
                     f"metrics: dropped {dropped} row(s) of {self.log.dir / 'metrics.jsonl'} logged after "
@@ -391,16 +392,33 @@ class Trainer:
         return path
 
     # .. evaluation ..........................................................................................
+    def _batches_on_every_rank(self) -> int:
+        """Val batches that every rank runs this evaluation: the minimum over ranks of ``len(val order) //
+        eval batch`` (one MIN all-reduce on the control group). The val order is not padded, so ranks may
+        differ by one batch; a collective stop check after this many batches would deadlock."""
+        n = torch.tensor([len(self.val_sampler) // self.eval_batch], dtype=torch.int64)
+        if self.info.distributed:
+            tdist.all_reduce(n, op=tdist.ReduceOp.MIN, group=self._ctrl_group)
+        return int(n.item())
+
     @torch.no_grad()
-    def evaluate(self, model: torch.nn.Module) -> tuple[dict, int, list]:
+    def evaluate(self, model: torch.nn.Module) -> Optional[tuple[dict, int, list]]:
         """Metrics of ``model`` on the whole validation split (the task's evaluator, synchronised over ranks),
-        its bad-file count (all ranks) and this rank's undecodable files (:class:`BadSample` list)."""
+        its bad-file count (all ranks) and this rank's undecodable files (:class:`BadSample` list).
+
+        Collective. Before each of the first :meth:`_batches_on_every_rank` batches all ranks agree on the stop
+        flag (:meth:`_control`); when any rank was asked to stop, every rank returns None at the same batch,
+        without computing the metrics (the caller has made the epoch's training durable beforehand)."""
         was_training = model.training
         model.eval()
         bad, bad_files = 0, []
         self.evaluator.reset()
         self.val_sampler.set_epoch(self.epoch)
-        for batch in iterate(self.val_loader, before_fork=self.ckpt.join):
+        checked = self._batches_on_every_rank()
+        for i, batch in enumerate(iterate(self.val_loader, before_fork=self.ckpt.join)):
+            if i < checked and self._control()[0]:
+                model.train(was_training)
+                return None
             bad += len(batch["bad"])
             bad_files += batch["bad"]
             b = self.task.eval_batch(batch)
@@ -444,7 +462,8 @@ class Trainer:
             )
 
     def _control(self) -> tuple[bool, bool]:
-        """At an optimizer-step boundary: do all ranks agree to stop, and is a periodic checkpoint due?
+        """At an optimizer-step boundary (and before each evaluation batch that every rank runs, where only
+        the stop answer is used): do all ranks agree to stop, and is a periodic checkpoint due?
 
         One all-reduce (MAX) of three CPU ints on a gloo group (never the GPU stream): [stop requested on any
         rank, periodic checkpoint due, rank 0's background checkpoint write failed]. Step-based periodicity is
@@ -491,13 +510,24 @@ class Trainer:
         if self.info.is_main:
             took = ""
             if self.stop.requested_at is not None and self.ckpt.last_durable is not None:
-                took = f", durable {self.ckpt.last_durable[1] - self.stop.requested_at:.2f} s after the request"
-            where = (
-                f"in epoch {self.epoch + 1} of {self.cfg.epochs}, after step {self.step_in_epoch} of "
-                f"{self.steps_per_epoch}"
-                if self.step_in_epoch
-                else f"after epoch {self.epoch} of {self.cfg.epochs}"
-            )
+                delay = self.ckpt.last_durable[1] - self.stop.requested_at
+                took = (
+                    f", durable {delay:.2f} s after the request"
+                    if delay >= 0
+                    else f", durable {-delay:.2f} s before the request"
+                )
+            if self.step_in_epoch >= self.steps_per_epoch:
+                where = (
+                    f"epoch {self.epoch + 1} of {self.cfg.epochs} trained, its evaluation not finished; "
+                    f"the resumed run evaluates it without training it again"
+                )
+            elif self.step_in_epoch:
+                where = (
+                    f"in epoch {self.epoch + 1} of {self.cfg.epochs}, after step {self.step_in_epoch} of "
+                    f"{self.steps_per_epoch}"
+                )
+            else:
+                where = f"after epoch {self.epoch} of {self.cfg.epochs}"
             self.ckpt.mark_interrupted(reason, path, self.global_step)
             self.log.info(
                 f"interrupted: {reason}; stopped at global step {self.global_step} ({where}); "
@@ -514,7 +544,12 @@ class Trainer:
         self._resumed_epoch_stats = None
         first_bad = torch.full((), _NONE, dtype=torch.int64, device=dev)
         step_dev = torch.full((), self.global_step, dtype=torch.int64, device=dev)
-        it = iterate(self.train_loader, before_fork=self.ckpt.join)
+        # resumed after the epoch's last step (its evaluation pending): no loader workers for zero batches
+        it = (
+            iterate(self.train_loader, before_fork=self.ckpt.join)
+            if self.step_in_epoch < self.steps_per_epoch
+            else None
+        )
         t0, images0 = time.perf_counter(), st.images
         window_loss = torch.zeros((), dtype=torch.float64, device=dev)
         window_n = torch.zeros((), dtype=torch.float64, device=dev)
@@ -568,8 +603,9 @@ class Trainer:
                     return None
         self.log.end_epoch()
         self._sync_checks(first_bad, st.bad, f"train epoch {self.epoch + 1}")
+        st.elapsed += time.perf_counter() - t0  # saved in the pre-evaluation checkpoint
         self._last_epoch_stats = st
-        elapsed = st.elapsed + time.perf_counter() - t0
+        elapsed = st.elapsed
         totals = torch.stack([st.loss_sum, st.count, torch.tensor(float(st.images), dtype=torch.float64, device=dev)])
         dist.all_reduce_sum(totals)
         all_bad = list({b.path: b for b in self._gather_bad(st.bad)}.values())  # padding repeats a few
@@ -650,10 +686,21 @@ class Trainer:
         last: dict = {}
         metric, stop_metric = self.best_metric, self.stop_metric
         while self.epoch < cfg.epochs:
+            trains = self.step_in_epoch < self.steps_per_epoch  # False: resumed with its evaluation pending
             train = self.train_epoch()
             if train is None:
                 break
-            val, val_bad, val_bad_files = self.evaluate(self.model)
+            if trains:
+                self._save_before_evaluation()
+            self.log.info(
+                f"evaluating epoch {self.epoch + 1} of {cfg.epochs} (its training is in checkpoint "
+                f"{self.final_checkpoint()})"
+            )
+            evaluated = self.evaluate(self.model)
+            if evaluated is None:
+                self._interrupt()
+                break
+            val, val_bad, val_bad_files = evaluated
             if val_bad:
                 val_bad_files = self._gather_bad(val_bad_files)
                 self._check_val_bad(val_bad, val_bad_files)
@@ -665,7 +712,11 @@ class Trainer:
             }
             score, stop_value = val[metric], val[stop_metric]
             if self.ema is not None:  # the better of the raw and the EMA weights counts
-                ema_val, _, _ = self.evaluate(self.ema.module)
+                evaluated = self.evaluate(self.ema.module)
+                if evaluated is None:
+                    self._interrupt()
+                    break
+                ema_val = evaluated[0]
                 row.update({f"ema_val_{k}": v for k, v in ema_val.items()})
                 if better(ema_val[metric], score, self.best_direction):
                     score = ema_val[metric]
@@ -693,15 +744,25 @@ class Trainer:
                 break
         return last
 
+    def _save_before_evaluation(self) -> None:
+        """Make the epoch's training durable before it is evaluated (collective): a checkpoint at its last
+        step (``step_in_epoch == steps_per_epoch``, named ``ckpt-<step>-m``, with every rank's epoch statistics),
+        which a resumed run evaluates without training again. Blocks until rank 0's write is durable, so a stop
+        or a SIGKILL during the evaluation loses no training; the epoch-end checkpoint written after the
+        evaluation supersedes it and the writer's pruning deletes it. Raises CheckpointError (every rank) when
+        the write failed."""
+        self.save_checkpoint(epoch_stats=self._last_epoch_stats.state_dict() if self._last_epoch_stats else None)
+        self._writer_check(wait=True)
+
     def _check_val_bad(self, n_bad: int, files: list) -> None:
-        """After an epoch's evaluation: name the undecodable val files; above ``max_bad_fraction`` save the
-        epoch's training (a checkpoint at its last step, evaluated again on resume) and raise DataError."""
+        """After an epoch's evaluation: name the undecodable val files; above ``max_bad_fraction`` raise
+        DataError naming the checkpoint of the epoch's training (written before the evaluation, evaluated
+        again on resume)."""
         total = getattr(self.val_sampler, "n", None) or len(self.val_sampler.indices()) * self.info.world_size
         names = "; ".join(f"{b.path} ({b.error})" for b in files[:5]) + (" ..." if len(files) > 5 else "")
         if n_bad <= self.cfg.max_bad_fraction * total:
             self.log.info(f"data: {n_bad} val file(s) could not be decoded (left out of the metrics): {names}")
             return
-        self.save_checkpoint(epoch_stats=self._last_epoch_stats.state_dict() if self._last_epoch_stats else None)
         self._writer_check(wait=True)
         saved = self.final_checkpoint()
         raise DataError(
