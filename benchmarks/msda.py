@@ -125,13 +125,16 @@ def upstream_impl(mod):
     return Upstream.apply
 
 
-def impls(device: str, upstream=None) -> dict:
-    """name -> callable(value, shapes, starts, loc, attn); ``upstream``: the built upstream module or None."""
+def impls(device: str, levels: tuple, upstream=None) -> dict:
+    """name -> callable(value, shapes, starts, loc, attn); ``levels``: the (H, W) pairs of ``shapes``;
+    ``upstream``: the built upstream module or None."""
     out = {"reference": lambda v, sh, st, lc, a: msda.ms_deform_attn_reference(v, sh, lc, a)}
     if device == "cuda":
         if msda.load_extension() is None:
             sys.exit(f"benchmarks/msda.py: {msda.extension_error()}")
-        out = {"ours": lambda v, sh, st, lc, a: msda.ms_deform_attn(v, sh, st, lc, a, 64), **out}
+        # level_shapes as Python ints, as DINO passes them: without them the entry point's checks read the
+        # level table back from the GPU (one sync per call), which DINO's calls do not pay
+        out = {"ours": lambda v, sh, st, lc, a: msda.ms_deform_attn(v, sh, st, lc, a, 64, level_shapes=levels), **out}
         if upstream is not None:
             out = {"upstream": upstream_impl(upstream), **out}
     return out
@@ -230,7 +233,7 @@ def main(argv=None) -> int:
     for name, n, levels, lq in cases(a.small):
         for dt in dtypes:
             inputs = make(n, levels, lq, DTYPES[dt], a.device)
-            fns = impls(a.device, upstream if dt == "fp32" else None)
+            fns = impls(a.device, levels, upstream if dt == "fp32" else None)
             results = {k: measure(fn, inputs, a.device, a.iters, a.warmup) for k, fn in fns.items()}
             if "upstream" in results:
                 upstream_times[name] = results["upstream"]
