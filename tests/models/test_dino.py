@@ -370,6 +370,38 @@ def test_backbone_loads_a_local_torchvision_state_dict(tmp_path):
     assert torch.equal(body.bn1.running_var, reference.bn1.running_var)
 
 
+@pytest.mark.parametrize("kind", ["text", "list", "resnet50", "dino_state", "wrapped"])
+def test_backbone_file_that_is_not_this_resnet_is_one_config_error(kind, tmp_path):
+    """issue 25: these files raised IndexError / RuntimeError / TypeError from deep inside torch; now one
+    ConfigError naming ``pretrained_backbone`` and the file (the CLI prints it as one line, exit 2). A
+    ``{"model": state_dict}`` wrapper of the right ResNet loads."""
+    import torchvision
+
+    from trainer.errors import ConfigError
+
+    path = tmp_path / f"{kind}.pth"
+    if kind == "text":
+        path.write_text("not a checkpoint")
+    elif kind == "list":
+        torch.save([torch.zeros(1)], path)
+    elif kind == "resnet50":
+        torch.save(torchvision.models.resnet50(weights=None).state_dict(), path)
+    elif kind == "dino_state":
+        torch.save(build_dino(tiny_cfg(), num_classes=K).state_dict(), path)
+    else:
+        torch.save({"model": torchvision.models.resnet18(weights=None).state_dict(), "epoch": 3}, path)
+        build_dino(tiny_cfg(pretrained=str(path)), num_classes=K)
+        return
+    expected = {
+        "text": "cannot read .* as a state_dict",
+        "list": "does not hold a dict of tensors",
+        "resnet50": "does not match a torchvision resnet18: .*unexpected keys.*shape mismatches",
+        "dino_state": "does not match a torchvision resnet18: .*missing keys.*unexpected keys",
+    }[kind]
+    with pytest.raises(ConfigError, match=rf"^pretrained_backbone: .*{expected}"):
+        build_dino(tiny_cfg(pretrained=str(path)), num_classes=K)
+
+
 def test_too_few_encoder_tokens_raise():
     m = build_dino(tiny_cfg(num_queries=400), num_classes=K).eval()
     images, mask, _ = inputs()

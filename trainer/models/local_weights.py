@@ -1,8 +1,10 @@
 """Weights from local files (offline: no hub), checked before loading: the one reader behind the config fields that
-name a state_dict file (segmentation's ``encoder_weights``, video's ``frame_weights``)."""
+name a state_dict file (segmentation's ``encoder_weights``, video's ``frame_weights``, detection's
+``pretrained_backbone``)."""
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -12,8 +14,11 @@ from torch import nn
 from trainer.errors import ConfigError
 
 
-def read_state_dict(path: str | Path, field: str) -> Mapping[str, torch.Tensor]:
+def read_state_dict(path: str | Path, field: str, unwrap: tuple[str, ...] = ()) -> Mapping[str, torch.Tensor]:
     """The tensors of a ``.pth``/``.pt`` (``torch.load(weights_only=True)``) or ``.safetensors`` file.
+
+    ``unwrap``: keys of a wrapping dict to look inside (e.g. ``("model",)`` for ``{"model": state_dict, ...}``
+    checkpoints); the first one present whose value is a dict is the state_dict.
 
     Raises:
         ConfigError: ``<field>: ...`` naming the file: no such file, unreadable, or not a dict of tensors.
@@ -28,9 +33,17 @@ def read_state_dict(path: str | Path, field: str) -> Mapping[str, torch.Tensor]:
             state = load_file(str(path), device="cpu")
         else:
             state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise ConfigError(
+            f"{field}: cannot read {path} as a state_dict (not a torch.save file of tensors only); "
+            "expected torch.save(model.state_dict(), path) or a .safetensors file"
+        ) from None
     except Exception as e:  # noqa: BLE001 - any unreadable file is a config error
         detail = (str(e).splitlines() or [""])[0][:160]
         raise ConfigError(f"{field}: cannot read {path} as a state_dict ({type(e).__name__}: {detail})") from None
+    if isinstance(state, Mapping):
+        inner = [state[k] for k in unwrap if isinstance(state.get(k), Mapping)]
+        state = inner[0] if inner else state
     if not isinstance(state, Mapping) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ConfigError(f"{field}: {path} does not hold a dict of tensors (got {type(state).__name__})")
     return state

@@ -80,8 +80,14 @@ class Backbone(nn.Module):
         train_backbone: False freezes every parameter.
         dilation: dilate layer4 (stride 16 instead of 32; the DC5 variant).
         return_interm_indices: ResNet stages to return, 0 = layer1 .. 3 = layer4.
-        pretrained: path of a local torchvision ResNet ``state_dict`` file (``torch.save(resnet.state_dict())``)
-            loaded with ``strict=True``; None keeps the random init (no download ever happens here).
+        pretrained: path of a local torchvision ResNet ``state_dict`` file (``torch.save(resnet.state_dict())``,
+            or ``{"model": state_dict}``) loaded with ``strict=True``; None keeps the random init (no download
+            ever happens here).
+
+    Raises:
+        ValueError: unknown ``name``.
+        ConfigError: ``pretrained_backbone: ...`` naming the file: unreadable, not a dict of tensors, or keys /
+            shapes that are not this ResNet's (e.g. a ResNet-50 file for resnet18, a whole DINO checkpoint).
     """
 
     def __init__(
@@ -99,10 +105,12 @@ class Backbone(nn.Module):
             weights=None, replace_stride_with_dilation=[False, False, dilation], norm_layer=FrozenBatchNorm2d
         )
         if pretrained:
-            state = torch.load(pretrained, map_location="cpu", weights_only=True)
-            if isinstance(state, dict) and "model" in state and isinstance(state["model"], dict):
-                state = state["model"]
-            resnet.load_state_dict(state, strict=True)
+            from trainer.models.local_weights import load_checked, read_state_dict
+
+            state = read_state_dict(pretrained, "pretrained_backbone", unwrap=("model",))
+            # FrozenBatchNorm2d keeps no num_batches_tracked (torchvision drops it when loading, as here)
+            state = {k: v for k, v in state.items() if not k.endswith("num_batches_tracked")}
+            load_checked(resnet, state, pretrained, "pretrained_backbone", f"a torchvision {name}")
         for pname, p in resnet.named_parameters():
             if not train_backbone or not any(k in pname for k in ("layer2", "layer3", "layer4")):
                 p.requires_grad_(False)
