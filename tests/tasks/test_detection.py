@@ -151,7 +151,17 @@ def test_the_coco_evaluator_scores_ground_truth_100_and_nothing_0(shared_data, t
     "kw,match",
     [
         ({"model": "vit_b_16"}, r"model: got 'vit_b_16'; detection \(DINO-4scale\) takes a ResNet backbone"),
-        ({"hidden_dim": 30, "nheads": 4}, r"hidden_dim: got 30; must be even and divisible by nheads \(4\)"),
+        ({"hidden_dim": 30, "nheads": 4}, r"hidden_dim: got 30; must be divisible by nheads \(4\) and by 32"),
+        ({"hidden_dim": 48, "nheads": 4}, r"hidden_dim: got 48; must be divisible by nheads \(4\) and by 32"),
+        (  # upstream's 900 queries on 128-px images: 340 tokens
+            {"min_scale": 128, "max_scale": 128, "eval_size": 128, "max_size": 1333, "num_queries": 900},
+            r"num_queries: 900 queries, but the smallest image \(128 x 128 px.* gives only 340 encoder tokens",
+        ),
+        (  # --max-size 32 caps every image at 32 px, padded to 64: 85 tokens
+            {"max_size": 32, "num_queries": 100, "num_select": 100},
+            r"num_queries: 100 queries, but the smallest image \(64 x 64 px: min\(min_scale, eval_size, max_size\) "
+            r"= 32 padded to pad_to_multiple 64\) gives only 85 encoder tokens",
+        ),
         ({"min_scale": 900}, r"min_scale: got 900; must be <= max_scale \(64\)"),
         ({"target_value": 150}, r"target_value: got 150.0; map is a percentage"),
         ({"target_metric": "top1", "target_value": 50}, r"target_metric: got 'top1'; task detection reports map"),

@@ -418,7 +418,8 @@ def _dataset(cfg: TrainConfig, opts: PlanOptions, task=None) -> tuple[int, int, 
 def make_plan(cfg: TrainConfig, opts: PlanOptions, predict: Callable = predict_step_memory) -> dict:
     """The plan as a dict: ``rows`` (see :func:`plan_rows`), ``flags`` (problems for the whole plan), inputs.
 
-    Raises PlanError (unknown instance, impossible batch, bad probe report) and CatalogError (price file).
+    Raises PlanError (unknown instance, impossible batch, bad probe report), CatalogError (price file) and
+    ConfigError (a config the task refuses, as train would: :meth:`Task.check_config`).
     """
     opts.validate()
     cat = catalog.load_price_file(opts.prices) if opts.prices else catalog.INSTANCE_TYPES
@@ -435,6 +436,7 @@ def make_plan(cfg: TrainConfig, opts: PlanOptions, predict: Callable = predict_s
     from trainer.tasks import build_task
 
     task = build_task(cfg, DistInfo(0, 0, 1, torch.device("cpu")))
+    task.check_config()  # what train refuses is not planned (ConfigError)
     size, classes, size_source, data = _dataset(cfg, opts, task)
     if cfg.batch_size > size:
         raise PlanError(f"batch_size {cfg.batch_size} is larger than the dataset ({size} training images)")

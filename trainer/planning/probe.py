@@ -266,6 +266,7 @@ def run_probe(cfg: TrainConfig, opts: ProbeOptions, log: Callable[[str], None] =
         total = torch.cuda.mem_get_info(device)[1]
         torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), device)
     task = build_task(cfg, dist.DistInfo(0, 0, 1, device))
+    task.check_config()  # what train refuses is not probed (ConfigError)
     data = task.build_data()
     torch.manual_seed(cfg.seed)
     rig = build_train_step(cfg, task, task.build_model(data.num_outputs), device, num_outputs=data.num_outputs)

@@ -115,8 +115,12 @@ class DetectionTask(Task):
                 raise ConfigError(f"{name}: got {getattr(cfg, name)}; must be an integer >= 1")
         if cfg.min_scale > cfg.max_scale:
             raise ConfigError(f"min_scale: got {cfg.min_scale}; must be <= max_scale ({cfg.max_scale})")
-        if cfg.hidden_dim % cfg.nheads or cfg.hidden_dim % 2:
-            raise ConfigError(f"hidden_dim: got {cfg.hidden_dim}; must be even and divisible by nheads ({cfg.nheads})")
+        if cfg.hidden_dim % cfg.nheads or cfg.hidden_dim % 32:
+            raise ConfigError(
+                f"hidden_dim: got {cfg.hidden_dim}; must be divisible by nheads ({cfg.nheads}) and by 32 "
+                "(GroupNorm(32, hidden_dim) in DINO's input projection)"
+            )
+        self._check_encoder_tokens()
         if cfg.dn_number < 0 or not 0 <= cfg.dn_label_noise_ratio <= 1 or cfg.dn_box_noise_scale < 0:
             raise ConfigError(
                 "dn_number must be >= 0, dn_label_noise_ratio in [0, 1], dn_box_noise_scale >= 0; got "
@@ -138,6 +142,37 @@ class DetectionTask(Task):
         if cfg.target_value is not None and not 0 < cfg.target_value <= 100:
             raise ConfigError(
                 f"target_value: got {cfg.target_value}; {metric} is a percentage: give a value in (0, 100]"
+            )
+
+    def _check_encoder_tokens(self) -> None:
+        """Two-stage query selection takes the top ``num_queries`` of the encoder's tokens, so the smallest image
+        must give at least that many (else the first step fails inside the model). The bound is a square image
+        of side min(min_scale, eval_size, max_size) padded up to ``pad_to_multiple``: ceil(side / stride)^2 tokens
+        per feature level (strides 8, 16, 32 and 64 for DINO-4scale). An image of extreme aspect ratio, whose
+        shorter side the ``max_size`` cap pushes below that, is left to the model's own check.
+
+        Raises:
+            ConfigError: ``num_queries: ...`` naming the token count and both ways out.
+        """
+        cfg = self.cfg
+        m = cfg.pad_to_multiple
+        side = -(-min(cfg.min_scale, cfg.eval_size, cfg.max_size) // m) * m
+        try:
+            dino = self.dino_config()
+        except ValueError as e:
+            raise ConfigError(str(e).replace("DinoConfig.", "")) from None
+        strides = [2 ** (i + 2) for i in dino.return_interm_indices]
+        if dino.dilation:
+            strides[-1] //= 2
+        while len(strides) < dino.num_feature_levels:
+            strides.append(strides[-1] * 2)
+        tokens = sum((-(-side // st)) ** 2 for st in strides)
+        if tokens < cfg.num_queries:
+            raise ConfigError(
+                f"num_queries: {cfg.num_queries} queries, but the smallest image ({side} x {side} px: "
+                f"min(min_scale, eval_size, max_size) = {min(cfg.min_scale, cfg.eval_size, cfg.max_size)} padded to "
+                f"pad_to_multiple {m}) gives only {tokens} encoder tokens to select them from; use num_queries <= "
+                f"{tokens} (and num_select <= num_queries) or larger images"
             )
 
     def dino_config(self):
