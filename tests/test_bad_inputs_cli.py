@@ -217,6 +217,29 @@ CASES = [
         "error: probe: --out-dir results: exists and is not a folder",
         _results_file_kept,
     ),
+    Case(  # issue 25: plan skipped the task's config check (a ValueError traceback building the model)
+        "plan-detection-config-train-refuses",
+        lambda t: trainer_cmd(
+            "plan",
+            "--task",
+            "detection",
+            "--model",
+            "resnet18",
+            "--hidden-dim",
+            "48",
+            "--nheads",
+            "4",
+            "--batch-size",
+            "2",
+            "--dataset-size",
+            "100",
+            "--instances",
+            "g5.xlarge",
+        ),
+        2,
+        "error: plan: hidden_dim: got 48; must be divisible by nheads (4) and by 32 (GroupNorm(32, hidden_dim) in "
+        "DINO's input projection)",
+    ),
     Case(
         "plan-out-inside-a-file",
         lambda t: [
