@@ -241,6 +241,48 @@ CASES = [
         "DINO's input projection)",
     ),
     Case(
+        "plan-segmentation-size-train-refuses",
+        lambda t: trainer_cmd(
+            "plan",
+            "--task",
+            "segmentation",
+            "--model",
+            "unet",
+            "--image-size",
+            "60",
+            "--classes",
+            "background,roof",
+            "--batch-size",
+            "2",
+            "--dataset-size",
+            "100",
+            "--instances",
+            "g5.xlarge",
+        ),  # fmt: skip
+        2,
+        "error: plan: image_size: got 60; unet needs a multiple of 32 (e.g. 32)",
+    ),
+    Case(
+        "plan-video-frames-train-refuses",
+        lambda t: trainer_cmd(
+            "plan",
+            "--task",
+            "video",
+            "--model",
+            "r3d_18",
+            "--num-frames",
+            "0",
+            "--batch-size",
+            "2",
+            "--dataset-size",
+            "100",
+            "--instances",
+            "g5.xlarge",
+        ),  # fmt: skip
+        2,
+        "error: plan: num_frames: got 0; must be an integer >= 1",
+    ),
+    Case(
         "plan-out-inside-a-file",
         lambda t: [
             (t / "results").write_text("earlier results\n"),
