@@ -79,6 +79,8 @@ def _load(path: str, key: str | None = None, mmap: bool = False) -> np.ndarray:
             if mapped is not None:
                 return mapped
         with np.load(path, allow_pickle=False) as z:
+            if key not in z.files:
+                raise DataError(f"{path}: no key '{key}' (keys: {', '.join(z.files) or 'none'})")
             return z[key]
     except (OSError, ValueError, zipfile.BadZipFile) as e:
         where = f"{path}[{key!r}]" if key else path
