@@ -122,6 +122,12 @@ def _nothing_measured(proc: subprocess.CompletedProcess) -> None:
     assert "probe: " not in proc.stdout, proc.stdout  # not even the first "probe: <model> at ..." line
 
 
+def _plan_refused(*task_flags: str) -> list[str]:
+    """``plan`` of a config ``train`` refuses (``task_flags``), with a dataset size and one instance type so that
+    nothing but the task's config check can stop it."""
+    return trainer_cmd("plan", *task_flags, "--batch-size", "2", "--dataset-size", "100", "--instances", "g5.xlarge")
+
+
 CASES = [
     # --- the command line ---------------------------------------------------------------------------------
     Case(
@@ -219,66 +225,20 @@ CASES = [
     ),
     Case(  # issue 25: plan skipped the task's config check (a ValueError traceback building the model)
         "plan-detection-config-train-refuses",
-        lambda t: trainer_cmd(
-            "plan",
-            "--task",
-            "detection",
-            "--model",
-            "resnet18",
-            "--hidden-dim",
-            "48",
-            "--nheads",
-            "4",
-            "--batch-size",
-            "2",
-            "--dataset-size",
-            "100",
-            "--instances",
-            "g5.xlarge",
-        ),
+        lambda t: _plan_refused("--task", "detection", "--model", "resnet18", "--hidden-dim", "48", "--nheads", "4"),
         2,
         "error: plan: hidden_dim: got 48; must be divisible by nheads (4) and by 32 (GroupNorm(32, hidden_dim) in "
         "DINO's input projection)",
     ),
     Case(
         "plan-segmentation-size-train-refuses",
-        lambda t: trainer_cmd(
-            "plan",
-            "--task",
-            "segmentation",
-            "--model",
-            "unet",
-            "--image-size",
-            "60",
-            "--classes",
-            "background,roof",
-            "--batch-size",
-            "2",
-            "--dataset-size",
-            "100",
-            "--instances",
-            "g5.xlarge",
-        ),  # fmt: skip
+        lambda t: _plan_refused("--task", "segmentation", "--model", "unet", "--image-size", "60", "--classes", "a,b"),
         2,
         "error: plan: image_size: got 60; unet needs a multiple of 32 (e.g. 32)",
     ),
     Case(
         "plan-video-frames-train-refuses",
-        lambda t: trainer_cmd(
-            "plan",
-            "--task",
-            "video",
-            "--model",
-            "r3d_18",
-            "--num-frames",
-            "0",
-            "--batch-size",
-            "2",
-            "--dataset-size",
-            "100",
-            "--instances",
-            "g5.xlarge",
-        ),  # fmt: skip
+        lambda t: _plan_refused("--task", "video", "--model", "r3d_18", "--num-frames", "0"),
         2,
         "error: plan: num_frames: got 0; must be an integer >= 1",
     ),
