@@ -303,46 +303,39 @@ DimsT<idx_t> dims_as(const at::Tensor& value, const at::Tensor& loc) {
 
 unsigned int blocks_for(int64_t threads) { return static_cast<unsigned int>((threads + kThreads - 1) / kThreads); }
 
-template <typename scalar_t, typename idx_t, int VEC>
-void launch_forward(const at::Tensor& value, const at::Tensor& shapes, const at::Tensor& starts,
-                    const at::Tensor& loc, const at::Tensor& attn, at::Tensor& out, int64_t step) {
-  using acc_t = at::opmath_type<scalar_t>;
-  const auto s = dims_as<idx_t>(value, loc);
-  const int64_t N = value.size(0);
-  const int64_t threads = step * loc.size(1) * value.size(2) * value.size(3) / VEC;
-  const size_t smem = 3 * loc.size(3) * sizeof(idx_t);
-  auto stream = at::cuda::getCurrentCUDAStream();
-  for (int64_t n0 = 0; n0 < N; n0 += step) {
-    const ChunkOffsets o = chunk_offsets(value, loc, n0);
-    msda_forward_kernel<scalar_t, acc_t, idx_t, VEC><<<blocks_for(threads), kThreads, smem, stream>>>(
-        value.const_data_ptr<scalar_t>() + o.value, shapes.const_data_ptr<int64_t>(),
-        starts.const_data_ptr<int64_t>(), loc.const_data_ptr<scalar_t>() + o.loc,
-        attn.const_data_ptr<scalar_t>() + o.attn, out.mutable_data_ptr<scalar_t>() + o.out, s,
-        static_cast<idx_t>(threads));
+// Threads of one batch chunk of `step` images (one per (n, q, m) and VEC channels) and the level table's shared
+// memory, for both kernels.
+template <int VEC>
+int64_t threads_per_chunk(const at::Tensor& value, const at::Tensor& loc, int64_t step) {
+  return step * loc.size(1) * value.size(2) * value.size(3) / VEC;
+}
+
+template <typename idx_t>
+size_t levels_smem(const at::Tensor& loc) {
+  return 3 * loc.size(3) * sizeof(idx_t);
+}
+
+// Calls launch(offsets) for each batch chunk [n0, n0 + step) (DINO's im2col_step) and checks the launch.
+template <typename Launch>
+void for_each_chunk(const at::Tensor& value, const at::Tensor& loc, int64_t step, const Launch& launch) {
+  for (int64_t n0 = 0; n0 < value.size(0); n0 += step) {
+    launch(chunk_offsets(value, loc, n0));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }
 
-template <typename scalar_t, typename idx_t, int VEC>
-void launch_backward(const at::Tensor& value, const at::Tensor& shapes, const at::Tensor& starts,
-                     const at::Tensor& loc, const at::Tensor& attn, const at::Tensor& grad_out,
-                     at::Tensor& grad_value, at::Tensor& grad_loc, at::Tensor& grad_attn, int64_t step, int group,
-                     bool exclusive) {
-  using acc_t = at::opmath_type<scalar_t>;
-  const auto s = dims_as<idx_t>(value, loc);
-  const int64_t N = value.size(0);
-  const int64_t threads = step * loc.size(1) * value.size(2) * value.size(3) / VEC;
-  const size_t smem = 3 * loc.size(3) * sizeof(idx_t);
-  auto stream = at::cuda::getCurrentCUDAStream();
-  for (int64_t n0 = 0; n0 < N; n0 += step) {
-    const ChunkOffsets o = chunk_offsets(value, loc, n0);
-    msda_backward_kernel<scalar_t, acc_t, idx_t, VEC><<<blocks_for(threads), kThreads, smem, stream>>>(
-        value.const_data_ptr<scalar_t>() + o.value, shapes.const_data_ptr<int64_t>(),
-        starts.const_data_ptr<int64_t>(), loc.const_data_ptr<scalar_t>() + o.loc,
-        attn.const_data_ptr<scalar_t>() + o.attn, grad_out.const_data_ptr<scalar_t>() + o.out,
-        grad_value.mutable_data_ptr<acc_t>() + o.value, grad_loc.mutable_data_ptr<acc_t>() + o.loc,
-        grad_attn.mutable_data_ptr<acc_t>() + o.attn, s, static_cast<idx_t>(threads), group, exclusive);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+// Calls fn.template operator()<idx_t, VEC>() for the kernel form: 64-bit indexing with VEC = 1, else 32-bit with
+// the VEC that pick_vec chose.
+template <typename Fn>
+void with_form(bool idx32, int vec, const Fn& fn) {
+  if (!idx32) {
+    fn.template operator()<int64_t, 1>();
+  } else if (vec == 4) {
+    fn.template operator()<int, 4>();
+  } else if (vec == 2) {
+    fn.template operator()<int, 2>();
+  } else {
+    fn.template operator()<int, 1>();
   }
 }
 
@@ -362,18 +355,22 @@ at::Tensor msda_cuda_forward(const at::Tensor& value, const at::Tensor& spatial_
   const bool idx32 = fits_int32(value, sampling_loc);
   const int v = pick_vec(value.size(3), idx32, value.element_size(),
                          {value.const_data_ptr(), out.const_data_ptr()});
+  auto stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::Half, at::ScalarType::BFloat16, value.scalar_type(),
                                   "msda_cuda_forward", [&] {
-    if (!idx32) {
-      launch_forward<scalar_t, int64_t, 1>(value, spatial_shapes, level_start_index, sampling_loc, attn_weight, out,
-                                           step);
-    } else if (v == 4) {
-      launch_forward<scalar_t, int, 4>(value, spatial_shapes, level_start_index, sampling_loc, attn_weight, out, step);
-    } else if (v == 2) {
-      launch_forward<scalar_t, int, 2>(value, spatial_shapes, level_start_index, sampling_loc, attn_weight, out, step);
-    } else {
-      launch_forward<scalar_t, int, 1>(value, spatial_shapes, level_start_index, sampling_loc, attn_weight, out, step);
-    }
+    using acc_t = at::opmath_type<scalar_t>;
+    with_form(idx32, v, [&]<typename idx_t, int VEC>() {
+      const auto s = dims_as<idx_t>(value, sampling_loc);
+      const int64_t threads = threads_per_chunk<VEC>(value, sampling_loc, step);
+      for_each_chunk(value, sampling_loc, step, [&](const ChunkOffsets& o) {
+        msda_forward_kernel<scalar_t, acc_t, idx_t, VEC>
+            <<<blocks_for(threads), kThreads, levels_smem<idx_t>(sampling_loc), stream>>>(
+                value.const_data_ptr<scalar_t>() + o.value, spatial_shapes.const_data_ptr<int64_t>(),
+                level_start_index.const_data_ptr<int64_t>(), sampling_loc.const_data_ptr<scalar_t>() + o.loc,
+                attn_weight.const_data_ptr<scalar_t>() + o.attn, out.mutable_data_ptr<scalar_t>() + o.out, s,
+                static_cast<idx_t>(threads));
+      });
+    });
   });
   return out;
 }
@@ -401,21 +398,23 @@ std::vector<at::Tensor> msda_cuda_backward(const at::Tensor& value, const at::Te
     grad_loc.zero_();
     grad_attn.zero_();
   } else {
+    auto stream = at::cuda::getCurrentCUDAStream();
     AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::Half, at::ScalarType::BFloat16, value.scalar_type(),
                                     "msda_cuda_backward", [&] {
-      if (!idx32) {
-        launch_backward<scalar_t, int64_t, 1>(value, spatial_shapes, level_start_index, sampling_loc, attn_weight,
-                                              grad_output, grad_value, grad_loc, grad_attn, step, group, exclusive);
-      } else if (v == 4) {
-        launch_backward<scalar_t, int, 4>(value, spatial_shapes, level_start_index, sampling_loc, attn_weight,
-                                          grad_output, grad_value, grad_loc, grad_attn, step, group, exclusive);
-      } else if (v == 2) {
-        launch_backward<scalar_t, int, 2>(value, spatial_shapes, level_start_index, sampling_loc, attn_weight,
-                                          grad_output, grad_value, grad_loc, grad_attn, step, group, exclusive);
-      } else {
-        launch_backward<scalar_t, int, 1>(value, spatial_shapes, level_start_index, sampling_loc, attn_weight,
-                                          grad_output, grad_value, grad_loc, grad_attn, step, group, exclusive);
-      }
+      using acc_t = at::opmath_type<scalar_t>;
+      with_form(idx32, v, [&]<typename idx_t, int VEC>() {
+        const auto s = dims_as<idx_t>(value, sampling_loc);
+        const int64_t threads = threads_per_chunk<VEC>(value, sampling_loc, step);
+        for_each_chunk(value, sampling_loc, step, [&](const ChunkOffsets& o) {
+          msda_backward_kernel<scalar_t, acc_t, idx_t, VEC>
+              <<<blocks_for(threads), kThreads, levels_smem<idx_t>(sampling_loc), stream>>>(
+                  value.const_data_ptr<scalar_t>() + o.value, spatial_shapes.const_data_ptr<int64_t>(),
+                  level_start_index.const_data_ptr<int64_t>(), sampling_loc.const_data_ptr<scalar_t>() + o.loc,
+                  attn_weight.const_data_ptr<scalar_t>() + o.attn, grad_output.const_data_ptr<scalar_t>() + o.out,
+                  grad_value.mutable_data_ptr<acc_t>() + o.value, grad_loc.mutable_data_ptr<acc_t>() + o.loc,
+                  grad_attn.mutable_data_ptr<acc_t>() + o.attn, s, static_cast<idx_t>(threads), group, exclusive);
+        });
+      });
     });
   }
   const auto dtype = value.scalar_type();
