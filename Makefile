@@ -64,7 +64,7 @@ format: setup
 	$(VENV)/bin/ruff format .
 
 test: setup msda ffcv lint
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 # Need a Docker engine (not on the CI machine; CI runs hadolint and the same build script instead).
 image:

@@ -105,7 +105,7 @@ def _entrypoint_failure_file(tmp: Path) -> None:
 
 def _usage(command: str):
     def check(proc: subprocess.CompletedProcess) -> None:
-        assert proc.stderr.startswith(f"usage: python -m trainer {command} "), proc.stderr[:300]
+        assert "usage:" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[:300]
 
     return check
 
@@ -134,28 +134,31 @@ CASES = [
         "train-unknown-flag",
         lambda t: trainer_cmd("train", "--bogus"),
         2,
-        "python -m trainer train: error: unrecognized arguments: --bogus",
+        "error: train: unrecognized arguments: --bogus; see python -m trainer train --help",
     ),
     Case(
         "probe-unknown-flag",
         lambda t: trainer_cmd("probe", "--bogus"),
         2,
-        "python -m trainer probe: error: unrecognized arguments: --bogus",
+        "error: probe: unrecognized arguments: --bogus; see python -m trainer probe --help",
     ),
     Case(
         "plan-unknown-flag",
         lambda t: trainer_cmd("plan", "--epochs", "3", "--bogus", "7"),
         2,
-        "python -m trainer plan: error: unrecognized arguments: --bogus 7",
+        "error: plan: unrecognized arguments: --bogus 7; see python -m trainer plan --help",
     ),
     Case(
         "write-ffcv-unknown-flag",
         lambda t: trainer_cmd("write-ffcv", "--data-dir", "d", "--ffcv-dir", "f", "--bogus"),
         2,
-        "python -m trainer write-ffcv: error: unrecognized arguments: --bogus",
+        "error: write-ffcv: unrecognized arguments: --bogus; see python -m trainer write-ffcv --help",
     ),
     Case(
-        "unknown-command", lambda t: trainer_cmd("bogus"), 2, "argument command: invalid choice: 'bogus' (choose from"
+        "unknown-command",
+        lambda t: trainer_cmd("bogus"),
+        2,
+        "error: trainer: command: invalid choice: 'bogus' (choose from",
     ),
     Case("no-command", lambda t: trainer_cmd(), 2, "the following arguments are required: command"),
     # --- config values --------------------------------------------------------------------------------------
@@ -163,27 +166,27 @@ CASES = [
         "image-size-100000",
         lambda t: trainer_cmd("train", *TINY, "--image-size", "100000"),
         2,
-        "error: config: image_size: got 100000; must be <= 8192 pixels",
+        "error: image_size: got 100000; must be <= 8192 pixels",
         _nothing_trained,
     ),
     Case(
         "progressive-min-size-100000",
         lambda t: trainer_cmd("train", "--progressive-min-size", "100000"),
         2,
-        "error: config: progressive_min_size: got 100000; must be <= 8192 pixels",
+        "error: progressive_min_size: got 100000; must be <= 8192 pixels",
         _nothing_trained,
     ),
     Case(
         "config-file-not-yaml",
         lambda t: [(t / "c.yaml").write_text("lr: [1\n"), trainer_cmd("train", "--config", "c.yaml")][1],
         2,
-        "error: config: config file c.yaml: not valid YAML (while parsing",
+        "error: config file c.yaml: not valid YAML (while parsing",
     ),
     Case(
         "device-cuda-without-gpu",
         lambda t: trainer_cmd("train", "--data-dir", "data", *TINY, "--device", "cuda"),
         2,
-        "error: ConfigError: device: 'cuda' requested but no CUDA device is visible",
+        "error: device: 'cuda' requested but no CUDA device is visible",
         _nothing_trained,
         env={"CUDA_VISIBLE_DEVICES": ""},
     ),
@@ -192,14 +195,14 @@ CASES = [
         "val-split-missing",
         lambda t: trainer_cmd("train", "--data-dir", str(images(t / "data", ("train",))), *TINY),
         2,
-        f"error: DataError: {VAL_MISSING}",
+        f"error: {VAL_MISSING}",
         _nothing_trained,
     ),
     Case(
         "resume-from-missing-checkpoint",
         lambda t: trainer_cmd("train", "--data-dir", str(images(t / "data")), "--resume", "nope", *TINY),
         2,
-        "error: CheckpointError: nope: no manifest.json",
+        "error: nope: no manifest.json",
         _nothing_trained,
     ),
     # --- the image's entrypoint: a rank's data error reaches the exit status and the failure file -----------
@@ -207,7 +210,7 @@ CASES = [
         "entrypoint-rank-data-error",
         _entrypoint_val_missing,
         2,
-        f"train: exit 2: DataError: {VAL_MISSING}",
+        f"error: train: exit 2: {VAL_MISSING}",
         _entrypoint_failure_file,
         env={"TRAINSTACK_SM_ROOT": "opt_ml", "TRAINSTACK_NPROC_PER_NODE": "2"},
         timeout=600,
@@ -220,27 +223,27 @@ CASES = [
             trainer_cmd("probe", "--data-dir", str(images(t / "data")), *TINY, "--out-dir", "results"),
         ][1],
         2,
-        "error: probe: --out-dir results: exists and is not a folder",
+        "error: --out-dir results: exists and is not a folder",
         _results_file_kept,
     ),
     Case(  # issue 25: plan skipped the task's config check (a ValueError traceback building the model)
         "plan-detection-config-train-refuses",
         lambda t: _plan_refused("--task", "detection", "--model", "resnet18", "--hidden-dim", "48", "--nheads", "4"),
         2,
-        "error: plan: hidden_dim: got 48; must be divisible by nheads (4) and by 32 (GroupNorm(32, hidden_dim) in "
+        "error: hidden_dim: got 48; must be divisible by nheads (4) and by 32 (GroupNorm(32, hidden_dim) in "
         "DINO's input projection)",
     ),
     Case(
         "plan-segmentation-size-train-refuses",
         lambda t: _plan_refused("--task", "segmentation", "--model", "unet", "--image-size", "60", "--classes", "a,b"),
         2,
-        "error: plan: image_size: got 60; unet needs a multiple of 32 (e.g. 32)",
+        "error: image_size: got 60; unet needs a multiple of 32 (e.g. 32)",
     ),
     Case(
         "plan-video-frames-train-refuses",
         lambda t: _plan_refused("--task", "video", "--model", "r3d_18", "--num-frames", "0"),
         2,
-        "error: plan: num_frames: got 0; must be an integer >= 1",
+        "error: num_frames: got 0; must be an integer >= 1",
     ),
     Case(
         "plan-out-inside-a-file",
@@ -261,7 +264,7 @@ CASES = [
             ),
         ][1],
         2,
-        "error: plan: --out results/plan.json: cannot create its folder results",
+        "error: --out results/plan.json: cannot create its folder results",
         _results_file_kept,
     ),
 ]
@@ -309,7 +312,7 @@ def test_torchrun_rank_data_error_is_the_root_cause_once(tmp_path):
     out = p.stdout + p.stderr
     assert p.returncode != 0
     assert out.count(VAL_MISSING) == 1, out[-4000:]
-    assert f"error: DataError: {VAL_MISSING}" in _root_cause(out)
+    assert f"error: {VAL_MISSING}" in _root_cause(out)
     assert "To enable traceback" not in out, out[-4000:]
     _nothing_trained(tmp_path)
 
@@ -317,7 +320,7 @@ def test_torchrun_rank_data_error_is_the_root_cause_once(tmp_path):
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["--label-smoothing", "2"], "error: config: label_smoothing: got 2.0; must be in [0.0, 1.0)"),
+        (["--label-smoothing", "2"], "error: label_smoothing: got 2.0; must be in [0.0, 1.0)"),
         (["--bogus"], "error: train: unrecognized arguments: --bogus"),
     ],
     ids=["config-value", "unknown-flag"],
@@ -329,7 +332,7 @@ def test_torchrun_config_error_prints_once(tmp_path, args, message):
     assert p.returncode != 0
     assert out.count(message.split(": ", 2)[-1]) == 1, out[-4000:]
     assert message in _root_cause(out)
-    assert out.count("usage: python -m trainer train") == (1 if "--bogus" in args else 0)
+    assert "usage: python -m trainer" not in out
 
 
 # --- in process: what train.run does with each kind of ending -------------------------------------------------
@@ -423,7 +426,7 @@ def test_input_error_during_training_is_one_line_exit_2(tmp_path, monkeypatch, c
     _stand_in(monkeypatch, tmp_path, fit=disk_full)
     assert train.run(_cfg(tmp_path)) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert err == ["error: CheckpointError: ck/.tmp-ckpt-12-m/state.pt: cannot write: No space left on device"]
+    assert err == ["error: ck/.tmp-ckpt-12-m/state.pt: cannot write: No space left on device"]
 
 
 def test_a_bug_keeps_its_traceback(tmp_path, monkeypatch):
@@ -435,3 +438,28 @@ def test_a_bug_keeps_its_traceback(tmp_path, monkeypatch):
     _stand_in(monkeypatch, tmp_path, init=bug)
     with pytest.raises(ZeroDivisionError):
         train.run(_cfg(tmp_path))
+
+
+def test_library_errors_become_one_clean_line():
+    """Decoder and torch.load messages: no C++ source location, no weights_only=False advice, cut at a word."""
+    import argparse as ap
+    import io
+
+    import torch
+    from torchvision.io import decode_image
+
+    from trainer.errors import error_detail, shorten
+
+    with pytest.raises(RuntimeError) as jpeg:
+        decode_image(torch.frombuffer(bytearray(b"\xff\xd8\xff\xe0" + b"x" * 40), dtype=torch.uint8))
+    assert ".cpp:" in str(jpeg.value) and ".cpp" not in error_detail(jpeg.value)
+    assert error_detail(jpeg.value).startswith("RuntimeError: ") and "decode_" not in error_detail(jpeg.value)
+    buf = io.BytesIO()
+    torch.save({"args": ap.Namespace(lr=1)}, buf)
+    buf.seek(0)
+    with pytest.raises(Exception) as pickled:
+        torch.load(buf, weights_only=True)
+    assert "weights_only` set to `False`" in str(pickled.value)
+    assert error_detail(pickled.value) == "UnpicklingError: not a file of tensors only (it holds argparse.Namespace)"
+    assert shorten("alpha beta gamma", 12) == "alpha beta…" and shorten("alpha beta", 12) == "alpha beta"
+    assert len(shorten("word " * 100, 50)) <= 50 and shorten("word " * 100, 50).endswith("word…")

@@ -142,6 +142,20 @@ def test_cli_rejects_choice_before_start(capsys):
     assert e.value.code == 2 and "--scheduler" in capsys.readouterr().err
 
 
+def test_train_without_config_starts_from_the_embedded_default(capsys):
+    from trainer.cli import _config_from_namespace, parse_args
+    from trainer.config import EMBEDDED_DEFAULT, load_config
+
+    cfg = _config_from_namespace(parse_args(["train"]), embedded_default=True)
+    assert cfg == load_config(EMBEDDED_DEFAULT) and (cfg.model, cfg.image_size, cfg.epochs) == ("resnet18", 32, 6)
+    assert f"config: {EMBEDDED_DEFAULT} (the embedded default" in capsys.readouterr().out
+    assert _config_from_namespace(parse_args(["train", "--epochs", "2"]), embedded_default=True).epochs == 2
+    for argv in (["--data-dir", "/d"], ["--data", "/d"], ["--task", "detection", "--data-dir", "/d"]):
+        cfg = _config_from_namespace(parse_args(["train", *argv]), embedded_default=True)
+        assert (cfg.model, cfg.image_size) == ("resnet50", 224), argv  # a dataset named: the field defaults
+    assert _config_from_namespace(parse_args(["train"])).model == "resnet50"  # plan/probe: the field defaults
+
+
 def test_cli_reports_invalid_value(capsys):
     from trainer.cli import main
 
@@ -162,15 +176,37 @@ def test_help_lists_every_field(capsys):
 
 
 @pytest.mark.parametrize("argv", [["train", "--bogus"], ["train", "--epochs", "2", "--bogus", "x"]])
-def test_unknown_flag_prints_the_sub_command_usage(argv, capsys):
+def test_unknown_flag_is_one_line_naming_the_sub_command(argv, capsys):
     from trainer.cli import main
 
     with pytest.raises(SystemExit) as e:
         main(argv)
     err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 2 and err[0].startswith("usage: python -m trainer train ")
     unknown = " ".join(argv[argv.index("--bogus") :])
-    assert err[-1] == f"python -m trainer train: error: unrecognized arguments: {unknown}"
+    assert e.value.code == 2
+    assert err == [f"error: train: unrecognized arguments: {unknown}; see python -m trainer train --help"]
+
+
+def test_invalid_choice_is_one_line_and_help_lists_the_choices(capsys):
+    from trainer.cli import main
+
+    for flag in ("--task", "--optimizer", "--scheduler"):
+        with pytest.raises(SystemExit) as e:
+            main(["train", flag, "nope"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert (
+            e.value.code == 2 and len(err) == 1 and err[0].startswith(f"error: train: {flag}: invalid choice: 'nope'")
+        )
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for choices in (
+        "Choices: classification, detection, segmentation, video.",
+        "Choices: sgd, adamw.",
+        "Choices: onecycle, cosine, step.",
+        "Choices: amp, 32, bf16-mixed, 16-mixed.",
+    ):
+        assert choices in out, choices
 
 
 # --- sections: nested YAML, errors, task sections, flags by section ------------------------------------------

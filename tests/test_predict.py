@@ -245,11 +245,15 @@ def test_segmentation_writes_class_index_masks_and_overlays(shared_data, tmp_pat
     pngs.mkdir()
     for name in ("1011.png", "1055.png"):
         shutil.copy(shared_data / "rid-roofs" / "images" / name, pngs / name)
+    # an input named like another input's mask output: its files must not overwrite 1011's class-index mask
+    shutil.copy(shared_data / "rid-roofs" / "images" / "1055.png", pngs / "1011_mask.png")
     out = tmp_path / "out"
     assert main(["predict", "--checkpoint", str(tmp_path / "ck"), "--images", str(pngs), "--out", str(out)]) == 0
-    assert f"predict: 2 images -> {out} (2 records;" in capsys.readouterr().out.strip().splitlines()[-1]
+    assert f"predict: 3 images -> {out} (3 records;" in capsys.readouterr().out.strip().splitlines()[-1]
     records = json.loads((out / "predictions.json").read_text())
-    assert [r["file"] for r in records] == ["1011.png", "1055.png"]
+    assert [r["file"] for r in records] == ["1011.png", "1011_mask.png", "1055.png"]
+    written = [r[k] for r in records for k in ("mask", "overlay")]
+    assert len(set(written)) == 6 and records[0]["mask"] == "1011_mask.png", written
     for r in records:
         mask = np.asarray(Image.open(out / r["mask"]))
         assert mask.shape == (512, 512) and int(mask.max()) < len(t.label_space["classes"])

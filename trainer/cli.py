@@ -20,14 +20,37 @@ import sys
 from collections.abc import Sequence
 from typing import Optional
 
-from trainer.config import FIELDS, FIELDS_BY_SECTION, SECTIONS, ConfigError, choices_of, flag_of, load_config
+from trainer.config import (
+    FIELDS,
+    FIELDS_BY_SECTION,
+    SECTIONS,
+    ConfigError,
+    choices_of,
+    embedded_default_for,
+    flag_of,
+    load_config,
+)
 from trainer.errors import EXIT_USAGE
+
+
+class UsageParser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line, ``error: <command>: <what>; <see --help>``, exit 2
+    (argparse's own status), instead of the sub-command's usage block (115 lines for ``train``) before the line
+    that matters. Sub-parsers made through ``add_subparsers`` are of this class too."""
+
+    def error(self, message: str):
+        """Print ``error: <command>: <message>; see <prog> --help`` on stderr and exit 2."""
+        command = self.prog.removeprefix("python -m trainer").strip() or "trainer"
+        self.exit(EXIT_USAGE, f"error: {command}: {message.removeprefix('argument ')}; see {self.prog} --help\n")
 
 
 def _add_field_flags(group, f) -> None:
     """Add field ``f``'s flag (``--x`` VALUE, or ``--x/--no-x`` for a boolean) and its hidden alias flags."""
     name = f.name
-    kw = {"dest": name, "default": argparse.SUPPRESS, "help": (f.metadata.get("help") or "").replace("%", "%%")}
+    help_text = f.metadata.get("help") or ""
+    if choices_of(f):
+        help_text += f" Choices: {', '.join(map(str, choices_of(f)))}."
+    kw = {"dest": name, "default": argparse.SUPPRESS, "help": help_text.replace("%", "%%")}
     if name != "precision" and choices_of(f):  # precision: aliases such as bf16/fp16 are normalised by the config
         kw["choices"] = choices_of(f)
     if isinstance(f.default, bool):
@@ -97,7 +120,7 @@ def build_parser(command: Optional[str] = "train") -> argparse.ArgumentParser:
     Other sub-commands are listed with their help line, so ``python -m trainer --help`` imports nothing
     heavy and ``train`` never imports the planning modules (which need torch and the instance catalog).
     """
-    parser = argparse.ArgumentParser(prog="python -m trainer", description="Trainstack trainer")
+    parser = UsageParser(prog="python -m trainer", description="Trainstack trainer")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_line in COMMANDS.items():  # in this order, so usage and "choose from" lists stay stable
         if name != command:
@@ -129,9 +152,21 @@ def build_parser(command: Optional[str] = "train") -> argparse.ArgumentParser:
     return parser
 
 
-def _config_from_namespace(ns: argparse.Namespace):
+def _config_from_namespace(ns: argparse.Namespace, embedded_default: bool = False):
+    """The validated TrainConfig of parsed flags. ``embedded_default``: without ``--config`` (and without a
+    dataset or another task on the command line) start from the embedded default, ``configs/digits.yaml``
+    (:func:`~trainer.config.embedded_default_for`), and say so on rank 0."""
     values = {k: v for k, v in vars(ns).items() if k in FIELDS}
-    return load_config(getattr(ns, "config", None), values)
+    path = getattr(ns, "config", None)
+    if embedded_default:
+        chosen = embedded_default_for(path, values)
+        if chosen is not None and path is None:
+            from trainer.failures import env_rank
+
+            if env_rank() == 0:
+                print(f"config: {chosen} (the embedded default; --config FILE or --data-dir DIR to choose)", flush=True)
+        path = chosen
+    return load_config(path, values)
 
 
 def _command_parser(parser: argparse.ArgumentParser, command: Optional[str]) -> argparse.ArgumentParser:
@@ -143,8 +178,8 @@ def _command_parser(parser: argparse.ArgumentParser, command: Optional[str]) -> 
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    """Parse ``python -m trainer`` arguments. Unknown flags are reported by the sub-command's parser (its usage
-    line, then ``unrecognized arguments: ...`` last); exits 2 (argparse) on any usage error, 0 after --help."""
+    """Parse ``python -m trainer`` arguments. A usage error (unknown flag, invalid choice, missing value) is one
+    line naming the sub-command (:class:`UsageParser`); exits 2 on any usage error, 0 after --help."""
     command = _requested_command(argv)
     parser = build_parser(command if command in COMMANDS else None)
     args, extra = parser.parse_known_args(argv)
@@ -178,11 +213,9 @@ def _parse_in_rank(argv: Sequence[str]) -> argparse.Namespace:
         if e.code in (0, None):
             raise
         lines = err.getvalue().rstrip().splitlines() or ["invalid arguments"]
-        if env_rank() == 0:
+        if env_rank() == 0 and lines[:-1]:
             print("\n".join(lines[:-1]), file=sys.stderr, flush=True)
-        raise SystemExit(
-            fail(EXIT_USAGE, lines[-1].replace("python -m trainer ", "", 1).replace(": error:", ":", 1))
-        ) from None
+        raise SystemExit(fail(EXIT_USAGE, lines[-1].removeprefix("error: "))) from None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -190,11 +223,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parse_in_rank(list(sys.argv[1:] if argv is None else argv))
     if args.command == "train":
         try:
-            cfg = _config_from_namespace(args)
+            cfg = _config_from_namespace(args, embedded_default=True)
         except ConfigError as e:
             from trainer.failures import fail
 
-            return fail(EXIT_USAGE, f"config: {e}")
+            return fail(EXIT_USAGE, str(e))
         from trainer.engine.run import run
 
         return run(cfg)

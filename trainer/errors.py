@@ -16,6 +16,8 @@ command-line layers print it as one line and return :func:`exit_code` of it.
 
 from __future__ import annotations
 
+import re
+
 EXIT_OK, EXIT_USAGE, EXIT_NONFINITE, EXIT_INTERRUPTED, EXIT_ABORTED = 0, 2, 3, 75, 130
 
 
@@ -46,3 +48,37 @@ def exit_code(exc: BaseException) -> int:
     if isinstance(exc, (ConfigError, DataError, CheckpointError)):
         return EXIT_USAGE
     return 1
+
+
+#: A C++ source location as PyTorch and torchvision put it in their messages: ``decode_jpeg, /__w/.../x.cpp:171, ``
+#: or ``Exception raised from f at /pytorch/x.cpp:12 (most recent call first)``.
+_CPP_LOCATION = re.compile(r"(?:\w+, )?/\S+\.(?:c|cc|cpp|cu|cuh|h|hpp):\d+,? ?|Exception raised from .*$")
+#: torch.load's refusal of a non-tensor object, which advises retrying with ``weights_only=False`` (arbitrary code
+#: execution from an untrusted file); only the refused global is kept.
+_WEIGHTS_ONLY = re.compile(r"Weights only load failed.*?(?:Unsupported global: GLOBAL (\S+)|$)", re.S)
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def shorten(text: str, limit: int = 200) -> str:
+    """``text`` on one line, at most ``limit`` characters, cut at a word boundary with an ellipsis ("…")."""
+    text = " ".join(text.split())
+    if len(text) <= limit:
+        return text
+    cut = text[: limit - 1]
+    return (cut.rsplit(" ", 1)[0] if " " in cut else cut).rstrip(",;:") + "…"
+
+
+def error_detail(e: BaseException, limit: int = 200) -> str:
+    """``"<Type>: <message>"`` of a library's error (a decoder, ``torch.load``) for a one-line report: C++ source
+    locations and torch.load's ``weights_only=False`` advice removed, cut at a word boundary (:func:`shorten`).
+
+    Example: ``RuntimeError('decode_jpeg, /__w/vision/.../decode_jpeg.cpp:171, Image is incomplete or truncated')``
+    -> ``"RuntimeError: Image is incomplete or truncated"``.
+    """
+    text = _ANSI.sub("", str(e))
+    refused = _WEIGHTS_ONLY.match(text)
+    if refused:
+        what = f" (it holds {refused.group(1)})" if refused.group(1) else ""
+        text = f"not a file of tensors only{what}"
+    text = " ".join(_CPP_LOCATION.sub("", line).strip() for line in text.splitlines() if line.strip())
+    return shorten(f"{type(e).__name__}: {text}" if text else type(e).__name__, limit)

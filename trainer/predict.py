@@ -174,16 +174,26 @@ def add_predict_command(sub) -> None:
     """Register the ``predict`` sub-command on ``sub`` (an argparse sub-parsers object)."""
     p = sub.add_parser(
         "predict",
-        help="run a checkpoint on a folder of images: drawn PNGs and predictions.json",
-        description="Run a trained checkpoint on a folder of images: one drawn PNG per image and predictions.json "
-        "(docs/detection.md, Predict).",
+        help="run a checkpoint on a folder of images or videos: drawn PNGs and predictions.json",
+        description="Run a trained checkpoint of any task on a folder of its inputs and write predictions.json: "
+        "classification top-5 per image, detection boxes (docs/detection.md, Predict), segmentation class-index "
+        "masks <stem>_mask.png plus overlays (docs/segmentation.md), video top-5 per clip (docs/video.md).",
     )
     p.add_argument(
         "--checkpoint", required=True, metavar="CKPT", help="a checkpoint folder (ckpt-*) or a run's checkpoint_dir"
     )
-    p.add_argument("--images", required=True, metavar="DIR", help="folder of image files (not searched recursively)")
     p.add_argument(
-        "--out", required=True, metavar="DIR", help="output folder (created): <stem>.png per image, predictions.json"
+        "--images",
+        required=True,
+        metavar="DIR",
+        help="folder of input files: images, or video files for a video checkpoint (not searched recursively)",
+    )
+    p.add_argument(
+        "--out",
+        required=True,
+        metavar="DIR",
+        help="output folder (created): <stem>.png per input (segmentation also <stem>_mask.png; an input whose files "
+        "would overwrite another's gets _2, _3...), predictions.json",
     )
     p.add_argument(
         "--score-threshold",
@@ -254,15 +264,26 @@ def list_images(folder: str | Path, limit: Optional[int] = None, extensions: Opt
     return files[:limit] if limit else files
 
 
-def output_names(paths: list[str]) -> dict[str, str]:
-    """Input path -> drawn PNG's file name: ``<stem>.png``, or ``<stem>_<ext>.png`` when stems collide."""
+def output_names(paths: list[str], suffixes: tuple[str, ...] = ("",)) -> dict[str, str]:
+    """Input path -> drawn PNG's file name: ``<stem>.png``, or ``<stem>_<ext>.png`` when stems collide.
+
+    ``suffixes``: the files a task writes per input, as suffixes of that name's stem (segmentation: ``("",
+    "_mask")`` for ``x.png`` and ``x_mask.png``). No two inputs get a file name in common: an input whose files
+    would overwrite another's (``x.png`` beside ``x_mask.png`` in segmentation) gets ``_2``, ``_3``... appended.
+    """
     stems: dict[str, int] = {}
     for p in paths:
         stems[Path(p).stem] = stems.get(Path(p).stem, 0) + 1
-    names = {}
+    names, taken = {}, set()
     for p in paths:
         f = Path(p)
-        names[p] = f"{f.stem}.png" if stems[f.stem] == 1 else f"{f.stem}_{f.suffix.lstrip('.').lower()}.png"
+        base = f.stem if stems[f.stem] == 1 else f"{f.stem}_{f.suffix.lstrip('.').lower()}"
+        stem, k = base, 1
+        while any(f"{stem}{s}" in taken for s in suffixes):
+            k += 1
+            stem = f"{base}_{k}"
+        taken.update(f"{stem}{s}" for s in suffixes)
+        names[p] = f"{stem}.png"
     return names
 
 
@@ -390,7 +411,7 @@ def predict(args: argparse.Namespace) -> str:
     except ConfigError as e:
         raise PredictError(f"--device: {str(e).removeprefix('device: ')}") from None
     task, model, label_space, which = load_model(ckpt, device, args.ema)
-    names = output_names(paths)
+    names = output_names(paths, task.output_suffixes)
     records: list[dict] = []
     done = 0
     for start in range(0, len(paths), args.batch_size):

@@ -216,10 +216,80 @@ CASES = [
         "seg-every-mask-outside-the-classes",
         lambda t: _seg_argv(t, _pairs(t, ids=(5, 6))),
         2,
-        "consecutive files cannot be decoded",
+        "val masks of split val are bad, more than max_bad_fraction",
+        _nothing_trained,
+    ),
+    Case(
+        "seg-a-val-mask-outside-the-classes-before-training",
+        lambda t: _seg_argv(t, _one_bad_val_mask(t), "--max-bad-fraction", "0"),
+        2,
+        "class ids [7] outside 0..1",
+        _nothing_trained,
+    ),
+    Case(
+        "seg-every-val-mask-ignore-index",
+        lambda t: _seg_argv(t, _pairs(t, ids=(255, 255))),
+        2,
+        "is ignore_index 255 only; mIoU needs labelled pixels",
+        _nothing_trained,
+    ),
+    Case(
+        "seg-float-masks-with-fractions",
+        lambda t: _seg_argv(t, _float_masks(t)),
+        2,
+        "a float mask with fractional values [0.5]; expected whole class ids",
         _nothing_trained,
     ),
 ]
+
+
+def _val_stems(data: Path, fraction: float = 0.3) -> list[str]:
+    from trainer.data.formats.segmentation.pairs import _hash_unit
+
+    return sorted(p.stem for p in (data / "images").glob("*.png") if _hash_unit(p.name) < fraction)
+
+
+def _one_bad_val_mask(tmp: Path) -> Path:
+    data = _pairs(tmp)
+    stem = _val_stems(data)[0]
+    _pair(data, stem, ids=(0, 7))
+    return data
+
+
+def _float_masks(tmp: Path) -> Path:
+    data = _pairs(tmp)
+    for mask in (data / "masks").glob("*.png"):
+        values = np.asarray(Image.open(mask)).astype(np.float32)
+        values[0, 0] = 0.5
+        mask.unlink()
+        Image.fromarray(values, mode="F").save(mask.with_suffix(".tif"))
+    return data
+
+
+def test_a_bad_val_mask_is_left_out_before_training_and_counted_every_epoch(tmp_path):
+    """One val mask outside the classes (within max_bad_fraction): named in the log before the first step, left
+    out of the metrics, and counted in every epoch's val_bad_files (it was reported as 0)."""
+    import json
+    import subprocess
+
+    from bad_input_table import REPO
+
+    data = _one_bad_val_mask(tmp_path)
+    assert len(_val_stems(data)) >= 2, "the row needs a good val pair beside the bad one"
+    proc = subprocess.run(
+        _seg_argv(tmp_path, data, "--max-bad-fraction", "0.6", "--max-steps-per-epoch", "1"),
+        cwd=tmp_path,
+        env={**__import__("os").environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    assert "val mask(s) cannot be used; left out:" in out and "class ids [7] outside 0..1" in out
+    rows = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    epochs = [r for r in rows if "val_bad_files" in r]
+    assert epochs and all(r["val_bad_files"] == 1 for r in epochs), epochs
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])

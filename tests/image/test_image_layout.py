@@ -151,6 +151,38 @@ def test_help_of_train_and_the_entrypoint(image_tree):
         assert res.returncode == 0 and "--batch-size" in res.stdout, (cmd, res.stdout[-2000:] + res.stderr)
 
 
+def test_train_without_arguments_runs_the_embedded_default(image_tree, tmp_path):
+    """``python -m trainer train`` in the image, from another folder, trains configs/digits.yaml (capped here to
+    one step) and writes where that file says, relative to the working directory."""
+    workdir, env = image_tree
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainer",
+            "train",
+            "--max-steps-per-epoch",
+            "1",
+            "--epochs",
+            "1",
+            "--warmup-epochs",
+            "0",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert f"config: {workdir}/configs/digits.yaml (the embedded default" in res.stdout
+    import torch
+
+    state = next((tmp_path / "runs" / "digits" / "checkpoints").glob("ckpt-*/state.pt"))
+    cfg = torch.load(state, weights_only=True)["config"]
+    assert (cfg["model"], cfg["image_size"], cfg["batch_size"]) == ("resnet18", 32, 64), cfg
+
+
 def test_tiny_cpu_job_through_the_entrypoint(image_tree, tiny_digits, tmp_path):
     workdir, env = image_tree
     over = tiny_overrides(tiny_digits, tmp_path, epochs=1, max_steps_per_epoch=2)

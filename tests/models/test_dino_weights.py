@@ -348,3 +348,21 @@ def test_task_refuses_a_missing_or_unusable_init_from(tmp_path):
     task.check_config()
     with pytest.raises(ConfigError, match=r"^init_from: .*junk.pth is not a state_dict"):
         task.build_model(2)
+
+
+def test_init_from_takes_our_checkpoint_folder_and_checkpoint_dir(coco_sd, tmp_path):
+    """A ckpt-* folder (what --resume and predict take) and a checkpoint_dir with ``latest`` load as the file
+    does: our state.pt holds the weights under ``model``, beside the config, progress and optimizer."""
+    ck = tmp_path / "checkpoints" / "ckpt-000000012"
+    ck.mkdir(parents=True)
+    torch.save({"model": coco_sd, "config": {"task": "detection"}, "progress": {"global_step": 12}}, ck / "state.pt")
+    (ck.parent / "latest").write_text("ckpt-000000012\n")
+    for path in (ck, ck.parent):
+        model = tiny(COCO, seed=6)
+        report = load_upstream(model, path, log=lambda s: None)
+        assert len(report.loaded) == len(coco_sd) and not report.missing, path
+        assert torch.equal(model.state_dict()["transformer.level_embed"], coco_sd["transformer.level_embed"])
+        _task(tmp_path, init_from=str(path)).check_config()
+    with pytest.raises(ConfigError, match=r"init_from: .*empty is not a file or a checkpoint folder"):
+        (tmp_path / "empty").mkdir()
+        _task(tmp_path, init_from=str(tmp_path / "empty")).check_config()

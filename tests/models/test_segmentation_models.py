@@ -86,6 +86,24 @@ def test_encoder_weights_round_trip(tmp_path, arch):
     _assert_same_encoder(source, loaded)
 
 
+def test_encoder_weights_accept_a_plain_torchvision_resnet(tmp_path):
+    """The file that frame_weights and pretrained_backbone take (torchvision ResNet-18 with its fc.* head) loads
+    into smp's ResNet-18 encoder, which has no fc; a file of another network is still refused."""
+    import torchvision
+
+    torch.manual_seed(3)
+    resnet = torchvision.models.resnet18(weights=None)
+    path = tmp_path / "resnet18.pth"
+    torch.save(resnet.state_dict(), path)
+    model = build_segmentation_model("unet", 3, encoder="resnet18", encoder_weights=str(path))
+    theirs = {k: v for k, v in resnet.state_dict().items() if not k.startswith("fc.")}
+    assert model.encoder.state_dict().keys() == theirs.keys()
+    assert all(torch.equal(model.encoder.state_dict()[k], v) for k, v in theirs.items())
+    torch.save(torchvision.models.resnet34(weights=None).state_dict(), tmp_path / "r34.pth")
+    with pytest.raises(ConfigError, match="encoder_weights: .*r34.pth does not match the unet/resnet18 encoder"):
+        build_segmentation_model("unet", 3, encoder="resnet18", encoder_weights=str(tmp_path / "r34.pth"))
+
+
 def test_encoder_weights_from_safetensors(tmp_path):
     from safetensors.torch import save_file
 

@@ -154,7 +154,7 @@ def test_jobs_per_instance_below_one_exits_2_with_one_line(tmp_path, capsys, val
     args = ["plan", "--data-dir", str(tmp_path), "--model-memory-gib", "1", "--dataset-size", "100"]
     assert main([*args, "--jobs-per-instance", value]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and err.startswith(f"error: plan: --jobs-per-instance: got {value}")
+    assert err.count("\n") == 0 and err.startswith(f"error: --jobs-per-instance: got {value}")
     with pytest.raises(PlanError, match="--jobs-per-instance"):
         PlanOptions(jobs_per_instance=0).validate()
 

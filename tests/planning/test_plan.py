@@ -203,7 +203,7 @@ def test_errors_exit_2_with_one_line(cfg, tmp_path, capsys, args, message):
         == 2
     )
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and err.startswith("error: plan: ") and message in err
+    assert err.count("\n") == 0 and err.startswith("error: ") and message in err
 
 
 def test_plan_cli_writes_json(cfg, tmp_path, capsys):

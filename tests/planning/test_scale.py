@@ -71,7 +71,7 @@ BAD_PLANS = [  # (id, plan text with BASE for seed 001's CPU config, fragment of
 def test_bad_plan_exits_2_with_one_line_naming_plan_and_field(tmp_path, case_id, text, message):
     proc = run_case(Case(case_id, _bad_plan(text), 2, message, _nothing_ran), tmp_path)
     lines = [x for x in proc.stderr.splitlines() if x.strip()]
-    assert len(lines) == 1 and lines[0].startswith(f"error: scale: plan {tmp_path / 'plan.yaml'}"), proc.stderr
+    assert len(lines) == 1 and lines[0].startswith(f"error: plan {tmp_path / 'plan.yaml'}"), proc.stderr
 
 
 BAD_OPTIONS = [

@@ -218,14 +218,14 @@ def test_rank_records_decide_status_and_reason(tmp_path, capsys):
     job = read_job_env(make_root(tmp_path), env={})
     ckpt = tmp_path / "checkpoints"
     records = [
-        {"exit": 2, "error": "DataError: data split 'val': folder /d/val does not exist", "rank": 0},
-        {"exit": 2, "error": "DataError: data split 'val': folder /d/val does not exist", "rank": 1},
+        {"exit": 2, "error": "data split 'val': folder /d/val does not exist", "rank": 0},
+        {"exit": 2, "error": "data split 'val': folder /d/val does not exist", "rank": 1},
     ]
     assert entrypoint.outcome(job, 2, ckpt, None, records) == 2
     reason = job.failure_file.read_text()
-    assert reason.startswith("DataError: data split 'val'") and "a retry fails the same way" in reason
+    assert reason.startswith("data split 'val'") and "a retry fails the same way" in reason
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert last.startswith("train: exit 2: DataError: data split 'val': folder /d/val does not exist")
+    assert last.startswith("error: train: exit 2: data split 'val': folder /d/val does not exist")
     assert entrypoint.outcome(job, 3, ckpt, None, [{"exit": 3, "error": "loss became NaN/inf", "rank": 1}]) == 3
     assert "loss became NaN/inf" in job.failure_file.read_text()
     # torchrun exits 1 although the rank said 75 and no marker appeared: the record's word is taken

@@ -205,6 +205,42 @@ def test_splits_with_different_categories_are_refused(shared_data, tmp_path):
         build_task(_cfg(data, tmp_path), CPU).build_data()
 
 
+def _rewrite(path: Path, change) -> None:
+    d = json.loads(path.read_text())
+    change(d)
+    path.write_text(json.dumps(d))
+
+
+def test_two_categories_giving_one_ap_key_are_refused(shared_data, tmp_path):
+    """'with mask' and 'with-mask' both give ap_with_mask: their per-class AP would merge into one key."""
+    data = facemask_subset(shared_data, tmp_path, 2, 2)
+    for split in ("train", "val"):
+
+        def rename(d):
+            d["categories"][0]["name"], d["categories"][1]["name"] = "with mask", "with-mask"
+
+        _rewrite(tmp_path / "annotations" / f"instances_{split}.json", rename)
+    with pytest.raises(DataError, match=r"instances_train.json: categories share a per-class metric key \(id \d+ "):
+        build_task(_cfg(data, tmp_path), CPU).build_data()
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+@pytest.mark.parametrize("how", ["all-crowd", "no-annotations"])
+def test_a_split_without_a_box_is_refused_before_training(shared_data, tmp_path, split, how):
+    data = facemask_subset(shared_data, tmp_path, 2, 2)
+
+    def empty(d):
+        if how == "all-crowd":
+            for a in d["annotations"]:
+                a["iscrowd"] = 1
+        else:
+            d["annotations"] = []
+
+    _rewrite(tmp_path / "annotations" / f"instances_{split}.json", empty)
+    with pytest.raises(DataError, match=rf"instances_{split}.json: split {split} has no non-crowd box \(2 images"):
+        build_task(_cfg(data, tmp_path), CPU).build_data()
+
+
 def test_a_short_detection_run_through_the_engine(shared_data, tmp_path):
     from trainer.engine.trainer import Trainer
 

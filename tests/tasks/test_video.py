@@ -245,3 +245,35 @@ def test_plan_prices_seed004_and_flags_its_four_job_incident():
     assert rows[1]["host_ram"]["dataset_bytes"] == 8000 * 32 * 64 * 64 * 3  # one .npz copy in its one worker
     assert verdict(rows[1]) == verdict(rows[3]) == "yes"
     assert verdict(rows[4]) == "ERROR" and "busy processes" in " ".join(rows[4]["errors"])
+
+
+class _Lengths:
+    """A clip source of given (label, frame count) pairs: all _check_rejected_clips reads."""
+
+    def __init__(self, clips):
+        self.clips = clips
+
+    def __len__(self):
+        return len(self.clips)
+
+    def label(self, i):
+        return self.clips[i][0]
+
+    def num_frames(self, i):
+        return self.clips[i][1]
+
+
+def test_short_clips_reject_is_counted_before_training_and_never_empties_a_class(tmp_path):
+    from trainer.errors import DataError
+    from trainer.tasks.video.task import _check_rejected_clips
+
+    cfg = video_cfg(tmp_path, tmp_path, short_clips="reject", frame_stride=2, max_bad_fraction=0.5)  # span 15
+    ok = _Lengths([(0, 30), (0, 10), (1, 30), (1, 15)])
+    assert _check_rejected_clips(ok, "train", ["a", "b"], cfg) == [
+        "data: train: 1 of 4 clips too short, rejected (a 1/2)"
+    ]
+    assert _check_rejected_clips(_Lengths([(0, 15), (1, 16)]), "val", ["a", "b"], cfg) == []
+    with pytest.raises(DataError, match=r"short_clips: reject \(val, .*15 frames.*every clip of class b is too short"):
+        _check_rejected_clips(_Lengths([(0, 30), (0, 30), (0, 30), (1, 14)]), "val", ["a", "b"], cfg)
+    with pytest.raises(DataError, match=r"3 of 5 clips are too short, more than max_bad_fraction 0.5"):
+        _check_rejected_clips(_Lengths([(0, 30), (0, 3), (1, 3), (1, 30), (1, 3)]), "train", ["a", "b"], cfg)

@@ -34,7 +34,7 @@ Conventions (they differ between the seeds, so they are fixed here):
 from __future__ import annotations
 
 from trainer.config.fields import ALIASES, FIELDS, FIELDS_BY_SECTION, NON_TRAJECTORY_FIELDS, TrainConfig  # noqa: F401
-from trainer.config.loading import load_config, yaml_fields  # noqa: F401
+from trainer.config.loading import EMBEDDED_DEFAULT, embedded_default_for, load_config, yaml_fields  # noqa: F401
 from trainer.config.schema import (  # noqa: F401
     BUILTIN_DIGITS,
     DEVICES,
@@ -58,6 +58,7 @@ __all__ = [
     "BUILTIN_DIGITS",
     "ConfigError",
     "DEVICES",
+    "EMBEDDED_DEFAULT",
     "FFCV_ORDERS",
     "FIELDS",
     "FIELDS_BY_SECTION",
@@ -70,6 +71,7 @@ __all__ = [
     "SECTIONS",
     "TrainConfig",
     "choices_of",
+    "embedded_default_for",
     "flag_of",
     "is_task_section",
     "load_config",

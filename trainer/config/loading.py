@@ -187,6 +187,25 @@ def yaml_fields(path: str | Path) -> dict[str, Any]:
     return {name: value for name, (_, value) in _file_entries(Path(path)).items()}
 
 
+#: The embedded default config (``make run``): ``configs/digits.yaml`` beside the ``trainer`` package, in the repo
+#: and in the training image (which copies ``configs/`` next to ``trainer/``).
+EMBEDDED_DEFAULT = Path(__file__).resolve().parents[2] / "configs" / "digits.yaml"
+
+
+def embedded_default_for(path: Optional[str | Path], overrides: dict) -> Optional[Path]:
+    """The config file a ``train`` run without ``--config`` starts from: :data:`EMBEDDED_DEFAULT` when no
+    ``--config`` is given and the command line chooses neither a dataset (``data_dir``) nor another task than
+    classification, so ``python -m trainer train`` trains what ``make run`` trains (the README's quick start); else
+    ``path`` unchanged (None: the field defaults). Flags still override the file's values.
+    """
+    if path is not None or not EMBEDDED_DEFAULT.is_file():
+        return path
+    chosen = {ALIASES.get(k, k) for k in overrides}
+    if "data_dir" in chosen or overrides.get("task", "classification") != "classification":
+        return path
+    return EMBEDDED_DEFAULT
+
+
 def load_config(path: Optional[str | Path] = None, overrides: Optional[dict] = None) -> TrainConfig:
     """Build a validated config from an optional YAML file and a dict of overrides (overrides win).
 

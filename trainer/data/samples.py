@@ -44,9 +44,11 @@ def collate_skip_bad(items: list) -> dict:
 
 
 def describe_error(e: BaseException) -> str:
-    """``"<ExceptionType>: <first line of the message, at most 200 characters>"`` for a decoder's error."""
-    msg = str(e).splitlines()[0][:200] if str(e) else ""
-    return f"{type(e).__name__}: {msg}"
+    """``"<ExceptionType>: <message>"`` for a decoder's error: one line of at most 200 characters, cut at a word,
+    without C++ source locations (:func:`trainer.errors.error_detail`)."""
+    from trainer.errors import error_detail
+
+    return error_detail(e)
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:

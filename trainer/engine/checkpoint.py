@@ -50,7 +50,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from trainer.errors import CheckpointError  # noqa: F401 - re-exported
+from trainer.errors import (
+    CheckpointError,  # noqa: F401 - re-exported
+    error_detail,
+)
 
 FORMAT_VERSION = 1
 #: Written next to the checkpoints when a run stops on request (JSON: reason, checkpoint, global_step); a
@@ -178,7 +181,7 @@ def describe_os_error(e: BaseException) -> str:
     """``"No space left on device (ENOSPC)"`` for an ``OSError``, ``"Type: message"`` for anything else."""
     if isinstance(e, OSError) and e.errno:
         return f"{e.strerror or os.strerror(e.errno)} ({errno.errorcode.get(e.errno, e.errno)})"
-    return f"{type(e).__name__}: {e}"
+    return error_detail(e, 300)
 
 
 def snapshot(obj: Any) -> Any:
@@ -577,5 +580,5 @@ class CheckpointManager:
             state = torch.load(path / "state.pt", map_location=map_location, weights_only=True)
             rng = torch.load(path / "ranks.pt", map_location="cpu", weights_only=True)["ranks"]
         except Exception as e:  # noqa: BLE001 - report any unpickling error with the path
-            raise CheckpointError(f"{path}: cannot load ({type(e).__name__}: {e})") from None
+            raise CheckpointError(f"{path}: cannot load ({error_detail(e, 300)})") from None
         return state, (rng[rank] if rank < len(rng) else None)

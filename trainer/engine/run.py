@@ -12,7 +12,7 @@ from trainer import failures
 from trainer.config import TrainConfig
 from trainer.engine import distributed as dist
 from trainer.engine.interruption import SignalHandlers, SpotNoticePoller, StopFlag
-from trainer.errors import EXIT_ABORTED, EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_OK, NonFiniteLossError, exit_code
+from trainer.errors import EXIT_ABORTED, EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_OK, exit_code
 from trainer.sagemaker import job as sagemaker
 
 
@@ -101,7 +101,7 @@ def run(cfg: TrainConfig) -> int:
                 trainer.close()
             except Exception:  # noqa: BLE001 - the NaN is what the user must see
                 pass
-        failure = (code, failures.one_line(e, with_type=not isinstance(e, NonFiniteLossError)))
+        failure = (code, failures.one_line(e, with_type=False))
     finally:
         if poller is not None:
             poller.stop()

@@ -163,6 +163,7 @@ class Trainer:
         self.ckpt = self._open_checkpoint_dir()
         data = self.task.build_data()
         self.label_space = dict(data.label_space)
+        self.val_left_out = data.val_left_out
         for line in data.report:
             self.log.info(line)
         self.eval_batch = cfg.eval_batch_size or 2 * self.micro
@@ -708,7 +709,7 @@ class Trainer:
                 "lr": self.optimizer.param_groups[0]["lr"],
                 **train,
                 **{f"val_{k}": v for k, v in val.items()},
-                "val_bad_files": val_bad,
+                "val_bad_files": val_bad + self.val_left_out,
             }
             score, stop_value = val[metric], val[stop_metric]
             if self.ema is not None:  # the better of the raw and the EMA weights counts

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, error_detail
 
 
 def read_state_dict(path: str | Path, field: str, unwrap: tuple[str, ...] = ()) -> Mapping[str, torch.Tensor]:
@@ -39,8 +39,7 @@ def read_state_dict(path: str | Path, field: str, unwrap: tuple[str, ...] = ()) 
             "expected torch.save(model.state_dict(), path) or a .safetensors file"
         ) from None
     except Exception as e:  # noqa: BLE001 - any unreadable file is a config error
-        detail = (str(e).splitlines() or [""])[0][:160]
-        raise ConfigError(f"{field}: cannot read {path} as a state_dict ({type(e).__name__}: {detail})") from None
+        raise ConfigError(f"{field}: cannot read {path} as a state_dict ({error_detail(e, 160)})") from None
     if isinstance(state, Mapping):
         inner = [state[k] for k in unwrap if isinstance(state.get(k), Mapping)]
         state = inner[0] if inner else state

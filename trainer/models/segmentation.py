@@ -134,10 +134,22 @@ def _build_torchvision(arch: str, num_classes: int) -> nn.Module:
     return TorchvisionSegmentation(net)
 
 
+#: Classification-head prefixes of ImageNet checkpoints (torchvision ResNet ``fc.``, its MobileNet/EfficientNet
+#: ``classifier.``), dropped from an ``encoder_weights`` file when the encoder has no such module (smp's encoders
+#: delete the head), as ``frame_weights`` and ``pretrained_backbone`` accept the same files.
+HEAD_PREFIXES = ("fc.", "classifier.")
+
+
 def _load_encoder(encoder: nn.Module, path: Path, what: str) -> None:
     from trainer.models.local_weights import load_checked, read_state_dict
 
-    load_checked(encoder, read_state_dict(path, "encoder_weights"), path, "encoder_weights", f"the {what} encoder")
+    own = encoder.state_dict()
+    state = {
+        k: v
+        for k, v in read_state_dict(path, "encoder_weights", unwrap=("model", "state_dict")).items()
+        if k in own or not k.startswith(HEAD_PREFIXES)
+    }
+    load_checked(encoder, state, path, "encoder_weights", f"the {what} encoder")
 
 
 def sliding_window_logits(model: nn.Module, images: torch.Tensor, window: int, overlap: float) -> torch.Tensor:

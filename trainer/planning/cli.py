@@ -143,5 +143,5 @@ def run_command(args: argparse.Namespace, config_from_namespace: Callable) -> in
             Path(opts.out).write_text(json.dumps(plan, indent=2) + "\n")
         return EXIT_OK
     except (ConfigError, DataError, PlanError, CatalogError) as e:
-        print(f"error: {args.command}: {e}", file=sys.stderr)
+        print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -289,7 +289,7 @@ def run_scale_command(args: argparse.Namespace) -> int:
         out_dir = Path(args.out_dir)
         report.check_out_dir(out_dir, [ph.name for ph in plan.phases])
     except ConfigError as e:
-        print(f"error: scale: {e}", file=sys.stderr)
+        print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
     total, source = host_memory(args.host_memory_gib)
     memory = f" --host-memory-gib {args.host_memory_gib:g}" if args.host_memory_gib is not None else ""

@@ -147,7 +147,7 @@ def export_model(checkpoint_dir: Path, model_dir: Path) -> Optional[Path]:
 
 def fail(job: JobEnv, status: int, reason: str) -> int:
     """Print ``reason``, write it to ``<root>/output/failure`` for SageMaker, return ``status``."""
-    print(f"train: exit {status}: {reason}", file=sys.stderr, flush=True)
+    print(f"error: train: exit {status}: {reason}", file=sys.stderr, flush=True)
     with contextlib.suppress(OSError):
         job.failure_file.parent.mkdir(parents=True, exist_ok=True)
         job.failure_file.write_text(reason[:1000] + "\n")

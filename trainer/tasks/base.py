@@ -40,6 +40,8 @@ class TaskData:
     stores it in every checkpoint and refuses to resume one whose label space differs (also with
     ``force_resume``), naming the difference. Empty: the task does not describe it; nothing is checked.
 
+    ``val_left_out``: how many val files the up-front check left out (see the field).
+
     ``loaders``: a format that brings its own loaders (FFCV) sets this to
     ``f(cfg, info, train, val, micro_batch, eval_batch) -> (train_loader, val_loader)``; each loader has an
     ``order`` attribute with ``set_epoch(epoch, start)`` and ``__len__`` (samples of this rank). None: the
@@ -53,6 +55,9 @@ class TaskData:
     report: list[str] = field(default_factory=list)
     label_space: dict = field(default_factory=dict)
     loaders: Optional[Callable] = None
+    #: val files (or pairs) named and left out before training (unreadable images, invalid masks); every epoch's
+    #: ``val_bad_files`` counts them beside the files that fail during evaluation.
+    val_left_out: int = 0
 
 
 @dataclass
@@ -90,6 +95,8 @@ class Task(ABC):
     flops_predict_speed: bool = True
     #: File extensions ``predict`` reads from its input folder (None: the image extensions).
     input_extensions: Optional[tuple[str, ...]] = None
+    #: the files ``render_predictions`` writes per input, as suffixes of the stem of its ``out_names`` entry
+    output_suffixes: tuple[str, ...] = ("",)
 
     def __init__(self, cfg: TrainConfig, dist: DistInfo):
         self.cfg, self.dist = cfg, dist

@@ -366,7 +366,7 @@ def run_write_ffcv(args: argparse.Namespace) -> int:
         opts = FFCVWriteOptions(**{k: getattr(args, k) for k in FFCVWriteOptions.__dataclass_fields__}).validate()
         summaries = {s: write_split(opts, s) for s in opts.splits}
     except DataError as e:
-        print(f"error: DataError: {e}", file=sys.stderr, flush=True)
+        print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     for split, s in summaries.items():
         print("write-ffcv: " + format_summary(split, s), flush=True)

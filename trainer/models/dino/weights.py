@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from trainer.errors import error_detail
+
 #: Upstream state_dict name -> ours: ``(regex, replacement)`` rows applied in order with :func:`re.sub` to every
 #: key of the file. Empty: no parameter or buffer name differs today (see the package docstring); add a row
 #: here when one does.
@@ -111,6 +113,28 @@ def _first(names) -> str:
     return ", ".join(names[:SHOW]) + more
 
 
+def init_file(path: str | Path) -> Path:
+    """The file ``init_from`` names: ``path`` itself when it is a file; for one of our checkpoint folders
+    (``ckpt-*``, as ``--resume`` and ``predict`` take) its ``state.pt``; for a checkpoint_dir, the ``state.pt`` of
+    the checkpoint its ``latest`` pointer names. Our ``state.pt`` holds the weights under ``model``, as
+    upstream's files do.
+
+    Raises:
+        ValueError: nothing there, or a folder that is neither a checkpoint nor a checkpoint_dir with ``latest``.
+    """
+    p = Path(path)
+    if p.is_file():
+        return p
+    if p.is_dir() and (p / "latest").is_file():
+        p = p / (p / "latest").read_text().strip()
+    if (p / "state.pt").is_file():
+        return p / "state.pt"
+    raise ValueError(
+        f"{path} is not a file or a checkpoint folder (an upstream DINO checkpoint such as checkpoint0011_4scale.pth, "
+        "a DINO state_dict saved with torch.save, or a ckpt-* folder / checkpoint_dir of ours)"
+    )
+
+
 def read_checkpoint(path: str | Path, log: Callable[[str], Any] = print) -> tuple[dict[str, Tensor], dict]:
     """The model state_dict in ``path`` (keys as stored, wrapper prefixes stripped) and the file's other top-level
     entries that are plain values (``epoch``).
@@ -118,9 +142,7 @@ def read_checkpoint(path: str | Path, log: Callable[[str], Any] = print) -> tupl
     Raises:
         ValueError: the file is missing or unreadable, or holds no state_dict.
     """
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"{path} is not a file (an upstream DINO checkpoint, e.g. checkpoint0011_4scale.pth)")
+    p = init_file(path)
     try:
         with torch.serialization.safe_globals([argparse.Namespace]):
             obj = torch.load(p, map_location="cpu", weights_only=True)
@@ -169,8 +191,7 @@ def _strip(key: str) -> str:
 
 
 def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    return f"{type(e).__name__}: {text[:300]}"
+    return error_detail(e, 300)
 
 
 def to_our_names(sd: Mapping[str, Tensor]) -> dict[str, tuple[str, Tensor]]:

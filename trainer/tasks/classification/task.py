@@ -167,12 +167,19 @@ class ClassificationTask(Task):
                 f"data: note: non-JPEG/PNG files in {cfg.train_split} are decoded too: "
                 + ", ".join(f"{n} {e}" for e, n in odd.items())
             )
+        n_val = len(val_scan.samples)
         val_scan, val_report = check_split(val_scan, cfg.max_bad_fraction)  # bad val files: named, left out
         report += val_report
         train = ImageFolderDataset(train_scan, _TrainTransformForEpoch(cfg), seed=cfg.seed)
         val = ImageFolderDataset(val_scan, _ValTransformForEpoch(cfg), seed=cfg.seed, replace_bad=False)
         return TaskData(
-            train, val, collate_skip_bad, self.num_classes, report, label_space={"classes": list(train_scan.classes)}
+            train,
+            val,
+            collate_skip_bad,
+            self.num_classes,
+            report,
+            label_space={"classes": list(train_scan.classes)},
+            val_left_out=n_val - len(val_scan.samples),
         )
 
     def build_model(self, num_outputs: int) -> nn.Module:

@@ -133,11 +133,13 @@ class DetectionTask(Task):
                 f"pretrained_backbone: {cfg.pretrained_backbone} is not a file (a torchvision ResNet "
                 "state_dict saved with torch.save)"
             )
-        if cfg.init_from and not Path(cfg.init_from).is_file():
-            raise ConfigError(
-                f"init_from: {cfg.init_from} is not a file (an upstream DINO checkpoint such as "
-                "checkpoint0011_4scale.pth, or a DINO state_dict saved with torch.save)"
-            )
+        if cfg.init_from:
+            from trainer.models.dino.weights import init_file
+
+            try:
+                init_file(cfg.init_from)
+            except ValueError as e:
+                raise ConfigError(f"init_from: {e}") from None
         metric, _ = self.check_target()
         if cfg.target_value is not None and not 0 < cfg.target_value <= 100:
             raise ConfigError(
@@ -267,6 +269,17 @@ class DetectionTask(Task):
                 f"{train.annotations} has {int(counts[i])} boxes; one-to-one matching needs num_queries >= the "
                 f"most boxes in one image (raise num_queries to at least {int(counts.max())})"
             )
+        _check_metric_keys(train)
+        for split, why in (
+            (train, "nothing to learn from"),
+            (val, "COCO mAP is undefined without ground truth (it would read 0.0 and pick a 'best')"),
+        ):
+            if not len(split.boxes):
+                raise DataError(
+                    f"{split.annotations}: split {split.name} has no non-crowd box ({split.census()}); {why}; "
+                    "expected annotations with iscrowd 0"
+                )
+        n_val = len(val.paths)
         val, val_report = check_coco_files(val, cfg.max_bad_fraction)
         self.val_split = val
         self.num_classes = len(train.categories)
@@ -296,6 +309,7 @@ class DetectionTask(Task):
             self.num_classes,
             report,
             label_space={"categories": list(train.categories), "category_ids": list(train.label_to_category_id)},
+            val_left_out=n_val - len(val.paths),
         )
 
     # .. model and step .....................................................................................
@@ -511,3 +525,24 @@ class DetectionTask(Task):
             drawn = draw_labelled_boxes(img, boxes, captions, [color_of(label) for label in labels])
             save_png(drawn, Path(out_dir) / (out_names[i] if out_names else f"{Path(path).stem}.png"))
         return records
+
+
+def _check_metric_keys(split) -> None:
+    """Every category's per-class AP key (``ap_<name>``, :func:`~trainer.engine.evaluation.metric_key`) must be its
+    own: two categories whose names give one key would merge their AP in the metrics (segmentation refuses the
+    same for its IoU keys).
+
+    Raises:
+        DataError: naming the annotations file and the categories (JSON id and name) that share a key.
+    """
+    from trainer.engine.evaluation import metric_key
+
+    by_key: dict[str, list[str]] = {}
+    for cat_id, name in zip(split.label_to_category_id, split.categories):
+        by_key.setdefault(f"ap_{metric_key(name)}", []).append(f"id {cat_id} {name!r}")
+    clashes = [f"{' and '.join(v)} -> {k}" for k, v in by_key.items() if len(v) > 1]
+    if clashes:
+        raise DataError(
+            f"{split.annotations}: categories share a per-class metric key ({'; '.join(clashes[:3])}); "
+            "give each category its own name"
+        )

@@ -3,6 +3,7 @@ segmentation_models_pytorch or torchvision models, cross-entropy + Dice, and a s
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
@@ -29,6 +30,7 @@ class SegmentationTask(Task):
 
     name = "segmentation"
     target_metric = "miou"
+    output_suffixes = ("", "_mask")
 
     # .. config ............................................................................................
     def check_config(self) -> None:
@@ -104,6 +106,7 @@ class SegmentationTask(Task):
             SegmentationDataset,
             TrainTransform,
         )
+        from trainer.data.formats.segmentation.pairs import check_val_masks, decode_mask
         from trainer.data.formats.segmentation.sources import MultiSourceDataset, build_sources
         from trainer.models.segmentation import required_divisor
 
@@ -116,7 +119,23 @@ class SegmentationTask(Task):
         eval_tf = EvalTransform(cfg.image_size if cfg.eval_resize else 0)
         parts: dict[str, list] = {"train": [], "val": []}
         report = [f"data: {len(sources)} dataset(s), {n} shared classes ({', '.join(cfg.classes)})"]
+        left_out = 0
         for src in sources:
+            src.splits["val"], lines, n_bad = check_val_masks(
+                src.splits["val"],
+                partial(
+                    decode_mask,
+                    num_classes=len(src.classes),
+                    ignore_index=cfg.ignore_index,
+                    palette=src.palette,
+                    unknown=src.unknown_colour,
+                    tolerance=src.palette_tolerance,
+                ),
+                cfg.ignore_index,
+                cfg.max_bad_fraction,
+            )
+            src.splits["val"].report += lines
+            left_out += n_bad
             for split, tf in (("train", train_tf), ("val", eval_tf)):
                 parts[split].append(
                     SegmentationDataset(
@@ -142,7 +161,7 @@ class SegmentationTask(Task):
         val = MultiSourceDataset(parts["val"])
         collate = SegmentationCollate(required_divisor(cfg.model), cfg.ignore_index)
         space = {"classes": list(cfg.classes), "ignore_index": cfg.ignore_index}
-        return TaskData(train, val, collate, n, report, label_space=space)
+        return TaskData(train, val, collate, n, report, label_space=space, val_left_out=left_out)
 
     def build_model(self, num_outputs: int) -> nn.Module:
         """The configured architecture (``model``) with ``encoder`` / ``encoder_weights``, ``num_outputs`` classes;

@@ -112,6 +112,9 @@ class VideoTask(Task):
         report += list(getattr(train_src, "report", [])) + list(getattr(val_src, "report", []))
         report.append(f"data: {cfg.train_split}: {len(train_src)} clips; {cfg.val_split}: {len(val_src)} clips")
         self.sources = {"train": train_src, "val": val_src}
+        if cfg.short_clips == "reject":
+            for split, src in ((cfg.train_split, train_src), (cfg.val_split, val_src)):
+                report += _check_rejected_clips(src, split, classes, cfg)
         if cfg.cache_features:
             train_src, val_src = self._cached(train_src, val_src, report)
         common = dict(num_frames=cfg.num_frames, stride=cfg.frame_stride, seed=cfg.seed, short_clips=cfg.short_clips)
@@ -295,3 +298,40 @@ class VideoTask(Task):
         from trainer.predict import render_top_k
 
         return render_top_k(paths, batch["frames"], outputs, label_space, out_dir, out_names)
+
+
+def _check_rejected_clips(source, split: str, classes: list[str], cfg) -> list[str]:
+    """With ``short_clips: reject``, the clips of ``split`` shorter than one clip span (``(num_frames - 1) *
+    frame_stride + 1`` frames) are never trained on or scored: count them before training, per class.
+
+    Returns report lines (empty when none is too short).
+
+    Raises:
+        DataError: every clip of a class is too short (the model would keep a class it never sees), or more than
+            ``max_bad_fraction`` of the split's clips are.
+    """
+    from trainer.data.formats.video.clips import clip_span
+
+    span = clip_span(cfg.num_frames, cfg.frame_stride)
+    total, short = [0] * len(classes), [0] * len(classes)
+    for i in range(len(source)):
+        label = source.label(i)
+        total[label] += 1
+        short[label] += int(source.num_frames(i) < span)
+    if not sum(short):
+        return []
+    emptied = [classes[k] for k in range(len(classes)) if total[k] and short[k] == total[k]]
+    where = f"short_clips: reject ({split}, clips shorter than {span} frames = num_frames {cfg.num_frames} x stride"
+    where += f" {cfg.frame_stride})"
+    if emptied:
+        raise DataError(
+            f"{where}: every clip of class {', '.join(emptied[:3])} is too short, so the class would never be trained "
+            "or scored; expected short_clips pad or loop, or a smaller num_frames / frame_stride"
+        )
+    if sum(short) > cfg.max_bad_fraction * len(source):
+        raise DataError(
+            f"{where}: {sum(short)} of {len(source)} clips are too short, more than max_bad_fraction "
+            f"{cfg.max_bad_fraction:g}; expected short_clips pad or loop, or a smaller num_frames / frame_stride"
+        )
+    per_class = ", ".join(f"{classes[k]} {short[k]}/{total[k]}" for k in range(len(classes)) if short[k])
+    return [f"data: {split}: {sum(short)} of {len(source)} clips too short, rejected ({per_class})"]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -231,7 +232,11 @@ def decode_mask(
             return torch.from_numpy(ids.astype(np.int64).reshape(im.size[1], im.size[0]))
         if im.mode in ("RGB", "RGBA", "LA", "CMYK", "YCbCr"):
             raise ValueError(f"a colour mask (mode {im.mode}) but no palette: set segmentation.palette")
-        ids = np.asarray(im).astype(np.int64)
+        raw = np.asarray(im)
+    if np.issubdtype(raw.dtype, np.floating) and not np.array_equal(raw, np.floor(raw)):
+        vals = np.unique(raw[raw != np.floor(raw)])[:EXAMPLES].tolist()
+        raise ValueError(f"a float mask with fractional values {vals}; expected whole class ids")
+    ids = raw.astype(np.int64)
     if ids.ndim != 2:
         raise ValueError(f"expected a single-channel mask, got shape {ids.shape}")
     outside = ((ids >= num_classes) & (ids != ignore_index)) | (ids < 0)
@@ -239,3 +244,58 @@ def decode_mask(
         vals = np.unique(ids[outside])[:EXAMPLES].tolist()
         raise ValueError(f"class ids {vals} outside 0..{num_classes - 1} (ignore_index {ignore_index})")
     return torch.from_numpy(ids)
+
+
+def check_val_masks(
+    split: SegSplit,
+    decode: Callable[[str], torch.Tensor],
+    ignore_index: int,
+    max_bad_fraction: float,
+    limit: int = 1000,
+) -> tuple[SegSplit, list[str], int]:
+    """Decode the masks of a val split before training (the first ``limit`` pairs; classification and detection
+    check their val images the same way), so a mask with ids outside the classes, colours outside the palette or
+    an unreadable file is named and left out now, not found after an epoch of training.
+
+    ``decode(mask_path)`` -> int64 (H, W) class ids (raises ValueError/OSError for a bad mask).
+
+    Returns ``(split without the bad pairs, report lines, number left out)``.
+
+    Raises:
+        DataError: more than ``max_bad_fraction`` of the checked masks are bad (examples named), or every checked
+            mask is ``ignore_index`` only (mIoU would be computed over no pixel).
+    """
+    n = min(len(split), limit)
+    bad: list[tuple[int, str]] = []
+    labelled = 0
+    for i in range(n):
+        try:
+            mask = decode(split.masks[i])
+        except Exception as e:  # noqa: BLE001 - any unreadable or invalid mask is named and left out
+            bad.append((i, f"{split.masks[i]} ({describe_error(e)})"))
+            continue
+        labelled += int(bool((mask != ignore_index).any()))
+    names = _examples([b for _, b in bad])
+    if bad and (len(bad) > max_bad_fraction * n or len(bad) == n):
+        raise DataError(
+            f"segmentation: {len(bad)} of {n} val masks of split {split.name} are bad, more than max_bad_fraction "
+            f"{max_bad_fraction:g}; fix or remove them: {names}"
+        )
+    if n and not labelled:
+        raise DataError(
+            f"segmentation: every val mask of split {split.name} ({n} checked) is ignore_index {ignore_index} only; "
+            "mIoU needs labelled pixels (check seg_masks, the palette or ignore_index)"
+        )
+    if not bad:
+        return split, [], 0
+    drop = {i for i, _ in bad}
+    keep = [i for i in range(len(split)) if i not in drop]
+    kept = SegSplit(
+        split.name,
+        [split.images[i] for i in keep],
+        [split.masks[i] for i in keep],
+        [split.sizes[i] for i in keep],
+        split.report,
+    )
+    line = f"data: {split.name}: {len(bad)} of {n} val mask(s) cannot be used; left out: {names}"
+    return kept, [line], len(bad)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from trainer.data.formats.video.decode import fit_frames
-from trainer.errors import DataError
+from trainer.errors import DataError, error_detail
 
 
 def _npz_header(path: str, key: str) -> tuple[tuple[int, ...], np.dtype]:
@@ -40,7 +40,7 @@ def _npz_header(path: str, key: str) -> tuple[tuple[int, ...], np.dtype]:
             keys = [n.removesuffix(".npy") for n in z.namelist()]
         raise DataError(f"{path}: no key '{key}' (keys: {', '.join(keys) or 'none'})") from None
     except (zipfile.BadZipFile, OSError, ValueError) as e:
-        raise DataError(f"{path}: not a readable .npz ({type(e).__name__}: {e})") from None
+        raise DataError(f"{path}: not a readable .npz ({error_detail(e)})") from None
     return tuple(shape), np.dtype(dtype)
 
 
@@ -84,7 +84,7 @@ def _load(path: str, key: str | None = None, mmap: bool = False) -> np.ndarray:
             return z[key]
     except (OSError, ValueError, zipfile.BadZipFile) as e:
         where = f"{path}[{key!r}]" if key else path
-        raise DataError(f"{where}: cannot be read as a numpy array ({type(e).__name__}: {e})") from None
+        raise DataError(f"{where}: cannot be read as a numpy array ({error_detail(e)})") from None
 
 
 def check_clips(where: str, shape: tuple[int, ...], dtype: np.dtype) -> None:
