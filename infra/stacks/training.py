@@ -21,6 +21,36 @@ from infra.constructs.spot_launch_template import SpotLaunchTemplate
 from infra.stacks.data import DataStack, bucket_export
 from infra.stacks.monitoring import MonitoringStack, idle_alarm_name, instance_idle_alarm_command
 
+#: The service-linked role CloudWatch uses for alarm actions on EC2 instances (stop/terminate/reboot), its
+#: service principal and path (CloudWatch user guide, "Using service-linked roles for CloudWatch").
+EC2_ALARM_ACTIONS_SERVICE = "events.amazonaws.com"
+EC2_ALARM_ACTIONS_ROLE = "AWSServiceRoleForCloudWatchEvents"
+
+
+def ec2_alarm_service_linked_role_statement(stack: cdk.Stack) -> iam.PolicyStatement:
+    """``iam:CreateServiceLinkedRole`` for CloudWatch's EC2-actions role only, for whoever creates an alarm
+    with an EC2 action (``arn:aws:automate:<region>:ec2:stop|terminate``).
+
+    PutMetricAlarm API reference: "The iam:CreateServiceLinkedRole permission for all alarms with EC2 actions";
+    the first such alarm in an account creates ``AWSServiceRoleForCloudWatchEvents`` (trusting
+    events.amazonaws.com: CloudWatch user guide, "Using service-linked roles for CloudWatch"). Granted rather
+    than created in a stack: the role is one per account and usually exists already, and
+    ``AWS::IAM::ServiceLinkedRole`` fails when it does. Scoped to that role's ARN and to
+    ``iam:AWSServiceName = events.amazonaws.com`` (IAM user guide, "Service-linked role permissions").
+    """
+    return iam.PolicyStatement(
+        actions=["iam:CreateServiceLinkedRole"],
+        resources=[
+            stack.format_arn(
+                service="iam",
+                region="",
+                resource="role",
+                resource_name=f"aws-service-role/{EC2_ALARM_ACTIONS_SERVICE}/{EC2_ALARM_ACTIONS_ROLE}",
+            )
+        ],
+        conditions={"StringEquals": {"iam:AWSServiceName": EC2_ALARM_ACTIONS_SERVICE}},
+    )
+
 
 class TrainingStack(cdk.Stack):
     """Attributes: ``repository``, ``instance_role``, ``sagemaker_role``, ``launch_templates`` (type -> construct),
@@ -195,6 +225,9 @@ class TrainingStack(cdk.Stack):
                 ],
             )
         )
+        # The idle alarm's EC2 action runs through CloudWatch's service-linked role; PutMetricAlarm creates it on
+        # first use and then needs iam:CreateServiceLinkedRole (see ec2_alarm_service_linked_role).
+        role.add_to_policy(ec2_alarm_service_linked_role_statement(self))
         ack_findings(
             role,
             "AwsSolutions-IAM4",

@@ -22,6 +22,7 @@ import pytest
 from infra.config import from_context
 from infra.constructs import user_data
 from infra.stacks.monitoring import idle_alarm_name, instance_idle_alarm_command
+from tests.infra_helpers import implied_permissions
 
 IID = "i-0abc1234567890def"
 VOL = "vol-0123456789abcdef0"
@@ -184,7 +185,7 @@ def test_clean_boot_creates_the_alarm_first_and_starts_the_job(tmp_path):
     "fail, alarm_exists",
     [
         ("curl -sS --retry 5 -X PUT", False),  # IMDS
-        ("aws cloudwatch put-metric-alarm", True),  # e.g. iam:CreateServiceLinkedRole missing
+        ("aws cloudwatch put-metric-alarm", True),  # e.g. AWS refusing the alarm
         ("systemctl enable --now trainstack-alarm.service", True),
         ("aws ec2 describe-volumes", True),
         ("NO_DEVICE", True),  # the volume never shows up
@@ -314,4 +315,34 @@ def test_user_data_aws_calls_are_allowed_by_the_instance_role(tmp_path, tmp_path
             resource = f"arn:aws:cloudwatch:{moto_env.REGION}:{moto_env.ACCOUNT}:alarm:{name}"
         if not is_allowed(role, action, resource):
             denied.append(c)
+        if op == "put-metric-alarm":
+            actions = words[words.index("--alarm-actions") + 1 :]
+            for act, res, ctx in implied_permissions(action, actions, moto_env.ACCOUNT):
+                if not is_allowed(role, act, res, ctx):
+                    denied.append(f"{act} on {res} (implied by {op} with {' '.join(actions)})")
     assert denied == []
+
+
+def test_the_idle_alarms_ec2_action_may_create_cloudwatchs_service_linked_role(tmp_path_factory):
+    """In an account without AWSServiceRoleForCloudWatchEvents, the boot's first step (an alarm whose action
+    terminates or stops the instance) needs iam:CreateServiceLinkedRole: without it the step fails and the
+    watchdog shuts every instance down at boot. The grant is for that role only; the check can fail."""
+    from tests import moto_env
+    from tests.infra_helpers import is_allowed, policy_statements
+
+    raw = moto_env.synthesize(tmp_path_factory.mktemp("cdk-slr"))
+    role = policy_statements(
+        raw["TrainingStack"], "InstanceRoleDefaultPolicy", moto_env.ACCOUNT, moto_env.REGION, unknown="<TOKEN>"
+    )
+    ((action, resource, context),) = implied_permissions(
+        "cloudwatch:PutMetricAlarm", ["arn:aws:automate:us-east-1:ec2:terminate", TOPIC], moto_env.ACCOUNT
+    )
+    assert is_allowed(role, action, resource, context)
+    other = resource.replace(
+        "events.amazonaws.com/AWSServiceRoleForCloudWatchEvents", "ecs.amazonaws.com/AWSServiceRoleForECS"
+    )
+    assert not is_allowed(role, action, other)
+    assert not is_allowed(role, action, resource, {"iam:AWSServiceName": "ecs.amazonaws.com"})
+    without = [s for s in role if s["Action"] != "iam:CreateServiceLinkedRole"]
+    assert not is_allowed(without, action, resource, context)
+    assert implied_permissions("cloudwatch:PutMetricAlarm", [TOPIC], moto_env.ACCOUNT) == []  # a kept instance
