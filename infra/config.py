@@ -144,6 +144,12 @@ class InfraConfig:
         """Name prefix of this environment's stacks and named resources, e.g. ``trainstack-pr-42``."""
         return f"trainstack-{self.env}"
 
+    def job_phases(self) -> list[str]:
+        """Phase names of this environment's SageMaker jobs: one per ``sagemaker_instance_types`` entry
+        (``ml.g5.2xlarge`` -> ``g5-2xlarge``) and the scaling plan's phases. Job names are
+        ``<prefix>-<phase>-<8 hex>`` (infra.constructs.sagemaker_job.training_job_state)."""
+        return [machine_short(t) for t in self.sagemaker_instance_types] + [str(p["name"]) for p in self.scaling_phases]
+
     def stack_name(self, stack_id: str) -> str:
         """CloudFormation stack name for a construct id: ``pr-42-TrainingStack`` (ids stay unchanged)."""
         return f"{self.env}-{stack_id}"
@@ -151,6 +157,18 @@ class InfraConfig:
     def catalog(self) -> dict[str, catalog.InstanceType]:
         """The instance catalog with this config's price overrides applied."""
         return catalog.with_prices(self.prices, source="cdk context 'prices'")
+
+
+def machine_short(sagemaker_type: str) -> str:
+    """``ml.g5.2xlarge`` -> ``g5-2xlarge``: the state machine key ``train-<short>`` and the job phase name."""
+    return sagemaker_type.removeprefix("ml.").replace(".", "-")
+
+
+def state_machine_names(env: str, sagemaker_types: list[str]) -> set[str]:
+    """Every name a state machine of environment ``env`` can have: ``trainstack-<env>-train-<short>`` for the
+    given SageMaker types and ``trainstack-<env>-scaling-plan``. Matched exactly, never as a prefix:
+    ``trainstack-dev-`` also begins every name of an environment ``dev-x``."""
+    return {f"trainstack-{env}-train-{machine_short(t)}" for t in sagemaker_types} | {f"trainstack-{env}-scaling-plan"}
 
 
 #: The environment name rule (``-c env=...``, ``python -m infra --env``): 20 characters keep the bucket name

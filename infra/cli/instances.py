@@ -237,12 +237,14 @@ def sweep(aws: Aws, outputs: Optional[Outputs], apply: bool, ec2=None, cw=None) 
             if v["VolumeId"] not in data_ids
             and {t["Key"]: t["Value"] for t in v.get("Tags", [])}.get("trainstack:role") != "data"
         ]
+        own_alarm = re.compile(re.escape(idle_alarm_prefix(aws.env)) + r"i-[0-9a-f]+")
         alarms = [
             a["AlarmName"]
             for page in cw.get_paginator("describe_alarms").paginate(
                 AlarmNamePrefix=idle_alarm_prefix(aws.env), AlarmTypes=["MetricAlarm"]
             )
             for a in page["MetricAlarms"]
+            if own_alarm.fullmatch(a["AlarmName"])  # not those of an environment named <env>-gpu-idle-...
         ]
         if apply:
             if requests:

@@ -19,6 +19,7 @@ from botocore.exceptions import ClientError
 import catalog
 from infra.cli.outputs import Outputs, image_exists
 from infra.cli.session import Aws, CliError, explain
+from infra.config import state_machine_names
 
 #: Fields SageMaker owns inside the job (channels, /opt/ml/checkpoints, /opt/ml/model): never sent.
 PLATFORM_FIELDS = ("data_dir", "checkpoint_dir", "log_dir", "resume", "device")
@@ -221,10 +222,12 @@ def stop_run(aws: Aws, target: str, sfn=None, sm=None) -> str:
 def stop_running_executions(aws: Aws, outputs: Outputs, apply: bool, sfn=None) -> list[str]:
     """ARNs of this environment's RUNNING executions (stopped with ``apply``: Step Functions then stops their
     training jobs). The state machines are the stack's outputs, or, when the training stack's outputs are
-    unknown (a rolled-back deploy), every state machine named ``trainstack-<env>-*``. Raises CliError when
-    AWS refuses (``states:ListStateMachines``, ``states:ListExecutions``, ``states:StopExecution``)."""
+    unknown (a rolled-back deploy), every state machine whose name is one this environment's stack can give
+    (infra.config.state_machine_names: exact names, so environment ``dev`` never stops ``dev-x``'s runs).
+    Raises CliError when AWS refuses (``states:ListStateMachines``, ``states:ListExecutions``,
+    ``states:StopExecution``)."""
     sfn = sfn or aws.client("stepfunctions")
-    prefix = f"trainstack-{aws.env}-"
+    names = state_machine_names(aws.env, catalog.names("sagemaker"))
     try:
         arns = list(outputs.state_machines.values())
         if not arns:
@@ -232,7 +235,7 @@ def stop_running_executions(aws: Aws, outputs: Outputs, apply: bool, sfn=None) -
                 m["stateMachineArn"]
                 for page in sfn.get_paginator("list_state_machines").paginate()
                 for m in page["stateMachines"]
-                if m["name"].startswith(prefix)
+                if m["name"] in names
             ]
         running = [
             ex["executionArn"]

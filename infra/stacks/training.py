@@ -13,7 +13,7 @@ from aws_cdk import aws_s3 as s3
 from constructs import Construct
 
 import catalog
-from infra.config import InfraConfig
+from infra.config import InfraConfig, machine_short
 from infra.constructs import user_data
 from infra.constructs.nag import S3_READ_WRITE_ACTIONS, ack_findings, nag_arn
 from infra.constructs.sagemaker_job import SageMakerSpotJobs, phases_from_context
@@ -155,7 +155,7 @@ class TrainingStack(cdk.Stack):
         )
         for name in cfg.sagemaker_instance_types:
             it = catalog.get(name, cat)
-            short = name.removeprefix("ml.").replace(".", "-")
+            short = machine_short(name)
             jobs = SageMakerSpotJobs(
                 self, f"Job-{short}", name=f"{cfg.prefix}-train-{short}", phases=[(short, it, {})], **common
             )

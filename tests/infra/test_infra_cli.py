@@ -310,6 +310,41 @@ def test_teardown_removes_what_bills_and_keeps_the_data_volume(aws, capsys):
     assert stray not in left and other in left and data_volume in left
 
 
+def test_teardown_leaves_an_environment_whose_name_extends_this_one_alone(aws, capsys):
+    """``test`` and ``test-x``: with the training stack's outputs gone (a rolled-back deploy), teardown finds
+    this environment's state machines by name; ``trainstack-test-`` also begins test-x's, whose runs and
+    idle alarms must survive ``teardown --yes`` of test."""
+    from moto.cloudformation.models import cloudformation_backends
+
+    sfn, cw = aws.client("stepfunctions"), aws.client("cloudwatch")
+    role = f"arn:aws:iam::{moto_env.ACCOUNT}:role/other"
+    definition = json.dumps({"StartAt": "P", "States": {"P": {"Type": "Pass", "End": True}}})
+    other = sfn.create_state_machine(name="trainstack-test-x-train-g5-2xlarge", definition=definition, roleArn=role)
+    other_run = sfn.start_execution(stateMachineArn=other["stateMachineArn"])["executionArn"]
+    mine = _outputs(aws, "TrainingStack")["StateMachinescalingplan"]
+    my_run = sfn.start_execution(stateMachineArn=mine, input=json.dumps({"run_name": "r"}))["executionArn"]
+    alarms = {"trainstack-test-gpu-idle-i-0abc", "trainstack-test-gpu-idle-x-gpu-idle-i-0abc"}
+    for name in alarms:
+        cw.put_metric_alarm(
+            AlarmName=name,
+            Namespace="N",
+            MetricName="M",
+            Statistic="Average",
+            Period=60,
+            EvaluationPeriods=1,
+            Threshold=5,
+            ComparisonOperator="LessThanThreshold",
+        )
+    backend = cloudformation_backends[moto_env.ACCOUNT][moto_env.REGION]
+    stack = next(s for s in backend.stacks.values() if s.name == f"{moto_env.ENV}-TrainingStack")
+    stack.status, stack.output_map = "ROLLBACK_COMPLETE", {}
+    assert main(E + ["teardown", "--yes"]) == 0, capsys.readouterr().err
+    assert sfn.describe_execution(executionArn=my_run)["status"] == "ABORTED"
+    assert sfn.describe_execution(executionArn=other_run)["status"] == "RUNNING"
+    left = {a["AlarmName"] for a in cw.describe_alarms()["MetricAlarms"]}
+    assert left == {"trainstack-test-gpu-idle-x-gpu-idle-i-0abc"}
+
+
 def test_stop_one_instance(aws, capsys):
     assert main(E + ["launch", "g5.2xlarge", "--job", "j"]) == 0
     iid = _instances(aws)[0]["InstanceId"]

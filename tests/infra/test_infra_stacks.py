@@ -306,11 +306,40 @@ def test_event_rules_and_topic(full):
     }
     sm = next(p for p in patterns if p["source"] == ["aws.sagemaker"])
     assert sm["detail"]["TrainingJobStatus"] == ["Failed", "Stopped"]
-    assert sm["detail"]["TrainingJobName"] == [{"prefix": "trainstack-pr-42"}]
+    assert {"prefix": "trainstack-pr-42-g5-2xlarge-"} in sm["detail"]["TrainingJobName"]
     topic = _one(raw, "AWS::SNS::Topic")["Properties"]
     assert "KmsMasterKeyId" in topic
     sub = _one(raw, "AWS::SNS::Subscription")["Properties"]
     assert (sub["Protocol"], sub["Endpoint"]) == ("email", "ml@example.com")
+
+
+def test_job_failure_rule_matches_this_environments_jobs_only(default):
+    """Environments whose names prefix each other (``dev``, ``dev-x``): dev's rule matches dev's failed jobs,
+    train-type and scaling-plan phases alike, and none of dev-x's. Evaluated by moto's EventBridge pattern
+    matcher (in process)."""
+    from moto.events.models import EventPattern
+
+    cfg, _, raw = default
+    (rule,) = [
+        r
+        for r in resources(raw["MonitoringStack"], "AWS::Events::Rule").values()
+        if r["Properties"]["EventPattern"]["source"] == ["aws.sagemaker"]
+    ]
+    pattern = EventPattern.load(json.dumps(rule["Properties"]["EventPattern"]))
+
+    def event(job: str, status: str = "Failed") -> dict:
+        return {
+            "source": "aws.sagemaker",
+            "detail-type": "SageMaker Training Job State Change",
+            "detail": {"TrainingJobName": job, "TrainingJobStatus": status},
+        }
+
+    phase = cfg.scaling_phases[0]["name"]
+    assert pattern.matches_event(event("trainstack-dev-g5-2xlarge-1a2b3c4d"))
+    assert pattern.matches_event(event(f"trainstack-dev-{phase}-1a2b3c4d", "Stopped"))
+    assert not pattern.matches_event(event("trainstack-dev-g5-2xlarge-1a2b3c4d", "Completed"))
+    for other in ("trainstack-dev-x-g5-2xlarge-1a2b3c4d", f"trainstack-dev-x-{phase}-1a2b3c4d", "trainstack-devx-1"):
+        assert not pattern.matches_event(event(other)), other
 
 
 def test_dashboard_has_gpu_host_and_training_metrics(default):
