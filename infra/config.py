@@ -98,14 +98,16 @@ class InfraConfig:
     data_volume_gib: int = 400
     data_volume_iops: int = 16000
     data_volume_throughput_mibps: int = 1000
-    data_volume_removal: str = "snapshot"  # or "retain"
+    # on `cdk destroy DataStack`: "snapshot", "retain" or "delete"; default "delete" for ephemeral (pull-request)
+    # environments, whose snapshots nothing would ever delete, else "snapshot"
+    data_volume_removal: str = "snapshot"
     fsx: str = "off"  # seed 002's FSx for Lustre: SCRATCH_2 or PERSISTENT_2 when wanted (costs from creation)
     fsx_storage_gib: int = 1200
     fsx_throughput_mibps_per_tib: int = 250  # PERSISTENT_2 only: 125, 250, 500 or 1000
     fsx_data_path: str = "/datasets"  # file-system path linked to s3://<bucket>/datasets/
     nat_gateways: int = 0  # 0: instances get public IPs (no SSH ingress); 1: private subnet + NAT (all EFA cards)
     # pull-request environments: `cdk destroy DataStack` also empties and deletes both buckets (their objects
-    # are gone); the data volume is still snapshotted (or retained). Off: the buckets are retained.
+    # are gone) and deletes the data volume without a snapshot. Off: buckets retained, volume snapshotted.
     ephemeral: bool = False
     # training (seeds 000, 002, 003)
     launch_template_types: tuple[str, ...] = catalog.DEFAULT_LAUNCH_TEMPLATE_TYPES
@@ -254,8 +256,8 @@ def _validate(cfg: InfraConfig) -> None:
         or cfg.data_volume_throughput_mibps > cfg.data_volume_iops / 4
     ):
         raise bad("data_volume_throughput_mibps", "125..2000 MiB/s and at most IOPS/4 (gp3 limits)")
-    if cfg.data_volume_removal not in ("snapshot", "retain"):
-        raise bad("data_volume_removal", "'snapshot' or 'retain' (the data volume is never deleted)")
+    if cfg.data_volume_removal not in ("snapshot", "retain", "delete"):
+        raise bad("data_volume_removal", "'snapshot', 'retain' or 'delete'")
     if cfg.fsx not in FSX_DEPLOYMENT_TYPES:
         raise bad("fsx", " or ".join(FSX_DEPLOYMENT_TYPES))
     if cfg.fsx != "off" and (cfg.fsx_storage_gib != 1200 and cfg.fsx_storage_gib % 2400):
@@ -349,6 +351,8 @@ def from_context(get: Any) -> InfraConfig:
             continue
         default = f.default if f.default_factory is MISSING else f.default_factory()
         values[f.name] = _coerce(f.name, raw, default if default is not None else "")
+    if values.get("ephemeral"):
+        values.setdefault("data_volume_removal", "delete")
     values.setdefault("account", os.environ.get("CDK_DEFAULT_ACCOUNT") or None)
     values.setdefault("region", os.environ.get("CDK_DEFAULT_REGION") or None)
     cfg = InfraConfig(**values)

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from botocore.exceptions import ClientError
+from botocore.exceptions import ClientError, WaiterError
 
 import catalog
 from infra.cli.outputs import Outputs
@@ -258,3 +258,36 @@ def sweep(aws: Aws, outputs: Optional[Outputs], apply: bool, ec2=None, cw=None) 
     except ClientError as e:
         raise explain(e, "sweeping the environment") from None
     return {"instances": instances, "spot_requests": requests, "volumes": volumes, "alarms": alarms}
+
+
+#: How long ``teardown --wait`` waits for terminated instances to be gone and the data volume free: 40 polls
+#: 15 s apart (10 min; a p4d/p5 may take several minutes to terminate).
+WAIT_DELAY_S = 15
+WAIT_ATTEMPTS = 40
+
+
+def wait_until_released(
+    aws: Aws, outputs: Optional[Outputs], instance_ids: list[str], ec2=None, delay_s: Optional[float] = None
+) -> None:
+    """Block until ``instance_ids`` are ``terminated`` and the data volume is ``available`` (detached).
+
+    ``cdk destroy DataStack`` right after a terminate request fails while instances are still shutting down:
+    the data volume is still attached (its deletion or snapshot then fails) and their network interfaces keep
+    the security groups and subnets (DependencyViolation). EC2 waiters ``instance_terminated`` and
+    ``volume_available`` (DescribeInstances/DescribeVolumes, EC2 API reference). Raises CliError (exit 75,
+    transient) when they are not released within ``WAIT_ATTEMPTS`` x ``delay_s`` seconds.
+    """
+    ec2 = ec2 or aws.client("ec2")
+    delay_s = WAIT_DELAY_S if delay_s is None else delay_s
+    config = {"Delay": delay_s, "MaxAttempts": WAIT_ATTEMPTS}
+    try:
+        if instance_ids:
+            ec2.get_waiter("instance_terminated").wait(InstanceIds=instance_ids, WaiterConfig=config)
+        if outputs and outputs.volume_id:
+            ec2.get_waiter("volume_available").wait(VolumeIds=[outputs.volume_id], WaiterConfig=config)
+    except WaiterError as e:
+        raise CliError(
+            f"instances or the data volume were not released after {WAIT_ATTEMPTS * delay_s:.0f} s ({e})",
+            "rerun `python -m infra teardown --yes --wait` before `cdk destroy DataStack`",
+            code=75,
+        ) from None

@@ -8,6 +8,7 @@
       logs TARGET  CloudWatch log tail of an instance (i-...) or a training job
       stop TARGET  stop one instance, execution or training job
       teardown     find (and with --yes remove) everything that still bills: instances, spot requests, volumes
+                   (--wait: until the instances are terminated and the data volume detached)
       cost         what is running and what it has cost so far
 
 Resource names come from the stacks' outputs. Every error is one line on stderr, ``error: WHAT; next: WHAT TO
@@ -98,6 +99,12 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("teardown", help="remove what still bills (dry run without --yes)")
     s.add_argument("--yes", action="store_true", help="really terminate/cancel/delete")
+    s.add_argument(
+        "--wait",
+        action="store_true",
+        help="with --yes: return only when the instances are terminated and the data volume is detached "
+        "(what `cdk destroy DataStack` needs; at most 10 min)",
+    )
 
     s = sub.add_parser("cost", help="running resources and their cost so far")
     s.add_argument("--json", action="store_true")
@@ -207,6 +214,9 @@ def run(args: argparse.Namespace) -> int:
         verb = "removed" if args.yes else "would remove (run again with --yes)"
         for key, items in found.items():
             print(f"{verb} {len(items)} {key.replace('_', ' ')}: {' '.join(items) or '-'}")
+        if args.yes and args.wait:
+            instances.wait_until_released(aws, outputs, found["instances"])
+            print("released: the instances are terminated and the data volume is detached")
         print(
             f"kept: data volume {outputs.volume_id or '(unknown: no DataStack outputs)'}, bucket "
             f"{outputs.bucket or '(unknown)'} (cdk destroy DataStack never runs here)"

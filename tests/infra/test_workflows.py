@@ -74,7 +74,7 @@ def test_destroy_on_pr_close_removes_data_unless_kept():
     wf = _load("destroy.yml")
     assert wf["on"]["pull_request"]["types"] == ["closed"] and "workflow_dispatch" in wf["on"]
     runs = _runs(wf)
-    assert "teardown --yes" in runs
+    assert "teardown --yes --wait" in runs  # the data stack goes only once the instances are gone
     assert "npx cdk destroy TrainingStack MonitoringStack" in runs
     data_step = next(s for s in _steps(wf) if "DataStack" in s.get("run", ""))
     assert "keep-data" in data_step["if"] and "!inputs.keep_data" in data_step["if"]
