@@ -115,7 +115,9 @@ class InfraConfig:
     ami_parameter: str = DLAMI_SSM_PARAMETER
     ssh_cidr: Optional[str] = None
     spot_max_price_fraction: float = 1.0  # max spot price as a fraction of the catalog's on-demand price
-    image_tag: str = "latest"
+    # a stack-wide default image tag for instances launched without trainstack:image-digest/-tag tags and for
+    # executions without "image_tag"; none by default: `python -m infra launch/submit` always name the image
+    image_tag: Optional[str] = None
     train_config: str = "configs/p4d_resnet50.yaml"
     sagemaker_instance_types: tuple[str, ...] = ("ml.g5.2xlarge", "ml.g5.xlarge", "ml.m5.xlarge")
     sagemaker_max_run_hours: float = 24.0
@@ -278,7 +280,7 @@ def _validate(cfg: InfraConfig) -> None:
             raise bad(
                 "ssh_cidr", "an IPv4 CIDR narrower than 0.0.0.0/0 (cdk-nag AwsSolutions-EC23), like 203.0.113.7/32"
             ) from None
-    if not _DOCKER_TAG_RE.match(cfg.image_tag):
+    if cfg.image_tag is not None and not _DOCKER_TAG_RE.match(cfg.image_tag):
         raise bad("image_tag", "a Docker tag: up to 128 letters, digits, '_', '.' or '-', not starting with '.' or '-'")
     try:
         cat = cfg.catalog()

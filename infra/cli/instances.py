@@ -14,7 +14,7 @@ from typing import Optional
 from botocore.exceptions import ClientError, WaiterError
 
 import catalog
-from infra.cli.outputs import Outputs
+from infra.cli.outputs import Outputs, image_exists
 from infra.cli.session import CAPACITY_ERRORS, Aws, CliError, explain
 
 ON_DEMAND_DESCRIPTION = "trainstack on-demand fallback (spot options removed)"
@@ -44,13 +44,14 @@ def check_request(instance_type: str, job: str) -> None:
         )
 
 
-def _tags(env: str, job: str, config: str, image_tag: str, args: str, keep: bool) -> list[dict]:
+def _tags(env: str, job: str, config: str, image_tag: str, digest: str, args: str, keep: bool) -> list[dict]:
     tags = {
         "Name": f"trainstack-{env}-{job}",
         "trainstack:env": env,
         "trainstack:job": job,
         "trainstack:config": config,
         "trainstack:image-tag": image_tag,
+        "trainstack:image-digest": digest,
         "trainstack:keep": str(keep).lower(),
     }
     if args:
@@ -116,17 +117,23 @@ def launch(
     keep: bool = False,
     on_demand_fallback: bool = False,
     ec2=None,
+    ecr=None,
 ) -> Launched:
-    """Run one instance from the stack's launch template for ``instance_type`` (spot unless it falls back).
+    """Run one instance from the stack's launch template for ``instance_type`` (spot unless it falls back),
+    running ``image_tag`` pinned to its digest.
 
     Raises CliError for a bad job name, a type without a launch template or not offered in the environment's
-    AZ, or capacity/spot errors (with the next option) when no fallback is asked for or the fallback fails too.
+    AZ, an image tag not in the repository (next: push-image), or capacity/spot errors (with the next option)
+    when no fallback is asked for or the fallback fails too.
     """
     check_request(instance_type, job)
     ec2 = ec2 or aws.client("ec2")
     template_id = outputs.launch_template(instance_type)
     check_offered(ec2, instance_type, outputs.availability_zone)
-    tags = _tags(aws.env, job, config, image_tag, args, keep)
+    # The instance runs the image by digest (tag trainstack:image-digest, read by the user data into
+    # /etc/trainstack.env), so every restart of the job after exit 75 runs the image it started with.
+    digest = image_exists(aws, outputs, image_tag, ecr)
+    tags = _tags(aws.env, job, config, image_tag, digest, args, keep)
     spec = [
         {"ResourceType": "instance", "Tags": tags},
         {"ResourceType": "volume", "Tags": [t for t in tags if t["Key"] in ("trainstack:env", "trainstack:job")]},

@@ -122,8 +122,14 @@ def submit(
         issue = catalog.check_processes_per_host(it, nproc_per_node) if nproc_per_node is not None else None
         if issue:
             raise CliError(issue[1], f"drop the flag: the job runs {it.processes_per_host} (the catalog's GPU count)")
-    image_exists(aws, outputs, image_tag, ecr)
-    payload = {"run_name": run_name, "image_tag": image_tag, "instance_count": instance_count, "hyperparameters": hp}
+    digest = image_exists(aws, outputs, image_tag, ecr)
+    payload = {
+        "run_name": run_name,
+        "image_tag": image_tag,  # immutable in the repository: a resumed or resubmitted run gets the same image
+        "image_digest": digest,  # recorded in the execution input
+        "instance_count": instance_count,
+        "hyperparameters": hp,
+    }
     if data_s3_uri:
         payload["data_s3_uri"] = data_s3_uri
     sfn = sfn or aws.client("stepfunctions")

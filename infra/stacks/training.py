@@ -69,15 +69,14 @@ class TrainingStack(cdk.Stack):
             bucket_arn=cdk.Fn.import_value(bucket_export(cfg, "arn")),
             bucket_name=cdk.Fn.import_value(bucket_export(cfg, "name")),
         )
-        # Commit tags are immutable, so a job restarting after exit 75 pulls the image it started with; `latest`
-        # (push-image moves it on every push) is the one mutable tag: pin a commit tag for long runs.
+        # Every tag immutable (push-image pushes commit tags only, no moving `latest`): a job restarting after
+        # exit 75 or resubmitted under its run name gets the image it started with.
         self.repository = ecr.Repository(
             self,
             "Repository",
             repository_name=cfg.prefix,
             image_scan_on_push=True,
-            image_tag_mutability=ecr.TagMutability.IMMUTABLE_WITH_EXCLUSION,
-            image_tag_mutability_exclusion_filters=[ecr.ImageTagMutabilityExclusionFilter.wildcard("latest")],
+            image_tag_mutability=ecr.TagMutability.IMMUTABLE,
             removal_policy=cdk.RemovalPolicy.DESTROY,
             empty_on_delete=True,
             lifecycle_rules=[

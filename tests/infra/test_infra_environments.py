@@ -130,8 +130,8 @@ def test_efa_security_group_keeps_its_self_referencing_egress(default_env):
 
 def test_review_decisions_in_the_templates(default_env):
     """State-machine log groups under /aws/vendedlogs/ (no account log resource policy to outgrow), SCRATCH_2
-    pinned to Lustre 2.15 and linked through a data repository association, commit tags immutable
-    (``latest`` excluded)."""
+    pinned to Lustre 2.15 and linked through a data repository association, every image tag immutable (no
+    moving ``latest``: a restarted job runs the image it started with)."""
     training = default_env["TrainingStack"]
     names = [lg["Properties"].get("LogGroupName") for lg in resources(training, "AWS::Logs::LogGroup").values()]
     assert names and all(n.startswith("/aws/vendedlogs/states/trainstack-dev-") for n in names), names
@@ -142,7 +142,5 @@ def test_review_decisions_in_the_templates(default_env):
     (dra,) = resources(default_env["DataStack"], "AWS::FSx::DataRepositoryAssociation").values()
     assert dra["Properties"]["S3"]["AutoExportPolicy"]["Events"] == ["NEW", "CHANGED", "DELETED"]
     (repo,) = resources(training, "AWS::ECR::Repository").values()
-    assert repo["Properties"]["ImageTagMutability"] == "IMMUTABLE_WITH_EXCLUSION"
-    assert repo["Properties"]["ImageTagMutabilityExclusionFilters"] == [
-        {"ImageTagMutabilityExclusionFilterType": "WILDCARD", "ImageTagMutabilityExclusionFilterValue": "latest"}
-    ]
+    assert repo["Properties"]["ImageTagMutability"] == "IMMUTABLE"
+    assert "ImageTagMutabilityExclusionFilters" not in repo["Properties"]
