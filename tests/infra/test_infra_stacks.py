@@ -173,7 +173,7 @@ def test_user_data_mounts_by_volume_id_and_restarts_on_75(default, tmp_path):
     assert "put-metric-alarm" in ud and "ec2:terminate" in ud and "trainstack-alarm delete" in ud
     assert "mount -t lustre" not in ud  # no FSx by default
     assert 'IMAGE="$REPO@$IMAGE_DIGEST"' in ud and "CONFIG=${CONFIG:-configs/p4d_resnet50.yaml}" in ud
-    assert "latest" not in ud.replace("/latest/", "/")  # no moving tag (IMDS's /latest/ path aside)
+    assert ":latest" not in ud and "-latest}" not in ud  # no moving image tag (IMDS's /latest path aside)
     assert "{" + "image_tag}" not in ud and "{" + "config}" not in ud  # every placeholder filled
     script = tmp_path / "ud.sh"
     script.write_text("#!/bin/bash\n" + flatten(_launch_templates(default[2])["g5.2xlarge"]["UserData"], "TOKEN"))
