@@ -53,7 +53,7 @@ def build_app(
         env=env,
         stack_name=cfg.stack_name("DataStack"),
         termination_protection=False,
-        description=f"Trainstack {cfg.env}: S3, EBS data volume, FSx, VPC (volume snapshotted on destroy)",
+        description=f"Trainstack {cfg.env}: S3, EBS data volume, FSx, VPC (volume on destroy: {cfg.data_volume_removal})",
     )
     monitoring = MonitoringStack(
         app,

@@ -98,14 +98,16 @@ class InfraConfig:
     data_volume_gib: int = 400
     data_volume_iops: int = 16000
     data_volume_throughput_mibps: int = 1000
-    data_volume_removal: str = "snapshot"  # or "retain"
+    # on `cdk destroy DataStack`: "snapshot", "retain" or "delete"; default "delete" for ephemeral (pull-request)
+    # environments, whose snapshots nothing would ever delete, else "snapshot"
+    data_volume_removal: str = "snapshot"
     fsx: str = "off"  # seed 002's FSx for Lustre: SCRATCH_2 or PERSISTENT_2 when wanted (costs from creation)
     fsx_storage_gib: int = 1200
     fsx_throughput_mibps_per_tib: int = 250  # PERSISTENT_2 only: 125, 250, 500 or 1000
     fsx_data_path: str = "/datasets"  # file-system path linked to s3://<bucket>/datasets/
     nat_gateways: int = 0  # 0: instances get public IPs (no SSH ingress); 1: private subnet + NAT (all EFA cards)
     # pull-request environments: `cdk destroy DataStack` also empties and deletes both buckets (their objects
-    # are gone); the data volume is still snapshotted (or retained). Off: the buckets are retained.
+    # are gone) and deletes the data volume without a snapshot. Off: buckets retained, volume snapshotted.
     ephemeral: bool = False
     # training (seeds 000, 002, 003)
     launch_template_types: tuple[str, ...] = catalog.DEFAULT_LAUNCH_TEMPLATE_TYPES
@@ -113,7 +115,9 @@ class InfraConfig:
     ami_parameter: str = DLAMI_SSM_PARAMETER
     ssh_cidr: Optional[str] = None
     spot_max_price_fraction: float = 1.0  # max spot price as a fraction of the catalog's on-demand price
-    image_tag: str = "latest"
+    # a stack-wide default image tag for instances launched without trainstack:image-digest/-tag tags and for
+    # executions without "image_tag"; none by default: `python -m infra launch/submit` always name the image
+    image_tag: Optional[str] = None
     train_config: str = "configs/p4d_resnet50.yaml"
     sagemaker_instance_types: tuple[str, ...] = ("ml.g5.2xlarge", "ml.g5.xlarge", "ml.m5.xlarge")
     sagemaker_max_run_hours: float = 24.0
@@ -144,6 +148,12 @@ class InfraConfig:
         """Name prefix of this environment's stacks and named resources, e.g. ``trainstack-pr-42``."""
         return f"trainstack-{self.env}"
 
+    def job_phases(self) -> list[str]:
+        """Phase names of this environment's SageMaker jobs: one per ``sagemaker_instance_types`` entry
+        (``ml.g5.2xlarge`` -> ``g5-2xlarge``) and the scaling plan's phases. Job names are
+        ``<prefix>-<phase>-<8 hex>`` (infra.constructs.sagemaker_job.training_job_state)."""
+        return [machine_short(t) for t in self.sagemaker_instance_types] + [str(p["name"]) for p in self.scaling_phases]
+
     def stack_name(self, stack_id: str) -> str:
         """CloudFormation stack name for a construct id: ``pr-42-TrainingStack`` (ids stay unchanged)."""
         return f"{self.env}-{stack_id}"
@@ -151,6 +161,18 @@ class InfraConfig:
     def catalog(self) -> dict[str, catalog.InstanceType]:
         """The instance catalog with this config's price overrides applied."""
         return catalog.with_prices(self.prices, source="cdk context 'prices'")
+
+
+def machine_short(sagemaker_type: str) -> str:
+    """``ml.g5.2xlarge`` -> ``g5-2xlarge``: the state machine key ``train-<short>`` and the job phase name."""
+    return sagemaker_type.removeprefix("ml.").replace(".", "-")
+
+
+def state_machine_names(env: str, sagemaker_types: list[str]) -> set[str]:
+    """Every name a state machine of environment ``env`` can have: ``trainstack-<env>-train-<short>`` for the
+    given SageMaker types and ``trainstack-<env>-scaling-plan``. Matched exactly, never as a prefix:
+    ``trainstack-dev-`` also begins every name of an environment ``dev-x``."""
+    return {f"trainstack-{env}-train-{machine_short(t)}" for t in sagemaker_types} | {f"trainstack-{env}-scaling-plan"}
 
 
 #: The environment name rule (``-c env=...``, ``python -m infra --env``): 20 characters keep the bucket name
@@ -236,8 +258,8 @@ def _validate(cfg: InfraConfig) -> None:
         or cfg.data_volume_throughput_mibps > cfg.data_volume_iops / 4
     ):
         raise bad("data_volume_throughput_mibps", "125..2000 MiB/s and at most IOPS/4 (gp3 limits)")
-    if cfg.data_volume_removal not in ("snapshot", "retain"):
-        raise bad("data_volume_removal", "'snapshot' or 'retain' (the data volume is never deleted)")
+    if cfg.data_volume_removal not in ("snapshot", "retain", "delete"):
+        raise bad("data_volume_removal", "'snapshot', 'retain' or 'delete'")
     if cfg.fsx not in FSX_DEPLOYMENT_TYPES:
         raise bad("fsx", " or ".join(FSX_DEPLOYMENT_TYPES))
     if cfg.fsx != "off" and (cfg.fsx_storage_gib != 1200 and cfg.fsx_storage_gib % 2400):
@@ -258,7 +280,7 @@ def _validate(cfg: InfraConfig) -> None:
             raise bad(
                 "ssh_cidr", "an IPv4 CIDR narrower than 0.0.0.0/0 (cdk-nag AwsSolutions-EC23), like 203.0.113.7/32"
             ) from None
-    if not _DOCKER_TAG_RE.match(cfg.image_tag):
+    if cfg.image_tag is not None and not _DOCKER_TAG_RE.match(cfg.image_tag):
         raise bad("image_tag", "a Docker tag: up to 128 letters, digits, '_', '.' or '-', not starting with '.' or '-'")
     try:
         cat = cfg.catalog()
@@ -331,6 +353,8 @@ def from_context(get: Any) -> InfraConfig:
             continue
         default = f.default if f.default_factory is MISSING else f.default_factory()
         values[f.name] = _coerce(f.name, raw, default if default is not None else "")
+    if values.get("ephemeral"):
+        values.setdefault("data_volume_removal", "delete")
     values.setdefault("account", os.environ.get("CDK_DEFAULT_ACCOUNT") or None)
     values.setdefault("region", os.environ.get("CDK_DEFAULT_REGION") or None)
     cfg = InfraConfig(**values)

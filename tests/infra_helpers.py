@@ -125,10 +125,27 @@ def _glob(pattern: str, value: str) -> bool:
     return re.fullmatch(rx, value, re.S) is not None
 
 
-def is_allowed(statements: list[dict], action: str, resource: str | None = None) -> bool:
+def _conditions_hold(st: dict, context: dict[str, str]) -> bool:
+    """``StringEquals``/``StringLike`` conditions of a statement on the keys given in ``context`` (others are
+    not evaluated)."""
+    for op, keys in st.get("Condition", {}).items():
+        for key, want in keys.items():
+            if key not in context or op not in ("StringEquals", "StringLike"):
+                continue
+            wants = want if isinstance(want, list) else [want]
+            value = context[key]
+            if not any(w == value if op == "StringEquals" else _glob(w, value) for w in wants):
+                return False
+    return True
+
+
+def is_allowed(
+    statements: list[dict], action: str, resource: str | None = None, context: dict[str, str] | None = None
+) -> bool:
     """Whether an Allow statement grants ``action`` (``service:Operation``, matched case-insensitively as IAM
-    does) on ``resource`` (an ARN; None: any resource the statement names). Conditions are not evaluated: they
-    only narrow an Allow, so this check finds missing actions and resources, never a too-strict condition."""
+    does) on ``resource`` (an ARN; None: any resource the statement names). Conditions are evaluated only for
+    the keys in ``context`` (e.g. ``iam:AWSServiceName``): they only narrow an Allow, so without a context
+    this check finds missing actions and resources, never a too-strict condition."""
     if action in UNAUTHORIZED_OK:
         return True
     for st in statements:
@@ -139,9 +156,21 @@ def is_allowed(statements: list[dict], action: str, resource: str | None = None)
             continue
         res = st.get("Resource", [])
         res = res if isinstance(res, list) else [res]
-        if resource is None or any(_glob(r, resource) for r in res):
+        if (resource is None or any(_glob(r, resource) for r in res)) and _conditions_hold(st, context or {}):
             return True
     return False
+
+
+def implied_permissions(action: str, alarm_actions: list[str], account: str) -> list[tuple[str, str, dict]]:
+    """What IAM also checks for a call beyond its own action: PutMetricAlarm with an EC2 action
+    (``arn:aws:automate:<region>:ec2:...``) needs ``iam:CreateServiceLinkedRole`` for CloudWatch's EC2-actions
+    role, in every account where that role does not exist yet (PutMetricAlarm API reference; CloudWatch user
+    guide, "Using service-linked roles for CloudWatch": AWSServiceRoleForCloudWatchEvents, trusting
+    events.amazonaws.com). Returns (action, resource, condition context) triples."""
+    if action == "cloudwatch:PutMetricAlarm" and any(":ec2:" in a for a in alarm_actions if a.startswith("arn:")):
+        role = f"arn:aws:iam::{account}:role/aws-service-role/events.amazonaws.com/AWSServiceRoleForCloudWatchEvents"
+        return [("iam:CreateServiceLinkedRole", role, {"iam:AWSServiceName": "events.amazonaws.com"})]
+    return []
 
 
 def call_resource(action: str, params: dict, account: str, region: str) -> list[str | None]:

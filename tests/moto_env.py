@@ -87,15 +87,39 @@ def fake_credentials(monkeypatch) -> None:
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
 
 
+def put_image(session, tag: str, repository: str = f"trainstack-{ENV}", seed: str = "1") -> str:
+    """An image manifest tagged ``tag`` in ``repository`` (what a real push leaves there); returns its digest.
+    Another ``seed`` gives another manifest, so another digest."""
+    manifest = json.dumps(
+        {
+            "schemaVersion": 2,
+            "mediaType": "application/vnd.docker.distribution.manifest.v2+json",
+            "config": {"digest": "sha256:" + seed * 64, "size": 1, "mediaType": "x"},
+            "layers": [],
+        }
+    )
+    ecr = session.client("ecr")
+    ecr.put_image(repositoryName=repository, imageManifest=manifest, imageTag=tag)
+    return ecr.describe_images(repositoryName=repository, imageIds=[{"imageTag": tag}])["imageDetails"][0][
+        "imageDigest"
+    ]
+
+
 @contextlib.contextmanager
 def deployed(templates: dict[str, dict], monkeypatch) -> Iterator:
-    """Fake credentials, moto active, every template deployed (all stacks CREATE_COMPLETE); yields a boto3
-    Session in :data:`REGION`. Everything is undone on exit."""
+    """Fake credentials, moto active, every template deployed (all stacks CREATE_COMPLETE) and the image of
+    this checkout pushed (its commit tag, what ``launch``/``submit`` run by default); yields a boto3 Session
+    in :data:`REGION`. Everything is undone on exit."""
     import boto3
     from moto import mock_aws
+
+    from infra.cli.image import git_tag
+    from tests.infra_helpers import REPO
 
     fake_credentials(monkeypatch)
     with mock_aws():
         status = deploy(templates)
         assert set(status.values()) == {"CREATE_COMPLETE"}, status
-        yield boto3.Session(region_name=REGION)
+        session = boto3.Session(region_name=REGION)
+        put_image(session, git_tag(REPO))
+        yield session

@@ -11,10 +11,10 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from botocore.exceptions import ClientError
+from botocore.exceptions import ClientError, WaiterError
 
 import catalog
-from infra.cli.outputs import Outputs
+from infra.cli.outputs import Outputs, image_exists
 from infra.cli.session import CAPACITY_ERRORS, Aws, CliError, explain
 
 ON_DEMAND_DESCRIPTION = "trainstack on-demand fallback (spot options removed)"
@@ -44,13 +44,14 @@ def check_request(instance_type: str, job: str) -> None:
         )
 
 
-def _tags(env: str, job: str, config: str, image_tag: str, args: str, keep: bool) -> list[dict]:
+def _tags(env: str, job: str, config: str, image_tag: str, digest: str, args: str, keep: bool) -> list[dict]:
     tags = {
         "Name": f"trainstack-{env}-{job}",
         "trainstack:env": env,
         "trainstack:job": job,
         "trainstack:config": config,
         "trainstack:image-tag": image_tag,
+        "trainstack:image-digest": digest,
         "trainstack:keep": str(keep).lower(),
     }
     if args:
@@ -116,17 +117,23 @@ def launch(
     keep: bool = False,
     on_demand_fallback: bool = False,
     ec2=None,
+    ecr=None,
 ) -> Launched:
-    """Run one instance from the stack's launch template for ``instance_type`` (spot unless it falls back).
+    """Run one instance from the stack's launch template for ``instance_type`` (spot unless it falls back),
+    running ``image_tag`` pinned to its digest.
 
     Raises CliError for a bad job name, a type without a launch template or not offered in the environment's
-    AZ, or capacity/spot errors (with the next option) when no fallback is asked for or the fallback fails too.
+    AZ, an image tag not in the repository (next: push-image), or capacity/spot errors (with the next option)
+    when no fallback is asked for or the fallback fails too.
     """
     check_request(instance_type, job)
     ec2 = ec2 or aws.client("ec2")
     template_id = outputs.launch_template(instance_type)
     check_offered(ec2, instance_type, outputs.availability_zone)
-    tags = _tags(aws.env, job, config, image_tag, args, keep)
+    # The instance runs the image by digest (tag trainstack:image-digest, read by the user data into
+    # /etc/trainstack.env), so every restart of the job after exit 75 runs the image it started with.
+    digest = image_exists(aws, outputs, image_tag, ecr)
+    tags = _tags(aws.env, job, config, image_tag, digest, args, keep)
     spec = [
         {"ResourceType": "instance", "Tags": tags},
         {"ResourceType": "volume", "Tags": [t for t in tags if t["Key"] in ("trainstack:env", "trainstack:job")]},
@@ -237,12 +244,14 @@ def sweep(aws: Aws, outputs: Optional[Outputs], apply: bool, ec2=None, cw=None) 
             if v["VolumeId"] not in data_ids
             and {t["Key"]: t["Value"] for t in v.get("Tags", [])}.get("trainstack:role") != "data"
         ]
+        own_alarm = re.compile(re.escape(idle_alarm_prefix(aws.env)) + r"i-[0-9a-f]+")
         alarms = [
             a["AlarmName"]
             for page in cw.get_paginator("describe_alarms").paginate(
                 AlarmNamePrefix=idle_alarm_prefix(aws.env), AlarmTypes=["MetricAlarm"]
             )
             for a in page["MetricAlarms"]
+            if own_alarm.fullmatch(a["AlarmName"])  # not those of an environment named <env>-gpu-idle-...
         ]
         if apply:
             if requests:
@@ -256,3 +265,36 @@ def sweep(aws: Aws, outputs: Optional[Outputs], apply: bool, ec2=None, cw=None) 
     except ClientError as e:
         raise explain(e, "sweeping the environment") from None
     return {"instances": instances, "spot_requests": requests, "volumes": volumes, "alarms": alarms}
+
+
+#: How long ``teardown --wait`` waits for terminated instances to be gone and the data volume free: 40 polls
+#: 15 s apart (10 min; a p4d/p5 may take several minutes to terminate).
+WAIT_DELAY_S = 15
+WAIT_ATTEMPTS = 40
+
+
+def wait_until_released(
+    aws: Aws, outputs: Optional[Outputs], instance_ids: list[str], ec2=None, delay_s: Optional[float] = None
+) -> None:
+    """Block until ``instance_ids`` are ``terminated`` and the data volume is ``available`` (detached).
+
+    ``cdk destroy DataStack`` right after a terminate request fails while instances are still shutting down:
+    the data volume is still attached (its deletion or snapshot then fails) and their network interfaces keep
+    the security groups and subnets (DependencyViolation). EC2 waiters ``instance_terminated`` and
+    ``volume_available`` (DescribeInstances/DescribeVolumes, EC2 API reference). Raises CliError (exit 75,
+    transient) when they are not released within ``WAIT_ATTEMPTS`` x ``delay_s`` seconds.
+    """
+    ec2 = ec2 or aws.client("ec2")
+    delay_s = WAIT_DELAY_S if delay_s is None else delay_s
+    config = {"Delay": delay_s, "MaxAttempts": WAIT_ATTEMPTS}
+    try:
+        if instance_ids:
+            ec2.get_waiter("instance_terminated").wait(InstanceIds=instance_ids, WaiterConfig=config)
+        if outputs and outputs.volume_id:
+            ec2.get_waiter("volume_available").wait(VolumeIds=[outputs.volume_id], WaiterConfig=config)
+    except WaiterError as e:
+        raise CliError(
+            f"instances or the data volume were not released after {WAIT_ATTEMPTS * delay_s:.0f} s ({e})",
+            "rerun `python -m infra teardown --yes --wait` before `cdk destroy DataStack`",
+            code=75,
+        ) from None

@@ -19,6 +19,7 @@ from botocore.exceptions import ClientError
 import catalog
 from infra.cli.outputs import Outputs, image_exists
 from infra.cli.session import Aws, CliError, explain
+from infra.config import state_machine_names
 
 #: Fields SageMaker owns inside the job (channels, /opt/ml/checkpoints, /opt/ml/model): never sent.
 PLATFORM_FIELDS = ("data_dir", "checkpoint_dir", "log_dir", "resume", "device")
@@ -121,8 +122,14 @@ def submit(
         issue = catalog.check_processes_per_host(it, nproc_per_node) if nproc_per_node is not None else None
         if issue:
             raise CliError(issue[1], f"drop the flag: the job runs {it.processes_per_host} (the catalog's GPU count)")
-    image_exists(aws, outputs, image_tag, ecr)
-    payload = {"run_name": run_name, "image_tag": image_tag, "instance_count": instance_count, "hyperparameters": hp}
+    digest = image_exists(aws, outputs, image_tag, ecr)
+    payload = {
+        "run_name": run_name,
+        "image_tag": image_tag,  # immutable in the repository: a resumed or resubmitted run gets the same image
+        "image_digest": digest,  # recorded in the execution input
+        "instance_count": instance_count,
+        "hyperparameters": hp,
+    }
     if data_s3_uri:
         payload["data_s3_uri"] = data_s3_uri
     sfn = sfn or aws.client("stepfunctions")
@@ -221,10 +228,12 @@ def stop_run(aws: Aws, target: str, sfn=None, sm=None) -> str:
 def stop_running_executions(aws: Aws, outputs: Outputs, apply: bool, sfn=None) -> list[str]:
     """ARNs of this environment's RUNNING executions (stopped with ``apply``: Step Functions then stops their
     training jobs). The state machines are the stack's outputs, or, when the training stack's outputs are
-    unknown (a rolled-back deploy), every state machine named ``trainstack-<env>-*``. Raises CliError when
-    AWS refuses (``states:ListStateMachines``, ``states:ListExecutions``, ``states:StopExecution``)."""
+    unknown (a rolled-back deploy), every state machine whose name is one this environment's stack can give
+    (infra.config.state_machine_names: exact names, so environment ``dev`` never stops ``dev-x``'s runs).
+    Raises CliError when AWS refuses (``states:ListStateMachines``, ``states:ListExecutions``,
+    ``states:StopExecution``)."""
     sfn = sfn or aws.client("stepfunctions")
-    prefix = f"trainstack-{aws.env}-"
+    names = state_machine_names(aws.env, catalog.names("sagemaker"))
     try:
         arns = list(outputs.state_machines.values())
         if not arns:
@@ -232,7 +241,7 @@ def stop_running_executions(aws: Aws, outputs: Outputs, apply: bool, sfn=None) -
                 m["stateMachineArn"]
                 for page in sfn.get_paginator("list_state_machines").paginate()
                 for m in page["stateMachines"]
-                if m["name"].startswith(prefix)
+                if m["name"] in names
             ]
         running = [
             ex["executionArn"]

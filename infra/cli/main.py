@@ -8,6 +8,7 @@
       logs TARGET  CloudWatch log tail of an instance (i-...) or a training job
       stop TARGET  stop one instance, execution or training job
       teardown     find (and with --yes remove) everything that still bills: instances, spot requests, volumes
+                   (--wait: until the instances are terminated and the data volume detached)
       cost         what is running and what it has cost so far
 
 Resource names come from the stacks' outputs. Every error is one line on stderr, ``error: WHAT; next: WHAT TO
@@ -67,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("instance_type")
     s.add_argument("--job", required=True, help="job name: checkpoints go to /data/checkpoints/JOB")
     s.add_argument("--config", default="configs/p4d_resnet50.yaml", help="trainer config inside the image")
-    s.add_argument("--image-tag", default="latest")
+    s.add_argument("--image-tag", help="image tag (default: this checkout's commit, as push-image tags it)")
     s.add_argument("--args", default="", help="extra trainer flags, e.g. '--epochs 5 --data-dir /data/imagenet'")
     s.add_argument("--keep", action="store_true", help="do not shut the instance down when the job is done")
     s.add_argument(
@@ -79,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--machine", default="train-g5-2xlarge", help="state machine: train-<type> or scaling-plan")
     s.add_argument("--config", help="trainer YAML (validated here, sent as hyperparameters)")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra hyperparameter")
-    s.add_argument("--image-tag", default="latest")
+    s.add_argument("--image-tag", help="image tag (default: this checkout's commit, as push-image tags it)")
     s.add_argument("--data", help="s3:// URI of the train channel (default: s3://bucket/datasets/)")
     s.add_argument("--instance-count", type=_positive_int, default=1)
     s.add_argument("--nproc-per-node", type=int, help="checked against the catalog's GPU count, never sent")
@@ -98,6 +99,12 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("teardown", help="remove what still bills (dry run without --yes)")
     s.add_argument("--yes", action="store_true", help="really terminate/cancel/delete")
+    s.add_argument(
+        "--wait",
+        action="store_true",
+        help="with --yes: return only when the instances are terminated and the data volume is detached "
+        "(what `cdk destroy DataStack` needs; at most 10 min)",
+    )
 
     s = sub.add_parser("cost", help="running resources and their cost so far")
     s.add_argument("--json", action="store_true")
@@ -130,6 +137,8 @@ def run(args: argparse.Namespace) -> int:
         jobs.check_request(args.run_name, args.config, _kv(args.set), args.data, args.instance_count)
     elif args.command == "launch":
         instances.check_request(args.instance_type, args.job)
+    if args.command in ("launch", "submit") and not args.image_tag:
+        args.image_tag = image.git_tag(REPO)  # immutable: a restarted or resubmitted job runs the same image
     aws = open_session(args.env, args.region, args.profile)
     # teardown must also clean up after a deploy that rolled back or a stack deleted half-way
     outputs = load_outputs(aws, partial=args.command == "teardown")
@@ -207,6 +216,9 @@ def run(args: argparse.Namespace) -> int:
         verb = "removed" if args.yes else "would remove (run again with --yes)"
         for key, items in found.items():
             print(f"{verb} {len(items)} {key.replace('_', ' ')}: {' '.join(items) or '-'}")
+        if args.yes and args.wait:
+            instances.wait_until_released(aws, outputs, found["instances"])
+            print("released: the instances are terminated and the data volume is detached")
         print(
             f"kept: data volume {outputs.volume_id or '(unknown: no DataStack outputs)'}, bucket "
             f"{outputs.bucket or '(unknown)'} (cdk destroy DataStack never runs here)"

@@ -19,7 +19,7 @@ ml.g5.2xlarge gets 1, never the 2 of seed 000.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Optional
 
 import aws_cdk as cdk
 from aws_cdk import aws_iam as iam
@@ -134,15 +134,16 @@ class SageMakerSpotJobs(Construct):
         volume_gib: int,
         max_run_s: int,
         max_wait_s: int,
-        default_image_tag: str,
+        default_image_tag: Optional[str],
     ) -> None:
         super().__init__(scope, cid)
+        image_default = {"image_tag": default_image_tag} if default_image_tag else {}
         defaults = sfn.Pass(
             self,
             "Defaults",
             parameters={
                 "defaults": {
-                    "image_tag": default_image_tag,
+                    **image_default,
                     "instance_count": 1,
                     "hyperparameters": {},
                     "data_s3_uri": default_data_s3_uri,

@@ -6,8 +6,8 @@ What it does at boot, in order (each step logged to /var/log/trainstack-user-dat
    shuts the instance down (terminates: ``InstanceInitiatedShutdownBehavior=terminate``), unless it is tagged
    ``trainstack:keep=true`` (left up for inspection; its alarm then only notifies the SNS topic).
 1. IMDSv2 token; instance id, region, lifecycle (spot/on-demand) and the job's instance tags
-   (``trainstack:job``, ``trainstack:config``, ``trainstack:image-tag``, ``trainstack:args``,
-   ``trainstack:keep``; the launch templates turn on instance-metadata tags).
+   (``trainstack:job``, ``trainstack:config``, ``trainstack:image-tag``, ``trainstack:image-digest``,
+   ``trainstack:args``, ``trainstack:keep``; the launch templates turn on instance-metadata tags).
 2. This instance's own "GPU idle -> stop/terminate" alarm (``/usr/local/bin/trainstack-alarm create``), before
    anything that can hang or fail, and the unit ``trainstack-alarm.service`` that re-creates it at every boot
    and deletes it at every shutdown (job done, spot interruption, the alarm's own action). Missing GPU data
@@ -51,7 +51,7 @@ class UserDataParams:
     nproc_per_node: int
     efa: bool
     default_config: str
-    default_image_tag: str
+    default_image_tag: Optional[str]  # None: an instance without trainstack:image-digest/-tag tags fails to boot
     fsx_dns_name: Optional[str] = None
     fsx_mount_name: Optional[str] = None
 
@@ -180,8 +180,14 @@ _SERVICE = r"""# --- training container under systemd ---
 STEP=training-service
 REPO="{repo}"
 JOB=$(tag trainstack:job); CONFIG=$(tag trainstack:config); IMAGE_TAG=$(tag trainstack:image-tag)
+IMAGE_DIGEST=$(tag trainstack:image-digest); IMAGE_TAG=${IMAGE_TAG:-{image_tag}}
+# By digest when launched by `python -m infra launch`: written once here, so every restart runs this image.
+if [ -n "$IMAGE_DIGEST" ]; then IMAGE="$REPO@$IMAGE_DIGEST"
+elif [ -n "$IMAGE_TAG" ]; then IMAGE="$REPO:$IMAGE_TAG"
+else echo "no image: tag the instance trainstack:image-digest or trainstack:image-tag (python -m infra launch does)"; exit 2
+fi
 cat > /etc/trainstack.env <<ENV_EOF
-IMAGE=$REPO:${IMAGE_TAG:-{image_tag}}
+IMAGE=$IMAGE
 JOB=${JOB:-default}
 CONFIG=${CONFIG:-{config}}
 ARGS="$(tag trainstack:args)"
@@ -281,7 +287,7 @@ def render(p: UserDataParams) -> str:
     )
     service = (
         _SERVICE.replace("{repo}", p.repository_uri)
-        .replace("{image_tag}", p.default_image_tag)
+        .replace("{image_tag}", p.default_image_tag or "")
         .replace("{config}", p.default_config)
         .replace("{nproc}", str(p.nproc_per_node))
         .replace("{efa}", "1" if p.efa else "0")

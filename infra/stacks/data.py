@@ -1,8 +1,9 @@
 """DataStack: what must outlive the compute — S3 bucket, EBS gp3 data volume, optional FSx for Lustre, network.
 
-On ``cdk destroy DataStack``: the buckets are retained (deleted with their objects when ``ephemeral``, the
-pull-request environments), the EBS volume is snapshotted (or retained, context ``data_volume_removal``), the
-FSx file system, the VPC and everything else are deleted. Bucket names are generated, so an environment can
+On ``cdk destroy DataStack``: the buckets are retained and the EBS volume snapshotted, except in ``ephemeral``
+(pull-request) environments, where the buckets go with their objects and the volume without a snapshot
+(context ``data_volume_removal`` overrides the volume's: snapshot, retain, delete); the FSx file system, the
+VPC and everything else are deleted. Bucket names are generated, so an environment can
 always be deployed again under the same name. Seed 003 keeps FFCV data and checkpoints on a
 400 GiB gp3 volume at 16,000 IOPS that moves between instances; an EBS volume attaches only to instances in
 its own AZ, so the VPC here has subnets in that one AZ only and every launch template places instances there.
@@ -20,6 +21,13 @@ from constructs import Construct
 from infra.config import InfraConfig
 from infra.constructs.nag import ack
 
+#: context data_volume_removal -> the data volume's removal policy. Pull-request environments default to
+#: "delete": a snapshot of each closed PR's 400 GiB volume was left behind that nothing ever deleted.
+VOLUME_REMOVAL = {
+    "snapshot": cdk.RemovalPolicy.SNAPSHOT,
+    "retain": cdk.RemovalPolicy.RETAIN,
+    "delete": cdk.RemovalPolicy.DESTROY,
+}
 LUSTRE_PORTS = ((988, 988), (1018, 1023))  # FSx for Lustre user guide, "File system access control with VPC"
 
 
@@ -135,9 +143,7 @@ class DataStack(cdk.Stack):
             iops=cfg.data_volume_iops,
             throughput=cfg.data_volume_throughput_mibps,
             encrypted=True,
-            removal_policy=(
-                cdk.RemovalPolicy.SNAPSHOT if cfg.data_volume_removal == "snapshot" else cdk.RemovalPolicy.RETAIN
-            ),
+            removal_policy=VOLUME_REMOVAL[cfg.data_volume_removal],
         )
         cdk.Tags.of(self.volume).add("trainstack:role", "data")
 
@@ -160,7 +166,15 @@ class DataStack(cdk.Stack):
             cdk.CfnOutput(self, name, value=value, description=desc)
 
     def _fsx(self, cfg: InfraConfig) -> fsx.LustreFileSystem:
-        """FSx for Lustre in the instances' subnet, linked to ``s3://bucket/datasets/`` (seed 002)."""
+        """FSx for Lustre in the instances' subnet, ``fsx_data_path`` linked to ``s3://bucket/datasets/`` (seed 002).
+
+        SCRATCH_2 and PERSISTENT_2 alike link through a data repository association with automatic import and
+        export (NEW, CHANGED, DELETED), on Lustre 2.15. Decision (issue 25 item 6): DRAs "are supported on all
+        FSx for Lustre 2.12 and 2.15 file systems, excluding scratch_1" (FSx API reference,
+        CreateDataRepositoryAssociation; FSx for Lustre user guide, "Linking your file system to an Amazon S3
+        bucket"); the ImportPath/ExportPath link is the user guide's "Working with older deployment types" and
+        has no automatic export on SCRATCH_2. Files appear under ``/fsx<fsx_data_path>`` on both types.
+        """
         sg = ec2.SecurityGroup(
             self,
             "FsxSg",
@@ -178,10 +192,6 @@ class DataStack(cdk.Stack):
             deployment_type=getattr(fsx.LustreDeploymentType, cfg.fsx),
             per_unit_storage_throughput=cfg.fsx_throughput_mibps_per_tib if persistent else None,
             data_compression_type=fsx.LustreDataCompressionType.LZ4,
-            # SCRATCH_2 links to S3 through its own import/export paths; PERSISTENT_2 through a DRA below.
-            import_path=None if persistent else self.bucket.s3_url_for_object("datasets"),
-            export_path=None if persistent else self.bucket.s3_url_for_object("datasets"),
-            auto_import_policy=None if persistent else fsx.LustreAutoImportPolicy.NEW_CHANGED_DELETED,
         )
         fs = fsx.LustreFileSystem(
             self,
@@ -197,23 +207,22 @@ class DataStack(cdk.Stack):
             # changed files automatically; SCRATCH_2 results must be exported or written to /data or S3).
             removal_policy=cdk.RemovalPolicy.DESTROY,
         )
-        if persistent:
-            fsx.CfnDataRepositoryAssociation(
-                self,
-                "DataRepositoryAssociation",
-                file_system_id=fs.file_system_id,
-                file_system_path=cfg.fsx_data_path,
-                data_repository_path=self.bucket.s3_url_for_object("datasets/"),
-                batch_import_meta_data_on_create=True,
-                s3=fsx.CfnDataRepositoryAssociation.S3Property(
-                    auto_import_policy=fsx.CfnDataRepositoryAssociation.AutoImportPolicyProperty(
-                        events=["NEW", "CHANGED", "DELETED"]
-                    ),
-                    auto_export_policy=fsx.CfnDataRepositoryAssociation.AutoExportPolicyProperty(
-                        events=["NEW", "CHANGED", "DELETED"]
-                    ),
+        fsx.CfnDataRepositoryAssociation(
+            self,
+            "DataRepositoryAssociation",
+            file_system_id=fs.file_system_id,
+            file_system_path=cfg.fsx_data_path,
+            data_repository_path=self.bucket.s3_url_for_object("datasets/"),
+            batch_import_meta_data_on_create=True,
+            s3=fsx.CfnDataRepositoryAssociation.S3Property(
+                auto_import_policy=fsx.CfnDataRepositoryAssociation.AutoImportPolicyProperty(
+                    events=["NEW", "CHANGED", "DELETED"]
                 ),
-            )
+                auto_export_policy=fsx.CfnDataRepositoryAssociation.AutoExportPolicyProperty(
+                    events=["NEW", "CHANGED", "DELETED"]
+                ),
+            ),
+        )
         cdk.CfnOutput(self, "FsxDnsName", value=fs.dns_name, description="FSx for Lustre DNS name")
         cdk.CfnOutput(self, "FsxMountName", value=fs.mount_name, description="FSx for Lustre mount name")
         return fs

@@ -59,6 +59,14 @@ def instance_idle_alarm_command(cfg: InfraConfig, topic_arn: str) -> str:
     )
 
 
+def job_name_patterns(cfg: InfraConfig) -> list[dict]:
+    """EventBridge patterns matching the names of this environment's training jobs and no other's: one
+    ``prefix`` per job phase, ``<prefix>-<phase>-`` (job names are ``<prefix>-<phase>-<8 hex>``). A bare
+    ``trainstack-dev`` prefix also matched every job of an environment ``dev-x``. EventBridge user guide,
+    "Content filtering in Amazon EventBridge event patterns" (prefix matching)."""
+    return [{"prefix": f"{cfg.prefix}-{phase}-"} for phase in dict.fromkeys(cfg.job_phases())]
+
+
 class MonitoringStack(cdk.Stack):
     """Attributes: ``topic``, ``train_log_group``, ``metrics_log_group``, ``alarms`` (name -> Alarm)."""
 
@@ -215,7 +223,7 @@ class MonitoringStack(cdk.Stack):
             event_pattern=events.EventPattern(
                 source=["aws.sagemaker"],
                 detail_type=["SageMaker Training Job State Change"],
-                detail={"TrainingJobStatus": ["Failed", "Stopped"], "TrainingJobName": [{"prefix": cfg.prefix}]},
+                detail={"TrainingJobStatus": ["Failed", "Stopped"], "TrainingJobName": job_name_patterns(cfg)},
             ),
             targets=[target],
         )

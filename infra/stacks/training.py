@@ -13,13 +13,43 @@ from aws_cdk import aws_s3 as s3
 from constructs import Construct
 
 import catalog
-from infra.config import InfraConfig
+from infra.config import InfraConfig, machine_short
 from infra.constructs import user_data
 from infra.constructs.nag import S3_READ_WRITE_ACTIONS, ack_findings, nag_arn
 from infra.constructs.sagemaker_job import SageMakerSpotJobs, phases_from_context
 from infra.constructs.spot_launch_template import SpotLaunchTemplate
 from infra.stacks.data import DataStack, bucket_export
 from infra.stacks.monitoring import MonitoringStack, idle_alarm_name, instance_idle_alarm_command
+
+#: The service-linked role CloudWatch uses for alarm actions on EC2 instances (stop/terminate/reboot), its
+#: service principal and path (CloudWatch user guide, "Using service-linked roles for CloudWatch").
+EC2_ALARM_ACTIONS_SERVICE = "events.amazonaws.com"
+EC2_ALARM_ACTIONS_ROLE = "AWSServiceRoleForCloudWatchEvents"
+
+
+def ec2_alarm_service_linked_role_statement(stack: cdk.Stack) -> iam.PolicyStatement:
+    """``iam:CreateServiceLinkedRole`` for CloudWatch's EC2-actions role only, for whoever creates an alarm
+    with an EC2 action (``arn:aws:automate:<region>:ec2:stop|terminate``).
+
+    PutMetricAlarm API reference: "The iam:CreateServiceLinkedRole permission for all alarms with EC2 actions";
+    the first such alarm in an account creates ``AWSServiceRoleForCloudWatchEvents`` (trusting
+    events.amazonaws.com: CloudWatch user guide, "Using service-linked roles for CloudWatch"). Granted rather
+    than created in a stack: the role is one per account and usually exists already, and
+    ``AWS::IAM::ServiceLinkedRole`` fails when it does. Scoped to that role's ARN and to
+    ``iam:AWSServiceName = events.amazonaws.com`` (IAM user guide, "Service-linked role permissions").
+    """
+    return iam.PolicyStatement(
+        actions=["iam:CreateServiceLinkedRole"],
+        resources=[
+            stack.format_arn(
+                service="iam",
+                region="",
+                resource="role",
+                resource_name=f"aws-service-role/{EC2_ALARM_ACTIONS_SERVICE}/{EC2_ALARM_ACTIONS_ROLE}",
+            )
+        ],
+        conditions={"StringEquals": {"iam:AWSServiceName": EC2_ALARM_ACTIONS_SERVICE}},
+    )
 
 
 class TrainingStack(cdk.Stack):
@@ -39,15 +69,14 @@ class TrainingStack(cdk.Stack):
             bucket_arn=cdk.Fn.import_value(bucket_export(cfg, "arn")),
             bucket_name=cdk.Fn.import_value(bucket_export(cfg, "name")),
         )
-        # Commit tags are immutable, so a job restarting after exit 75 pulls the image it started with; `latest`
-        # (push-image moves it on every push) is the one mutable tag: pin a commit tag for long runs.
+        # Every tag immutable (push-image pushes commit tags only, no moving `latest`): a job restarting after
+        # exit 75 or resubmitted under its run name gets the image it started with.
         self.repository = ecr.Repository(
             self,
             "Repository",
             repository_name=cfg.prefix,
             image_scan_on_push=True,
-            image_tag_mutability=ecr.TagMutability.IMMUTABLE_WITH_EXCLUSION,
-            image_tag_mutability_exclusion_filters=[ecr.ImageTagMutabilityExclusionFilter.wildcard("latest")],
+            image_tag_mutability=ecr.TagMutability.IMMUTABLE,
             removal_policy=cdk.RemovalPolicy.DESTROY,
             empty_on_delete=True,
             lifecycle_rules=[
@@ -125,7 +154,7 @@ class TrainingStack(cdk.Stack):
         )
         for name in cfg.sagemaker_instance_types:
             it = catalog.get(name, cat)
-            short = name.removeprefix("ml.").replace(".", "-")
+            short = machine_short(name)
             jobs = SageMakerSpotJobs(
                 self, f"Job-{short}", name=f"{cfg.prefix}-train-{short}", phases=[(short, it, {})], **common
             )
@@ -195,6 +224,9 @@ class TrainingStack(cdk.Stack):
                 ],
             )
         )
+        # The idle alarm's EC2 action runs through CloudWatch's service-linked role; PutMetricAlarm creates it on
+        # first use and then needs iam:CreateServiceLinkedRole (see ec2_alarm_service_linked_role).
+        role.add_to_policy(ec2_alarm_service_linked_role_statement(self))
         ack_findings(
             role,
             "AwsSolutions-IAM4",

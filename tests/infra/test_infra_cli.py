@@ -19,6 +19,7 @@ from moto import mock_aws
 
 from infra.cli.main import main
 from tests import moto_env
+from tests.infra_helpers import REPO as REPO_ROOT
 
 E = ["--env", moto_env.ENV]
 
@@ -39,16 +40,8 @@ def _outputs(aws, stack: str) -> dict:
     return {o["OutputKey"]: o["OutputValue"] for o in st["Outputs"]}
 
 
-def _push_fake_image(aws, tag: str) -> None:
-    manifest = json.dumps(
-        {
-            "schemaVersion": 2,
-            "mediaType": "application/vnd.docker.distribution.manifest.v2+json",
-            "config": {"digest": "sha256:" + "1" * 64, "size": 1, "mediaType": "x"},
-            "layers": [],
-        }
-    )
-    aws.client("ecr").put_image(repositoryName=f"trainstack-{moto_env.ENV}", imageManifest=manifest, imageTag=tag)
+def _push_fake_image(aws, tag: str) -> str:
+    return moto_env.put_image(aws, tag)
 
 
 def _instances(aws) -> list[dict]:
@@ -65,6 +58,7 @@ def test_status_and_cost_of_an_empty_environment(aws, capsys):
 
 
 def test_launch_uses_the_stacks_spot_template_and_tags_the_job(aws, capsys):
+    digest = _push_fake_image(aws, "abc123")
     assert main(E + ["launch", "g5.2xlarge", "--job", "resnet-a", "--image-tag", "abc123", "--args", "--epochs 5"]) == 0
     assert "launched i-" in capsys.readouterr().out
     (inst,) = _instances(aws)
@@ -72,6 +66,7 @@ def test_launch_uses_the_stacks_spot_template_and_tags_the_job(aws, capsys):
     assert json.loads(capsys.readouterr().out)["job"] == "resnet-a"
     tags = {t["Key"]: t["Value"] for t in inst["Tags"]}
     assert tags["trainstack:job"] == "resnet-a" and tags["trainstack:image-tag"] == "abc123"
+    assert tags["trainstack:image-digest"] == digest  # the user data runs the image by this digest
     assert tags["trainstack:args"] == "--epochs 5" and tags["trainstack:config"] == "configs/p4d_resnet50.yaml"
     assert inst["InstanceType"] == "g5.2xlarge"
     lt_id = _outputs(aws, "TrainingStack")["LaunchTemplateIdg52xlarge"]
@@ -81,6 +76,30 @@ def test_launch_uses_the_stacks_spot_template_and_tags_the_job(aws, capsys):
     # moto ignores these options when it runs the instance; the template itself says spot:
     assert data["InstanceMarketOptions"]["MarketType"] == "spot"
     assert data["MetadataOptions"]["HttpTokens"] == "required"
+
+
+def test_launch_and_submit_default_to_this_checkouts_image_pinned_by_digest(aws, capsys):
+    """No ``latest``: without --image-tag, launch and submit run the image of this checkout's commit (the tag
+    push-image gives it, immutable in the repository); launch pins its digest on the instance, submit records
+    it in the execution input. A tag that was never pushed is one clear line, exit 2."""
+    from infra.cli.image import git_tag
+    from tests.infra_helpers import REPO
+
+    tag = git_tag(REPO)
+    digest = aws.client("ecr").describe_images(repositoryName="trainstack-test", imageIds=[{"imageTag": tag}])[
+        "imageDetails"
+    ][0]["imageDigest"]
+    assert main(E + ["launch", "g5.2xlarge", "--job", "j"]) == 0
+    (inst,) = _instances(aws)
+    tags = {t["Key"]: t["Value"] for t in inst["Tags"]}
+    assert (tags["trainstack:image-tag"], tags["trainstack:image-digest"]) == (tag, digest)
+    assert main(E + ["submit", "--run-name", "r1"]) == 0
+    arn = capsys.readouterr().out.split("started ")[1].strip()
+    payload = json.loads(aws.client("stepfunctions").describe_execution(executionArn=arn)["input"])
+    assert (payload["image_tag"], payload["image_digest"]) == (tag, digest)
+    assert main(E + ["launch", "g5.2xlarge", "--job", "k", "--image-tag", "latest"]) == 2
+    err = capsys.readouterr().err
+    assert "push-image" in err and len(err.strip().splitlines()) == 1 and len(_instances(aws)) == 1
 
 
 def test_launch_errors_name_the_type_and_what_exists(aws, capsys):
@@ -219,8 +238,8 @@ def test_network_loss_mid_command_is_exit_75_and_says_to_check_status(aws, capsy
 
 
 def test_submit_starts_a_managed_spot_execution_with_the_config_as_hyperparameters(aws, capsys):
-    assert main(E + ["submit", "--run-name", "digits-a", "--config", "configs/digits.yaml"]) == 2
-    assert "push-image" in capsys.readouterr().err  # image 'latest' is missing
+    assert main(E + ["submit", "--run-name", "digits-a", "--config", "configs/digits.yaml", "--image-tag", "nope"]) == 2
+    assert "push-image" in capsys.readouterr().err  # image 'nope' is missing
     _push_fake_image(aws, "abc123")
     assert (
         main(
@@ -258,7 +277,6 @@ def test_submit_starts_a_managed_spot_execution_with_the_config_as_hyperparamete
 
 
 def test_submit_refuses_two_processes_on_a_one_gpu_type_and_bad_configs(aws, capsys, tmp_path):
-    _push_fake_image(aws, "latest")
     assert main(E + ["submit", "--run-name", "dino", "--machine", "train-g5-2xlarge", "--nproc-per-node", "2"]) == 2
     assert "--nproc-per-node 2 on ml.g5.2xlarge, which has 1 GPU(s)" in capsys.readouterr().err
     bad = tmp_path / "bad.yaml"
@@ -310,6 +328,41 @@ def test_teardown_removes_what_bills_and_keeps_the_data_volume(aws, capsys):
     assert stray not in left and other in left and data_volume in left
 
 
+def test_teardown_leaves_an_environment_whose_name_extends_this_one_alone(aws, capsys):
+    """``test`` and ``test-x``: with the training stack's outputs gone (a rolled-back deploy), teardown finds
+    this environment's state machines by name; ``trainstack-test-`` also begins test-x's, whose runs and
+    idle alarms must survive ``teardown --yes`` of test."""
+    from moto.cloudformation.models import cloudformation_backends
+
+    sfn, cw = aws.client("stepfunctions"), aws.client("cloudwatch")
+    role = f"arn:aws:iam::{moto_env.ACCOUNT}:role/other"
+    definition = json.dumps({"StartAt": "P", "States": {"P": {"Type": "Pass", "End": True}}})
+    other = sfn.create_state_machine(name="trainstack-test-x-train-g5-2xlarge", definition=definition, roleArn=role)
+    other_run = sfn.start_execution(stateMachineArn=other["stateMachineArn"])["executionArn"]
+    mine = _outputs(aws, "TrainingStack")["StateMachinescalingplan"]
+    my_run = sfn.start_execution(stateMachineArn=mine, input=json.dumps({"run_name": "r"}))["executionArn"]
+    alarms = {"trainstack-test-gpu-idle-i-0abc", "trainstack-test-gpu-idle-x-gpu-idle-i-0abc"}
+    for name in alarms:
+        cw.put_metric_alarm(
+            AlarmName=name,
+            Namespace="N",
+            MetricName="M",
+            Statistic="Average",
+            Period=60,
+            EvaluationPeriods=1,
+            Threshold=5,
+            ComparisonOperator="LessThanThreshold",
+        )
+    backend = cloudformation_backends[moto_env.ACCOUNT][moto_env.REGION]
+    stack = next(s for s in backend.stacks.values() if s.name == f"{moto_env.ENV}-TrainingStack")
+    stack.status, stack.output_map = "ROLLBACK_COMPLETE", {}
+    assert main(E + ["teardown", "--yes"]) == 0, capsys.readouterr().err
+    assert sfn.describe_execution(executionArn=my_run)["status"] == "ABORTED"
+    assert sfn.describe_execution(executionArn=other_run)["status"] == "RUNNING"
+    left = {a["AlarmName"] for a in cw.describe_alarms()["MetricAlarms"]}
+    assert left == {"trainstack-test-gpu-idle-x-gpu-idle-i-0abc"}
+
+
 def test_stop_one_instance(aws, capsys):
     assert main(E + ["launch", "g5.2xlarge", "--job", "j"]) == 0
     iid = _instances(aws)[0]["InstanceId"]
@@ -329,7 +382,8 @@ def test_cost_prices_running_instances_from_the_catalog(aws, capsys):
     assert row["price_source"] == "catalog on-demand" and row["usd"] >= 0
 
 
-def test_push_image_logs_in_builds_tags_with_commit_and_pushes(aws, capsys, tmp_path):
+def _fake_docker(tmp_path):
+    """A ``docker`` that records ``[argv, stdin]`` per call in a JSON-lines file; returns (binary, file)."""
     calls = tmp_path / "docker-calls.jsonl"
     fake = tmp_path / "docker"
     fake.write_text(
@@ -337,6 +391,11 @@ def test_push_image_logs_in_builds_tags_with_commit_and_pushes(aws, capsys, tmp_
         f"open({str(calls)!r}, 'a').write(json.dumps([sys.argv[1:], stdin]) + '\\n')\n"
     )
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    return fake, calls
+
+
+def test_push_image_logs_in_builds_tags_with_commit_and_pushes(aws, capsys, tmp_path):
+    fake, calls = _fake_docker(tmp_path)
     assert main(E + ["push-image", "--tag", "c0ffee", "--docker", str(fake)]) == 0
     repo = _outputs(aws, "TrainingStack")["RepositoryUri"]
     assert f"pushed {repo}:c0ffee" in capsys.readouterr().out
@@ -347,10 +406,51 @@ def test_push_image_logs_in_builds_tags_with_commit_and_pushes(aws, capsys, tmp_
     build = next(argv for argv, _ in recorded if argv[0] == "build")
     assert f"{repo}:c0ffee" in build and "images/training/Dockerfile" in build
     assert any(a.startswith("BASE_IMAGE=763104351884.dkr.ecr.") for a in build)
-    assert [argv for argv, _ in recorded if argv[0] == "push"] == [
-        ["push", f"{repo}:c0ffee"],
-        ["push", f"{repo}:latest"],
-    ]
+    assert [argv for argv, _ in recorded if argv[0] == "push"] == [["push", f"{repo}:c0ffee"]]  # no `latest`
+    assert not any(":latest" in a for argv, _ in recorded for a in argv)
+
+
+def test_push_image_again_for_a_pushed_commit_succeeds_without_pushing(aws, capsys, tmp_path):
+    """Re-running the image workflow for a commit whose image is in the repository: the tag is immutable, so
+    a second build and push would fail; push-image says it is there and does nothing (exit 0)."""
+    fake, calls = _fake_docker(tmp_path)
+    _push_fake_image(aws, "c0ffee")
+    assert main(E + ["push-image", "--tag", "c0ffee", "--docker", str(fake)]) == 0
+    assert "c0ffee (already pushed)" in capsys.readouterr().out
+    assert not calls.exists()  # no login, build or push
+
+
+def test_push_image_logs_in_to_each_registry_with_its_own_regions_token(aws, capsys, tmp_path):
+    """An environment in eu-west-1 building FROM the Deep Learning Container registry in us-east-1: an ECR
+    token is valid in one region only, so each registry gets a GetAuthorizationToken from its own region.
+    Two-region moto session; each region's token is made recognisable (moto's are all alike)."""
+    import base64
+
+    import boto3
+
+    from infra.cli import image
+    from infra.cli.outputs import Outputs
+    from infra.cli.session import Aws
+
+    session = boto3.Session(region_name="eu-west-1")
+
+    def regional_token(parsed, context, **_):
+        token = base64.b64encode(f"AWS:token-of-{context['client_region']}".encode()).decode()
+        parsed["authorizationData"][0]["authorizationToken"] = token
+
+    session.events.register("after-call.ecr.GetAuthorizationToken", regional_token)
+    repo = session.client("ecr").create_repository(repositoryName="trainstack-eu")["repository"]["repositoryUri"]
+    outputs = Outputs("eu", "b", "vol-1", "eu-west-1a", repo, "arn:topic", "/trainstack/eu/train")
+    fake, calls = _fake_docker(tmp_path)
+    pushed = image.push_image(
+        Aws(session, "eu-west-1", moto_env.ACCOUNT, "eu"), outputs, REPO_ROOT, "c0ffee", docker=str(fake)
+    )
+    assert pushed == f"{repo}:c0ffee"
+    logins = {argv[-1]: stdin for argv, stdin in map(json.loads, calls.read_text().splitlines()) if argv[0] == "login"}
+    assert logins == {
+        repo.split("/")[0]: "token-of-eu-west-1",
+        "763104351884.dkr.ecr.us-east-1.amazonaws.com": "token-of-us-east-1",
+    }
 
 
 def test_clear_errors_no_credentials_no_stack_wrong_region(templates, monkeypatch, capsys):

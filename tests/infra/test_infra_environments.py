@@ -39,15 +39,40 @@ def _left_behind(templates: dict) -> dict[str, str]:
     }
 
 
-def test_pr_environment_destroy_leaves_only_the_volume_snapshot(pr_env):
+def test_pr_environment_destroy_leaves_nothing_behind(pr_env, tmp_path):
+    """A closed pull request's `cdk destroy DataStack` leaves no bucket and no 400 GiB volume snapshot (one per
+    closed PR, that nothing deleted); -c data_volume_removal still chooses, and long-lived environments keep
+    their snapshot (test_default_environment_retains_buckets_and_snapshots_the_volume)."""
     left = _left_behind(pr_env)
-    assert list(left.values()) == ["Snapshot"] and "DataStack/DataVolume" in next(iter(left)), left
+    assert left == {}, left
+    (vol,) = resources(pr_env["DataStack"], "AWS::EC2::Volume").values()
+    assert vol["DeletionPolicy"] == "Delete"
+    kept = synth({**PR, "data_volume_removal": "snapshot"}, tmp_path)[2]
+    assert list(_left_behind(kept).values()) == ["Snapshot"]
     buckets = resources(pr_env["DataStack"], "AWS::S3::Bucket")
     assert len(buckets) == 2 and all(b["DeletionPolicy"] == "Delete" for b in buckets.values())
     auto_delete = resources(pr_env["DataStack"], "Custom::S3AutoDeleteObjects")
     assert len(auto_delete) == 2  # versioned buckets are emptied (all versions) before CloudFormation deletes them
     (fs,) = resources(pr_env["DataStack"], "AWS::FSx::FileSystem").values()
     assert fs["DeletionPolicy"] == "Delete"  # a retained file system keeps its subnet and SG: the VPC would stay
+
+
+def test_scratch2_data_repository_association_is_documented_for_lustre_215():
+    """The deploy-free half of the SCRATCH_2 decision: botocore's FSx service model (the API reference) says
+    DRAs are supported on Lustre 2.12 and 2.15 except SCRATCH_1, and that ImportPath cannot be combined with
+    one. If AWS changes either sentence, this fails and the decision in DataStack._fsx must be looked at."""
+    import re
+
+    import botocore.session
+
+    def text(html: str) -> str:
+        return " ".join(re.sub(r"<[^>]+>", "", html).split())
+
+    model = botocore.session.get_session().get_service_model("fsx")
+    dra = text(model.operation_model("CreateDataRepositoryAssociation").documentation)
+    assert "supported on all FSx for Lustre 2.12 and 2.15 file systems, excluding scratch_1" in dra
+    import_path = text(model.shape_for("CreateFileSystemLustreConfiguration").members["ImportPath"].documentation)
+    assert "not supported for file systems with a data repository association" in import_path
 
 
 def test_default_environment_retains_buckets_and_snapshots_the_volume(default_env):
@@ -105,15 +130,17 @@ def test_efa_security_group_keeps_its_self_referencing_egress(default_env):
 
 def test_review_decisions_in_the_templates(default_env):
     """State-machine log groups under /aws/vendedlogs/ (no account log resource policy to outgrow), SCRATCH_2
-    pinned to Lustre 2.15, commit tags immutable (``latest`` excluded)."""
+    pinned to Lustre 2.15 and linked through a data repository association, every image tag immutable (no
+    moving ``latest``: a restarted job runs the image it started with)."""
     training = default_env["TrainingStack"]
     names = [lg["Properties"].get("LogGroupName") for lg in resources(training, "AWS::Logs::LogGroup").values()]
     assert names and all(n.startswith("/aws/vendedlogs/states/trainstack-dev-") for n in names), names
     (fs,) = resources(default_env["DataStack"], "AWS::FSx::FileSystem").values()
     assert fs["Properties"]["LustreConfiguration"]["DeploymentType"] == "SCRATCH_2"
     assert fs["Properties"]["FileSystemTypeVersion"] == "2.15"
+    assert not {"ImportPath", "ExportPath", "AutoImportPolicy"} & set(fs["Properties"]["LustreConfiguration"])
+    (dra,) = resources(default_env["DataStack"], "AWS::FSx::DataRepositoryAssociation").values()
+    assert dra["Properties"]["S3"]["AutoExportPolicy"]["Events"] == ["NEW", "CHANGED", "DELETED"]
     (repo,) = resources(training, "AWS::ECR::Repository").values()
-    assert repo["Properties"]["ImageTagMutability"] == "IMMUTABLE_WITH_EXCLUSION"
-    assert repo["Properties"]["ImageTagMutabilityExclusionFilters"] == [
-        {"ImageTagMutabilityExclusionFilterType": "WILDCARD", "ImageTagMutabilityExclusionFilterValue": "latest"}
-    ]
+    assert repo["Properties"]["ImageTagMutability"] == "IMMUTABLE"
+    assert "ImageTagMutabilityExclusionFilters" not in repo["Properties"]

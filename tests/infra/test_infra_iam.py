@@ -89,14 +89,25 @@ def test_evaluator_denies_what_the_policy_lacks(deploy_role):
 
 
 def test_teardown_runs_with_only_the_deploy_roles_permissions(aws, deploy_role, monkeypatch, capsys):
+    """teardown --yes --wait as destroy.yml runs it: the instance holding the data volume is terminated and
+    waited for until the volume is detached, all within the deploy role's policy."""
+    from infra.cli import instances
+
     iid, alarm, execution = _busy_environment(aws)
+    volume = _outputs(aws, "DataStack")["DataVolumeId"]
+    aws.client("ec2").attach_volume(VolumeId=volume, InstanceId=iid, Device="/dev/sdf")
+    monkeypatch.setattr(instances, "WAIT_DELAY_S", 0.01)
     rec = CallRecorder()
     rec.install(monkeypatch, cli_session)
-    assert main(E + ["teardown", "--yes"]) == 0
+    assert main(E + ["teardown", "--yes", "--wait"]) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
-    assert "removed 1 executions" in out and "removed 1 alarms" in out
+    assert "removed 1 executions" in out and "removed 1 alarms" in out and "released:" in out
+    ec2 = aws.client("ec2")
+    assert ec2.describe_instances(InstanceIds=[iid])["Reservations"][0]["Instances"][0]["State"]["Name"] == "terminated"
+    assert ec2.describe_volumes(VolumeIds=[volume])["Volumes"][0]["State"] == "available"
     actions = {a for a, _ in rec.calls}
     assert {"states:StopExecution", "ec2:TerminateInstances", "cloudwatch:DeleteAlarms"} <= actions
+    assert {"ec2:DescribeInstances", "ec2:DescribeVolumes"} <= actions
     assert rec.denied(deploy_role, ACCOUNT, REGION) == []
     assert aws.client("stepfunctions").describe_execution(executionArn=execution)["status"] == "ABORTED"
     assert not aws.client("cloudwatch").describe_alarms(AlarmNames=[alarm])["MetricAlarms"]

@@ -172,7 +172,8 @@ def test_user_data_mounts_by_volume_id_and_restarts_on_75(default, tmp_path):
     assert 'TRAINSTACK_NPROC_PER_NODE="$NPROC"' in ud and "ExecStop=/usr/bin/docker stop" in ud
     assert "put-metric-alarm" in ud and "ec2:terminate" in ud and "trainstack-alarm delete" in ud
     assert "mount -t lustre" not in ud  # no FSx by default
-    assert "IMAGE=$REPO:${IMAGE_TAG:-latest}" in ud and "CONFIG=${CONFIG:-configs/p4d_resnet50.yaml}" in ud
+    assert 'IMAGE="$REPO@$IMAGE_DIGEST"' in ud and "CONFIG=${CONFIG:-configs/p4d_resnet50.yaml}" in ud
+    assert ":latest" not in ud and "-latest}" not in ud  # no moving image tag (IMDS's /latest path aside)
     assert "{" + "image_tag}" not in ud and "{" + "config}" not in ud  # every placeholder filled
     script = tmp_path / "ud.sh"
     script.write_text("#!/bin/bash\n" + flatten(_launch_templates(default[2])["g5.2xlarge"]["UserData"], "TOKEN"))
@@ -306,11 +307,40 @@ def test_event_rules_and_topic(full):
     }
     sm = next(p for p in patterns if p["source"] == ["aws.sagemaker"])
     assert sm["detail"]["TrainingJobStatus"] == ["Failed", "Stopped"]
-    assert sm["detail"]["TrainingJobName"] == [{"prefix": "trainstack-pr-42"}]
+    assert {"prefix": "trainstack-pr-42-g5-2xlarge-"} in sm["detail"]["TrainingJobName"]
     topic = _one(raw, "AWS::SNS::Topic")["Properties"]
     assert "KmsMasterKeyId" in topic
     sub = _one(raw, "AWS::SNS::Subscription")["Properties"]
     assert (sub["Protocol"], sub["Endpoint"]) == ("email", "ml@example.com")
+
+
+def test_job_failure_rule_matches_this_environments_jobs_only(default):
+    """Environments whose names prefix each other (``dev``, ``dev-x``): dev's rule matches dev's failed jobs,
+    train-type and scaling-plan phases alike, and none of dev-x's. Evaluated by moto's EventBridge pattern
+    matcher (in process)."""
+    from moto.events.models import EventPattern
+
+    cfg, _, raw = default
+    (rule,) = [
+        r
+        for r in resources(raw["MonitoringStack"], "AWS::Events::Rule").values()
+        if r["Properties"]["EventPattern"]["source"] == ["aws.sagemaker"]
+    ]
+    pattern = EventPattern.load(json.dumps(rule["Properties"]["EventPattern"]))
+
+    def event(job: str, status: str = "Failed") -> dict:
+        return {
+            "source": "aws.sagemaker",
+            "detail-type": "SageMaker Training Job State Change",
+            "detail": {"TrainingJobName": job, "TrainingJobStatus": status},
+        }
+
+    phase = cfg.scaling_phases[0]["name"]
+    assert pattern.matches_event(event("trainstack-dev-g5-2xlarge-1a2b3c4d"))
+    assert pattern.matches_event(event(f"trainstack-dev-{phase}-1a2b3c4d", "Stopped"))
+    assert not pattern.matches_event(event("trainstack-dev-g5-2xlarge-1a2b3c4d", "Completed"))
+    for other in ("trainstack-dev-x-g5-2xlarge-1a2b3c4d", f"trainstack-dev-x-{phase}-1a2b3c4d", "trainstack-devx-1"):
+        assert not pattern.matches_event(event(other)), other
 
 
 def test_dashboard_has_gpu_host_and_training_metrics(default):
@@ -403,8 +433,9 @@ def test_env_aware_other_region_and_scratch_fsx_synth_clean(tmp_path):
     cfg, _, raw = synth({"env": "prod", "account": "123456789012", "region": "eu-west-1", "fsx": "SCRATCH_2"}, tmp_path)
     assert cfg.az == "eu-west-1a"
     lustre = _one(raw["DataStack"], "AWS::FSx::FileSystem")["Properties"]["LustreConfiguration"]
-    assert lustre["DeploymentType"] == "SCRATCH_2" and flatten(lustre["ImportPath"]) == "s3://<TOKEN>/datasets"
-    assert not resources(raw["DataStack"], "AWS::FSx::DataRepositoryAssociation")
+    assert lustre["DeploymentType"] == "SCRATCH_2" and "ImportPath" not in lustre
+    (dra,) = resources(raw["DataStack"], "AWS::FSx::DataRepositoryAssociation").values()
+    assert dra["Properties"]["FileSystemPath"] == "/datasets"
     names = [a["Properties"]["AlarmName"] for a in resources(raw["MonitoringStack"], "AWS::CloudWatch::Alarm").values()]
     assert "trainstack-prod-estimated-charges" not in names and "trainstack-prod-gpu-idle" in names
 

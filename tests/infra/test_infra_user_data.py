@@ -22,11 +22,14 @@ import pytest
 from infra.config import from_context
 from infra.constructs import user_data
 from infra.stacks.monitoring import idle_alarm_name, instance_idle_alarm_command
+from tests.infra_helpers import implied_permissions
 
 IID = "i-0abc1234567890def"
 VOL = "vol-0123456789abcdef0"
 TOPIC = "arn:aws:sns:us-east-1:123456789012:trainstack-test-alarms"
 ALARM = f"trainstack-test-gpu-idle-{IID}"
+DIGEST = "sha256:" + "ab" * 32
+REPO_URI = "123456789012.dkr.ecr.us-east-1.amazonaws.com/trainstack-test"
 _RELOCATED = re.compile(r"(?<![\w.:-])/(var/log|etc|usr/local/bin|usr/bin/docker|dev/disk|data|fsx|opt/aws|tmp/cwa)")
 
 STUB = r"""#!/bin/bash
@@ -42,6 +45,7 @@ case "$name" in
       *placement/region*) echo us-east-1 ;;
       *instance-life-cycle*) echo spot ;;
       *tags/instance/trainstack:keep*) if [ -n "${STUB_KEEP:-}" ]; then echo "$STUB_KEEP"; else exit 22; fi ;;
+      *tags/instance/trainstack:image-digest*) if [ -n "${STUB_DIGEST:-}" ]; then echo "$STUB_DIGEST"; else exit 22; fi ;;
       *tags/instance/*) exit 22 ;;
     esac ;;
   aws)
@@ -78,14 +82,14 @@ def _script(fsx: bool = False) -> str:
         user_data.UserDataParams(
             env="test",
             volume_id=VOL,
-            repository_uri="123456789012.dkr.ecr.us-east-1.amazonaws.com/trainstack-test",
+            repository_uri=REPO_URI,
             train_log_group="/trainstack/test/train",
             idle_alarm_command=instance_idle_alarm_command(cfg, TOPIC),
             idle_alarm_prefix=idle_alarm_name(cfg),
             nproc_per_node=8,
             efa=True,
             default_config="configs/x.yaml",
-            default_image_tag="latest",
+            default_image_tag=None,
             fsx_dns_name="fs-1.fsx.us-east-1.amazonaws.com" if fsx else None,
             fsx_mount_name="abcdef" if fsx else None,
         )
@@ -124,6 +128,7 @@ class Boot:
             "STUB_LOG": str(self.stub_log),
             "STUB_DIR": str(tmp),
             "STUB_IID": IID,
+            "STUB_DIGEST": DIGEST,
             "HOME": str(tmp),
             "STUB_DEV": str(self.root / f"dev/disk/by-id/nvme-Amazon_Elastic_Block_Store_{VOL.replace('-', '')}"),
             **env,
@@ -184,7 +189,7 @@ def test_clean_boot_creates_the_alarm_first_and_starts_the_job(tmp_path):
     "fail, alarm_exists",
     [
         ("curl -sS --retry 5 -X PUT", False),  # IMDS
-        ("aws cloudwatch put-metric-alarm", True),  # e.g. iam:CreateServiceLinkedRole missing
+        ("aws cloudwatch put-metric-alarm", True),  # e.g. AWS refusing the alarm
         ("systemctl enable --now trainstack-alarm.service", True),
         ("aws ec2 describe-volumes", True),
         ("NO_DEVICE", True),  # the volume never shows up
@@ -212,6 +217,25 @@ def test_a_failing_step_shuts_down_and_deletes_the_alarm(tmp_path, fail, alarm_e
     assert "failed with exit" in boot.log
     assert boot.alarm_deleted == alarm_exists, boot.calls
     assert boot.index("systemctl enable --now trainstack-train.service") == -1 or fail.endswith("train.service")
+
+
+def test_the_job_runs_its_image_by_digest_and_restarts_on_the_same_one(tmp_path):
+    """launch tags the instance with the image's digest; the boot writes ``IMAGE=<repo>@<digest>`` once into
+    /etc/trainstack.env, which every (re)start of trainstack-run reads: a job restarting after exit 75 pulls
+    and runs that digest, whatever was pushed since. Without any image tag (and no stack default) the boot
+    fails at the training step with one line saying what is missing."""
+    boot = Boot(tmp_path).run()
+    assert boot.rc == 0, boot.log
+    env = (boot.root / "etc/trainstack.env").read_text()
+    assert f"IMAGE={REPO_URI}@{DIGEST}" in env.splitlines()
+    run = boot.root / "usr/local/bin/trainstack-run"
+    for _ in range(2):  # start, then the restart after exit 75
+        again = boot.run("bash", str(run))
+        assert any(c == f"docker pull {REPO_URI}@{DIGEST}" for c in again.calls), again.calls
+        assert any(c.startswith("docker run") and f"{REPO_URI}@{DIGEST} train" in c for c in again.calls)
+    bare = Boot(tmp_path / "bare").run(STUB_DIGEST="")
+    assert bare.rc != 0 and bare.shut_down and "step training-service failed" in bare.log
+    assert "no image: tag the instance trainstack:image-digest" in bare.log
 
 
 def test_a_kept_instance_is_never_shut_down_and_its_alarm_only_notifies(tmp_path):
@@ -314,4 +338,34 @@ def test_user_data_aws_calls_are_allowed_by_the_instance_role(tmp_path, tmp_path
             resource = f"arn:aws:cloudwatch:{moto_env.REGION}:{moto_env.ACCOUNT}:alarm:{name}"
         if not is_allowed(role, action, resource):
             denied.append(c)
+        if op == "put-metric-alarm":
+            actions = words[words.index("--alarm-actions") + 1 :]
+            for act, res, ctx in implied_permissions(action, actions, moto_env.ACCOUNT):
+                if not is_allowed(role, act, res, ctx):
+                    denied.append(f"{act} on {res} (implied by {op} with {' '.join(actions)})")
     assert denied == []
+
+
+def test_the_idle_alarms_ec2_action_may_create_cloudwatchs_service_linked_role(tmp_path_factory):
+    """In an account without AWSServiceRoleForCloudWatchEvents, the boot's first step (an alarm whose action
+    terminates or stops the instance) needs iam:CreateServiceLinkedRole: without it the step fails and the
+    watchdog shuts every instance down at boot. The grant is for that role only; the check can fail."""
+    from tests import moto_env
+    from tests.infra_helpers import is_allowed, policy_statements
+
+    raw = moto_env.synthesize(tmp_path_factory.mktemp("cdk-slr"))
+    role = policy_statements(
+        raw["TrainingStack"], "InstanceRoleDefaultPolicy", moto_env.ACCOUNT, moto_env.REGION, unknown="<TOKEN>"
+    )
+    ((action, resource, context),) = implied_permissions(
+        "cloudwatch:PutMetricAlarm", ["arn:aws:automate:us-east-1:ec2:terminate", TOPIC], moto_env.ACCOUNT
+    )
+    assert is_allowed(role, action, resource, context)
+    other = resource.replace(
+        "events.amazonaws.com/AWSServiceRoleForCloudWatchEvents", "ecs.amazonaws.com/AWSServiceRoleForECS"
+    )
+    assert not is_allowed(role, action, other)
+    assert not is_allowed(role, action, resource, {"iam:AWSServiceName": "ecs.amazonaws.com"})
+    without = [s for s in role if s["Action"] != "iam:CreateServiceLinkedRole"]
+    assert not is_allowed(without, action, resource, context)
+    assert implied_permissions("cloudwatch:PutMetricAlarm", [TOPIC], moto_env.ACCOUNT) == []  # a kept instance

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import yaml
@@ -53,6 +54,96 @@ def test_ci_runs_the_readme_test_command():
     assert "pull_request" in wf["on"] and "push" in wf["on"]
 
 
+def _prerequisites_step(wf: dict) -> str:
+    steps = _steps(wf)
+    tests = next(i for i, s in enumerate(steps) if "bash .ci/run" in s.get("run", ""))
+    found = [s["run"] for s in steps[:tests] if "nvidia-cuda-nvcc" in s.get("run", "")]
+    assert found, "ci.yml installs no nvcc before `make test` (ubuntu-latest has none)"
+    return found[0]
+
+
+def test_ci_installs_what_make_test_needs_on_a_hosted_runner():
+    """ubuntu-latest runs as a non-root user with passwordless sudo and no CUDA toolkit: before `bash .ci/run`
+    the workflow installs the Makefile's FFCV apt packages with sudo (the Makefile's `ffcv` target refuses
+    without root) and nvcc from NVIDIA's wheels for torch's CUDA version, exporting CUDA_HOME."""
+    import re
+
+    run = _prerequisites_step(_load("ci.yml"))
+    makefile = (REPO / "Makefile").read_text()
+    apt = re.search(r"^FFCV_APT := (.+)$", makefile, re.M).group(1).split()
+    install = next(line for line in run.splitlines() if "apt-get" in line and " install " in line)
+    assert install.lstrip().startswith("sudo ") and install.split()[-len(apt) :] == apt
+    torch_cuda = _torch_cuda_version()
+    pins = dict(re.findall(r"(nvidia-[a-z-]+)==([0-9.]+)", run))
+    assert pins["nvidia-cuda-nvcc"].startswith(torch_cuda + "."), (pins, torch_cuda)
+    assert {"nvidia-cuda-crt", "nvidia-nvvm"} <= set(pins)  # nvcc's own parts (the wheel's dependencies)
+    assert 'CUDA_HOME=$cuda" >> "$GITHUB_ENV"' in run
+    assert run.index("make setup") < run.index("pip install")  # into the venv make creates
+
+
+def _torch_cuda_version() -> str:
+    """torch.version.cuda of the venv's torch, read from torch/version.py (no torch import)."""
+    import importlib.util
+    import runpy
+
+    spec = importlib.util.find_spec("torch")
+    return runpy.run_path(str(Path(spec.submodule_search_locations[0]) / "version.py"))["cuda"]
+
+
+@pytest.mark.skipif(not shutil.which("setpriv"), reason="setpriv (util-linux) is not installed")
+def test_ci_finds_nvcc_from_the_wheel_as_a_non_root_user_without_nvcc_on_path(tmp_path):
+    """The prerequisite step's CUDA_HOME lines, run as user nobody with PATH=/usr/bin:/bin (no nvcc) against a
+    venv whose nvidia/cu13 holds the nvcc wheel's layout (a stub nvcc): CUDA_HOME (which torch's extension builder
+    takes first) goes to $GITHUB_ENV. Without the wheel the step fails (no CUDA_HOME written)."""
+    import os
+    import stat
+    import tempfile
+
+    run = _prerequisites_step(_load("ci.yml"))
+    lines = run.splitlines()
+    script = "\n".join(lines[next(i for i, line in enumerate(lines) if line.startswith("cuda=")) :])
+    work = Path(tempfile.mkdtemp(prefix="ci-nvcc-"))
+    try:
+        site = work / "site"
+        (work / ".venv" / "bin").mkdir(parents=True)
+        # the system interpreter: user nobody may not enter the venv's (here under /root); the step only
+        # imports nvidia (from PYTHONPATH)
+        system_python = shutil.which("python3", path="/usr/bin:/bin")
+        if not system_python:
+            pytest.skip("no /usr/bin/python3 for user nobody")
+        (work / ".venv" / "bin" / "python").symlink_to(system_python)
+        env_file = work / "github_env"
+        env_file.touch()
+
+        def step() -> subprocess.CompletedProcess:
+            return subprocess.run(
+                ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "bash", "-e", "-c", script],
+                cwd=work,
+                capture_output=True,
+                text=True,
+                env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(site), "GITHUB_ENV": str(env_file), "HOME": str(work)},
+            )
+
+        assert step().returncode != 0 and env_file.read_text() == ""  # no wheel: nothing found
+        cu13 = site / "nvidia" / "cu13"
+        (cu13 / "bin").mkdir(parents=True)
+        (cu13 / "lib").mkdir()
+        (cu13 / "lib" / "libcudart.so.13").touch()
+        (cu13 / "bin" / "nvcc").write_text("#!/bin/sh\necho 'Cuda compilation tools, release 13.0'\n")
+        (cu13 / "bin" / "nvcc").chmod(0o755)
+        for d in [work, *work.rglob("*")]:
+            if d.is_dir():
+                d.chmod(0o777)
+        env_file.chmod(0o666)
+        proc = step()
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert env_file.read_text().strip() == f"CUDA_HOME={cu13}"
+        assert os.path.islink(cu13 / "lib" / "libcudart.so")
+        assert stat.S_IMODE((cu13 / "bin" / "nvcc").stat().st_mode) & stat.S_IXOTH
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 @pytest.mark.parametrize("name", ["deploy.yml", "destroy.yml", "image.yml"])
 def test_aws_workflows_use_oidc_not_keys(name):
     wf = _load(name)
@@ -74,7 +165,7 @@ def test_destroy_on_pr_close_removes_data_unless_kept():
     wf = _load("destroy.yml")
     assert wf["on"]["pull_request"]["types"] == ["closed"] and "workflow_dispatch" in wf["on"]
     runs = _runs(wf)
-    assert "teardown --yes" in runs
+    assert "teardown --yes --wait" in runs  # the data stack goes only once the instances are gone
     assert "npx cdk destroy TrainingStack MonitoringStack" in runs
     data_step = next(s for s in _steps(wf) if "DataStack" in s.get("run", ""))
     assert "keep-data" in data_step["if"] and "!inputs.keep_data" in data_step["if"]
