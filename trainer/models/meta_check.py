@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, error_detail, shorten
 
 
 def meta_rejection(build: Callable[[], nn.Module], shapes: Iterable[tuple[int, ...]]) -> Optional[tuple[tuple, str]]:
@@ -38,5 +38,5 @@ def meta_rejection(build: Callable[[], nn.Module], shapes: Iterable[tuple[int, .
             except NotImplementedError:  # an op without a meta kernel: cannot tell
                 return None
             except (AssertionError, RuntimeError, ValueError, IndexError) as e:
-                return tuple(shape), (str(e).splitlines()[0][:300] if str(e) else type(e).__name__)
+                return tuple(shape), (shorten(str(e).splitlines()[0], 300) if str(e) else error_detail(e))
     return None

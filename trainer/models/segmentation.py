@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, shorten
 
 #: smp architectures by name -> class name in ``segmentation_models_pytorch``.
 SMP_ARCHS = {
@@ -117,9 +117,9 @@ def _build_smp(arch: str, num_classes: int, encoder: str) -> nn.Module:
     try:
         return cls(encoder_name=encoder, encoder_weights=None, in_channels=3, classes=num_classes)
     except (KeyError, RuntimeError, ValueError, AssertionError) as e:
-        detail = (str(e.args[0] if isinstance(e, KeyError) and e.args else e).splitlines() or [type(e).__name__])[0][
-            :160
-        ]
+        detail = shorten(
+            (str(e.args[0] if isinstance(e, KeyError) and e.args else e).splitlines() or [type(e).__name__])[0], 160
+        )
         raise ConfigError(
             f"encoder: smp {smp.__version__} cannot build {arch!r} with encoder {encoder!r} ({detail}); "
             "names: segmentation_models_pytorch.encoders.get_encoder_names() or 'tu-<timm model>'"

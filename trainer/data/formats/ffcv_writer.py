@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from trainer.data.formats.imagefolder import DataError, SplitScan, decode_file, scan_split
+from trainer.errors import error_detail
 
 WRITE_MODES = ("proportion", "smart", "jpg", "raw")
 
@@ -101,7 +102,7 @@ class _DecodedSplit:
                 raise ValueError(f"decoded to {img.dtype} {img.shape}; expected uint8 (H, W, 3)")
         except Exception as e:  # noqa: BLE001 - any decoder error: record and fail after the write
             with open(self.bad_log, "a") as f:
-                f.write(f"{path}\t{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}\n")
+                f.write(f"{path}\t{error_detail(e)}\n")
             img = np.zeros((1, 1, 3), dtype=np.uint8)
         return img, int(label)
 
@@ -127,7 +128,7 @@ def _guarded_worker(work_fn, errors, *args) -> None:
         work_fn(*args)
     except BaseException as e:  # noqa: BLE001 - reported by the parent
         where = f" (while converting {_CURRENT_PATH[0]})" if _CURRENT_PATH else ""
-        errors.put(f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}{where}")
+        errors.put(f"{error_detail(e, 300)}{where}")
         errors.close()
         errors.join_thread()
         raise SystemExit(1) from None
