@@ -1,4 +1,8 @@
-"""Checkpoint costs on CPU: SIGTERM-to-durable time and the training stall of a periodic checkpoint.
+"""Checkpoint costs (CPU, or ``--device cuda``): SIGTERM-to-durable time and the training stall of a periodic
+checkpoint, for the staging into reused host buffers with the writer thread at a lower priority (now) and a
+fresh host copy per checkpoint with the writer at the training threads' priority (before issue 24), measured side
+by side in alternating rounds. The last line is ``stall_steps=X``: the full cost of one periodic
+checkpoint (epoch time with periodic checkpoints minus without, per checkpoint) in steps, for the reused buffers.
 
 ResNet-50 + SGD momentum + EMA: ~25.6 M parameters x 3 copies (weights, momentum, EMA) ~ 300 MB of state.
 The trainer's real ``fit`` runs on in-memory batches of real photos (loader excluded, so step times are the
@@ -7,7 +11,7 @@ model's), single process.
 * stall: per-step wall times with ``--checkpoint-every-steps K``; a step followed by a checkpoint pays the
   host snapshot (the background thread does serialisation, hashing, writing and fsync) and any CPU
   contention from that thread during the next steps. Reported: median step without a checkpoint, median of
-  steps that took one, and of the steps right after.
+  steps that took one, and of the steps right after (the first epoch of each trainer is a warm-up).
   Also the whole epoch with and without periodic checkpoints: (difference) / (number of checkpoints) is
   the full cost of one checkpoint including the background thread's competition for the CPU.
 * SIGTERM-to-durable: a real SIGTERM to this process after ``--signal-after`` steps; the time from the
@@ -32,19 +36,40 @@ from trainer.engine.interruption import SignalHandlers, StopFlag
 
 
 def _trainer(args, batches, stop=None, **extra):
-    return in_memory_trainer(args.data, args.model, args.size, args.batch, batches, stop, use_ema=True, **extra)
+    return in_memory_trainer(
+        args.data, args.model, args.size, args.batch, batches, stop, device=args.device, use_ema=True, **extra
+    )
 
 
-def main() -> None:
-    ap = in_memory_parser(__doc__, "resnet50", 64, 8, 24)
-    ap.add_argument("--every", type=int, default=6)
-    ap.add_argument("--signal-after", type=int, default=4)
-    args = ap.parse_args()
-    batches, _ = in_memory_batches(args.data, args.size, args.batch, args.steps)
+class _ClonePerCheckpoint:
+    """The staging before issue 24: a fresh host copy of every tensor at each checkpoint (allocation, page faults,
+    and on a GPU a synchronous device-to-host copy)."""
 
-    # 1. stall of periodic checkpoints
+    def stage(self, obj):
+        if isinstance(obj, torch.Tensor):
+            t = obj.detach()
+            return t.to("cpu", copy=True) if t.device.type != "cpu" else t.clone()
+        if isinstance(obj, dict):
+            return {k: self.stage(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(self.stage(v) for v in obj)
+        return obj
+
+    def ready(self):
+        pass
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure_stall(args, batches, staging=None) -> dict:
+    """Per-step times of one epoch with a checkpoint every ``--every`` steps, and the epoch without any
+    checkpoint (after a warm-up epoch of each); ``staging`` replaces the manager's StagingBuffers."""
     t = _trainer(args, batches, checkpoint_every_steps=args.every)
-    state_bytes = sum(v.numel() * v.element_size() for v in t.model.state_dict().values()) * 3
+    if staging is not None:  # the state before issue 24: a clone per checkpoint, the writer at full priority
+        t.ckpt._staging, t.ckpt.writer_niceness = staging, 0
     times, saved = [], []
     orig_save = t.save_checkpoint
 
@@ -52,7 +77,6 @@ def main() -> None:
         saved.append(len(times))
         return orig_save(*a, **k)
 
-    t.save_checkpoint = timed_save
     orig_control = t._control
     last = [time.perf_counter()]
 
@@ -62,24 +86,65 @@ def main() -> None:
         last[0] = now
         return orig_control()
 
-    t._control = stamp
-    last[0] = time.perf_counter()
+    t.train_epoch()  # warm-up: allocator, oneDNN/cuDNN, and the staging buffers of the first checkpoint
+    t.ckpt.wait()
+    t.step_in_epoch, t.epoch = 0, t.epoch + 1
+    t.save_checkpoint, t._control = timed_save, stamp
+    _sync(args.device)
+    last[0] = start = time.perf_counter()
     t.train_epoch()
     t.ckpt.wait()
-    # saved holds len(times) at each save, i.e. the index of the interval that contains the save:
-    # times[s] = snapshot of step s-1's checkpoint + step s; times[s + 1] = the step after.
+    _sync(args.device)
+    total_with = time.perf_counter() - start
     with_save = [times[s] for s in saved if s < len(times)]
     after = [times[s + 1] for s in saved if s + 1 < len(times)]
     plain = [x for j, x in enumerate(times[1:], 1) if j not in saved and j - 1 not in saved]
     ck_size = sum(f.stat().st_size for d in t.ckpt.list() for f in d.iterdir())
 
-    total_with = sum(times)
     t0 = _trainer(args, batches)
     t0.train_epoch()  # warm-up of the allocator for the same shapes
-    start = time.perf_counter()
     t0.step_in_epoch = 0
+    _sync(args.device)
+    start = time.perf_counter()
     t0.train_epoch()
+    _sync(args.device)
     total_without = time.perf_counter() - start
+    step = total_without / len(batches)
+    cost = (total_with - total_without) / max(len(saved), 1)
+    return {
+        "checkpoint_files_mb": round(ck_size / 2**20 / max(len(t.ckpt.list()), 1), 1),
+        "step_s_mean_no_checkpoint": round(step, 4),
+        "step_s_median_no_checkpoint": round(statistics.median(plain), 4),
+        "step_s_median_with_checkpoint_snapshot": round(statistics.median(with_save), 4),
+        "step_s_median_step_after_checkpoint": round(statistics.median(after), 4) if after else None,
+        "epoch_s_with_periodic": round(total_with, 3),
+        "epoch_s_without": round(total_without, 3),
+        "checkpoints_in_epoch": len(saved),
+        "cost_per_checkpoint_s": round(cost, 4),
+        "stall_steps": round(cost / step, 2),
+    }
+
+
+def main() -> None:
+    ap = in_memory_parser(__doc__, "resnet50", 64, 8, 24)
+    ap.add_argument("--every", type=int, default=6)
+    ap.add_argument("--signal-after", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds of each staging (median reported)")
+    args = ap.parse_args()
+    batches, _ = in_memory_batches(args.data, args.size, args.batch, args.steps)
+    state_bytes = None
+
+    # 1. stall of periodic checkpoints: reused buffers (now) and a clone per checkpoint (before), alternating
+    rounds = {"reused_buffers": [], "clone_per_checkpoint": []}
+    for _ in range(args.rounds):
+        rounds["reused_buffers"].append(measure_stall(args, batches))
+        rounds["clone_per_checkpoint"].append(measure_stall(args, batches, _ClonePerCheckpoint()))
+    stall = {
+        k: {f: statistics.median(r[f] for r in v) if isinstance(v[0][f], (int, float)) else v[0][f] for f in v[0]}
+        for k, v in rounds.items()
+    }
+    t = _trainer(args, batches)
+    state_bytes = sum(v.numel() * v.element_size() for v in t.model.state_dict().values()) * 3
 
     # 2. SIGTERM-to-durable
     stop = StopFlag()
@@ -102,25 +167,21 @@ def main() -> None:
         json.dumps(
             {
                 "model": args.model,
+                "device": args.device,
                 "batch": args.batch,
                 "size": args.size,
                 "threads": torch.get_num_threads(),
                 "state_mb_weights_momentum_ema": round(state_bytes / 2**20, 1),
-                "checkpoint_files_mb": round(ck_size / 2**20 / max(len(t.ckpt.list()), 1), 1),
-                "step_s_median_no_checkpoint": round(statistics.median(plain), 3),
-                "step_s_median_with_checkpoint_snapshot": round(statistics.median(with_save), 3),
-                "step_s_median_step_after_checkpoint": round(statistics.median(after), 3) if after else None,
-                "stall_s_median": round(statistics.median(with_save) - statistics.median(plain), 3),
-                "epoch_s_with_periodic": round(total_with, 3),
-                "epoch_s_without": round(total_without, 3),
-                "checkpoints_in_epoch": len(saved),
-                "cost_per_checkpoint_s": round((total_with - total_without) / max(len(saved), 1), 3),
+                "every": args.every,
+                "rounds": args.rounds,
+                "stall": stall,
                 "sigterm_to_durable_s": round(durable, 3),
                 "interrupted": t2.interrupted,
             },
             indent=1,
         )
     )
+    print(f"stall_steps={stall['reused_buffers']['stall_steps']}")
 
 
 if __name__ == "__main__":

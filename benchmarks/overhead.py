@@ -43,9 +43,11 @@ def in_memory_batches(root, size, batch, steps):
     ], len(scan.classes)
 
 
-def in_memory_trainer(data: str, model: str, size: int, batch: int, batches: list, stop=None, **extra) -> Trainer:
-    """A single-process CPU Trainer (fp32, logs and checkpoints in a temporary folder) whose loader is
-    replaced by ``batches``."""
+def in_memory_trainer(
+    data: str, model: str, size: int, batch: int, batches: list, stop=None, device: str = "cpu", **extra
+) -> Trainer:
+    """A single-process Trainer on ``device`` (fp32 unless ``precision`` is given; logs and checkpoints in a
+    temporary folder) whose loader is replaced by ``batches`` (uint8 host batches, moved by the step)."""
     tmp = tempfile.mkdtemp()
     cfg = load_config(
         None,
@@ -56,17 +58,17 @@ def in_memory_trainer(data: str, model: str, size: int, batch: int, batches: lis
             batch_size=batch,
             epochs=1000,
             lr=0.01,
-            precision="32",
+            precision=extra.pop("precision", "32"),
             num_workers=0,
             log_every_steps=10**9,
             auto_resume=False,
             checkpoint_dir=f"{tmp}/ck",
             log_dir=f"{tmp}/logs",
-            device="cpu",
+            device=device,
             **extra,
         ),
     )
-    trainer = Trainer(cfg, DistInfo(0, 0, 1, torch.device("cpu")), stop)
+    trainer = Trainer(cfg, DistInfo(0, 0, 1, torch.device(device)), stop)
     trainer.train_loader, trainer.steps_per_epoch = batches, len(batches)
     return trainer
 
@@ -79,6 +81,7 @@ def in_memory_parser(doc: str, model: str, size: int, batch: int, steps: int) ->
     ap.add_argument("--size", type=int, default=size)
     ap.add_argument("--batch", type=int, default=batch)
     ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     return ap
 
 

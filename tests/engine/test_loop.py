@@ -5,6 +5,7 @@ bad-file threshold. More bad inputs of the loop: tests/test_bad_inputs_engine.py
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -177,3 +178,56 @@ def test_time_based_periodic_checkpoints(tiny_digits, tmp_path):
     ck = tmp_path / "ckpt"
     assert (ck / "latest").read_text() == "ckpt-000000009"
     assert not [p for p in ck.iterdir() if p.name.endswith("-m")]  # superseded mid-epoch ones pruned
+
+
+def test_staging_buffers_are_reused_copies(tmp_path):
+    """A periodic checkpoint stages the state into host buffers kept across checkpoints (no allocation after the
+    first: issue 24's stall), and what it writes is the value at save time even though training goes on changing
+    the tensors before the writer thread gets to them."""
+    from trainer.engine.checkpoint import CheckpointManager, StagingBuffers
+
+    w = {"model": {"w": torch.arange(6.0).reshape(2, 3)}, "opt": [torch.ones(4), 3], "step": 1}
+    staging = StagingBuffers()
+    first = staging.stage(w)
+    assert staging.allocated == 2 and first["model"]["w"] is not w["model"]["w"] and first["opt"][1] == 3
+    w["model"]["w"].add_(100)
+    assert torch.equal(first["model"]["w"], torch.arange(6.0).reshape(2, 3))  # a copy, not a view
+    second = staging.stage(w)
+    assert staging.allocated == 2 and second["model"]["w"] is first["model"]["w"]  # the same buffer, refilled
+    assert torch.equal(second["model"]["w"], torch.arange(6.0).reshape(2, 3) + 100)
+    staging.stage({**w, "model": {"w": torch.zeros(3, 3)}})
+    assert staging.allocated == 3  # a new shape: a new buffer
+
+    mgr = CheckpointManager(tmp_path / "ck")
+    state = {"w": torch.zeros(1000)}
+    for step in (1, 2):
+        state["w"].fill_(step)
+        mgr.save(state, {"epoch": 0, "step_in_epoch": step, "global_step": step})
+        state["w"].fill_(-1)  # training goes on before the writer thread finishes
+        mgr.wait()
+    assert mgr._staging.allocated == 1
+    loaded, _ = CheckpointManager.load(mgr.dir / mgr.pointer("latest"))
+    assert torch.equal(loaded["w"], torch.full((1000,), 2.0))
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="per-thread nice values are Linux-only")
+def test_checkpoint_writer_thread_runs_below_the_training_threads(tmp_path, monkeypatch):
+    """The writer's serialisation and hashing take the CPU time training leaves (nice +10 for its thread only):
+    the training thread's priority is unchanged."""
+    import threading
+
+    from trainer.engine import checkpoint as ck
+
+    seen = {}
+    write = ck.CheckpointManager._write
+
+    def spy(self, *a, **k):
+        seen["writer"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        return write(self, *a, **k)
+
+    monkeypatch.setattr(ck.CheckpointManager, "_write", spy)
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    mgr = ck.CheckpointManager(tmp_path / "ck")
+    mgr.save({"w": torch.zeros(3)}, {"epoch": 0, "step_in_epoch": 1, "global_step": 1}, blocking=True)
+    assert seen["writer"] == min(19, before + ck.WRITER_NICENESS)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
