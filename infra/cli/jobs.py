@@ -39,16 +39,16 @@ def hyperparameters(config_path: Optional[str], overrides: dict[str, str]) -> di
         p = Path(config_path)
         if not p.is_file():
             raise CliError(
-                f"config file {p} " + ("is a directory; expected a YAML file" if p.is_dir() else "does not exist")
+                f"--config: {p} " + ("is a directory; expected a YAML file" if p.is_dir() else "does not exist")
             )
         try:
             values = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
         except (OSError, UnicodeDecodeError) as e:
-            raise CliError(f"config file {p} cannot be read as UTF-8 text: {e}") from None
+            raise CliError(f"--config: {p} cannot be read as UTF-8 text: {e}") from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            raise CliError(f"config file {p} is not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
+            raise CliError(f"--config: {p} is not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
     for key in overrides:
         if ALIASES.get(key, key) not in FIELDS:
             raise CliError(f"--set {key}: unknown trainer config key (see `python -m trainer train --help`)")

@@ -48,8 +48,17 @@ def _positive_int(text: str) -> int:
     return value
 
 
+class _OneLineUsageParser(argparse.ArgumentParser):
+    """Usage errors as one line, ``error: <command>: <what>; see <prog> --help`` (exit 2), the trainer's format,
+    instead of argparse's usage block before it; sub-parsers made by ``add_subparsers`` are of this class too."""
+
+    def error(self, message: str):
+        command = self.prog.removeprefix("python -m infra").strip() or "infra"
+        self.exit(2, f"error: {command}: {message.removeprefix('argument ')}; see {self.prog} --help\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _OneLineUsageParser(
         prog="python -m infra",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
