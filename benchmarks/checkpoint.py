@@ -1,7 +1,6 @@
 """Checkpoint costs (CPU, or ``--device cuda``): SIGTERM-to-durable time and the training stall of a periodic
-checkpoint, for the staging into reused host buffers with the writer thread at a lower priority (now) and a
-fresh host copy per checkpoint with the writer at the training threads' priority (before issue 24), measured side
-by side in alternating rounds. The last line is ``stall_steps=X``: the full cost of one periodic
+checkpoint, for the staging into reused host buffers (now) and a fresh host copy per checkpoint (before issue
+24), measured side by side in alternating rounds. The last line is ``stall_steps=X``: the full cost of one periodic
 checkpoint (epoch time with periodic checkpoints minus without, per checkpoint) in steps, for the reused buffers.
 
 ResNet-50 + SGD momentum + EMA: ~25.6 M parameters x 3 copies (weights, momentum, EMA) ~ 300 MB of state.
@@ -68,8 +67,8 @@ def measure_stall(args, batches, staging=None) -> dict:
     """Per-step times of one epoch with a checkpoint every ``--every`` steps, and the epoch without any
     checkpoint (after a warm-up epoch of each); ``staging`` replaces the manager's StagingBuffers."""
     t = _trainer(args, batches, checkpoint_every_steps=args.every)
-    if staging is not None:  # the state before issue 24: a clone per checkpoint, the writer at full priority
-        t.ckpt._staging, t.ckpt.writer_niceness = staging, 0
+    if staging is not None:  # the state before issue 24: a clone per checkpoint
+        t.ckpt._staging = staging
     times, saved = [], []
     orig_save = t.save_checkpoint
 

@@ -5,7 +5,6 @@ bad-file threshold. More bad inputs of the loop: tests/test_bad_inputs_engine.py
 from __future__ import annotations
 
 import json
-import os
 import shutil
 
 import pytest
@@ -208,26 +207,3 @@ def test_staging_buffers_are_reused_copies(tmp_path):
     assert mgr._staging.allocated == 1
     loaded, _ = CheckpointManager.load(mgr.dir / mgr.pointer("latest"))
     assert torch.equal(loaded["w"], torch.full((1000,), 2.0))
-
-
-@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="per-thread nice values are Linux-only")
-def test_checkpoint_writer_thread_runs_below_the_training_threads(tmp_path, monkeypatch):
-    """The writer's serialisation and hashing take the CPU time training leaves (nice +10 for its thread only):
-    the training thread's priority is unchanged."""
-    import threading
-
-    from trainer.engine import checkpoint as ck
-
-    seen = {}
-    write = ck.CheckpointManager._write
-
-    def spy(self, *a, **k):
-        seen["writer"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-        return write(self, *a, **k)
-
-    monkeypatch.setattr(ck.CheckpointManager, "_write", spy)
-    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    mgr = ck.CheckpointManager(tmp_path / "ck")
-    mgr.save({"w": torch.zeros(3)}, {"epoch": 0, "step_in_epoch": 1, "global_step": 1}, blocking=True)
-    assert seen["writer"] == min(19, before + ck.WRITER_NICENESS)
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before

@@ -43,7 +43,6 @@ import os
 import random
 import re
 import shutil
-import sys
 import threading
 import time
 from pathlib import Path
@@ -187,26 +186,6 @@ def describe_os_error(e: BaseException) -> str:
     return error_detail(e, 300)
 
 
-#: How much lower than the training threads the checkpoint writer thread runs (``nice`` increment, Linux): the
-#: serialisation, SHA-256 and fsync of a periodic checkpoint then take the CPU time training leaves, instead of
-#: competing with its intra-op threads on equal terms (issue 24: the full cost of one periodic checkpoint).
-WRITER_NICENESS = 10
-
-
-def lower_thread_priority(increment: int) -> bool:
-    """Raise the calling thread's nice value by ``increment`` (Linux schedules each thread as its own task:
-    ``setpriority(PRIO_PROCESS, tid)``, see ``man 2 setpriority``). Returns False where that is not possible
-    (another OS, or a sandbox refusing it); nothing else changes then."""
-    if not hasattr(os, "setpriority") or not hasattr(threading, "get_native_id") or sys.platform != "linux":
-        return False
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment))
-        return True
-    except OSError:
-        return False
-
-
 class StagingBuffers:
     """Host copies of a state tree in buffers kept from one checkpoint to the next, so a periodic checkpoint
     allocates nothing and, on a GPU, does not wait for its device-to-host copies.
@@ -332,7 +311,6 @@ class CheckpointManager:
         self._error: Optional[BaseException] = None
         self._abort = threading.Event()
         self._staging = StagingBuffers()
-        self.writer_niceness = WRITER_NICENESS
         self.last_durable: Optional[tuple[Path, float]] = None  # (path, time.monotonic() when durable)
         if rank == 0:
             self._check_writable()
@@ -458,7 +436,6 @@ class CheckpointManager:
 
     def _write_guarded(self, state: dict, rng: dict, progress: dict, is_best: bool) -> None:
         name = checkpoint_name(progress)
-        lower_thread_priority(self.writer_niceness)
         try:
             path = self._write(state, rng, progress, is_best)
             self.last_durable = (path, time.monotonic())
