@@ -24,7 +24,6 @@ It ends with one line ``host_syncs_per_step=N aten_calls_per_step=M`` (the large
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 import time
 from pathlib import Path
@@ -33,11 +32,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from profiling import HOST_COPY_METHODS, SYNC_OPS, count_calls, count_host_copies  # noqa: E402,F401
+
 from trainer.config import load_config  # noqa: E402
 from trainer.engine.step import build_single_rank_step  # noqa: E402
-
-SYNC_OPS = ("aten::_local_scalar_dense", "aten::nonzero")
-HOST_COPY_METHODS = ("tolist", "numpy", "cpu")
 
 
 def facemask_overrides(data: str) -> dict:
@@ -90,50 +88,6 @@ def build(args) -> tuple:
             items = [ds[(0, i)] for i in picks[k * args.batch : (k + 1) * args.batch]]
             real.append(rig.task.train_batch(data.collate(items)))
     return rig, real
-
-
-@contextlib.contextmanager
-def count_host_copies(counts: dict):
-    """Count calls of ``Tensor.tolist/numpy/cpu`` (they make no ATen call on a CPU tensor) into ``counts``."""
-    saved = {name: getattr(torch.Tensor, name) for name in HOST_COPY_METHODS}
-
-    def wrap(name, fn):
-        def counted(self, *a, **kw):
-            counts[name] = counts.get(name, 0) + 1
-            return fn(self, *a, **kw)
-
-        return counted
-
-    for name, fn in saved.items():
-        setattr(torch.Tensor, name, wrap(name, fn))
-    try:
-        yield counts
-    finally:
-        for name, fn in saved.items():
-            setattr(torch.Tensor, name, fn)
-
-
-def _one_launch(name: str) -> bool:
-    """Ops whose CUDA implementation is one (multi-tensor) kernel launch while their CPU implementation loops in
-    ATen calls of its own: torch's ``_foreach_*`` / ``_fused_*`` optimizer kernels and our deformable-attention op."""
-    return name.startswith(("aten::_foreach_", "aten::_fused_", "trainstack::"))
-
-
-def count_calls(events) -> tuple[dict, int]:
-    """({event name: calls}, ATen calls) over profiler ``events``, counting each :func:`_one_launch` op once: the
-    events nested inside it (its CPU loop, e.g. the CPU fused AdamW kernel's per-parameter ``step.item()``) are
-    left out, as they do not exist on a GPU."""
-    calls: dict[str, int] = {}
-    aten = 0
-    for e in events:
-        parent, nested = e.cpu_parent, False
-        while parent is not None and not nested:
-            nested, parent = _one_launch(parent.name), parent.cpu_parent
-        if nested and e.name.startswith(("aten::", "trainstack::")):
-            continue  # CUDA runtime events (cudaLaunchKernel ...) inside such an op are real launches: kept
-        calls[e.name] = calls.get(e.name, 0) + 1
-        aten += e.name.startswith(("aten::", "trainstack::"))
-    return calls, aten
 
 
 def profile_steps(rig, batches: list, steps: int, device: str) -> dict:

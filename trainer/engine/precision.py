@@ -42,6 +42,14 @@ def resolve_precision(requested: str, device: torch.device) -> Precision:
     return Precision("fp32", None, False)
 
 
+def set_cudnn_benchmark(device: torch.device, static_shapes: bool) -> None:
+    """cuDNN benchmark mode (autotune each convolution shape once, then run the fastest algorithm) on CUDA when
+    the task's batches have static shapes (``Task.static_input_shapes``); off otherwise. The chosen algorithms
+    may differ from run to run, so GPU runs are not bit-reproducible with it (they are not without it either:
+    cuDNN's default backward algorithms are non-deterministic); CPU runs are unaffected."""
+    torch.backends.cudnn.benchmark = device.type == "cuda" and static_shapes
+
+
 def set_tf32(enabled: bool) -> None:
     """Allow (or forbid) TF32 tensor-core math for fp32 matmul and cuDNN convolutions (Ampere and newer)."""
     torch.backends.cuda.matmul.allow_tf32 = enabled

@@ -22,7 +22,7 @@ from torch import nn
 from trainer.config import TrainConfig
 from trainer.engine.ema import build_ema
 from trainer.engine.optim import build_optimizer
-from trainer.engine.precision import Precision, resolve_precision, set_tf32
+from trainer.engine.precision import Precision, resolve_precision, set_cudnn_benchmark, set_tf32
 from trainer.tasks.base import StepOutput, Task
 
 
@@ -78,7 +78,8 @@ class TrainStep:
         with ctx:
             with self.precision.autocast(self.device):
                 out = self.task.model_step(self.train_model, batch)
-            self.scaler.scale(out.loss / self.accumulate).backward()
+            loss = out.loss if self.accumulate == 1 else out.loss / self.accumulate
+            self.scaler.scale(loss).backward()
         return out
 
     def optimizer_step(self, use_scaler: bool = True) -> None:
@@ -163,6 +164,7 @@ def build_train_step(
         ConfigError: unknown optimizer settings (from :func:`build_optimizer`).
     """
     set_tf32(cfg.tf32)
+    set_cudnn_benchmark(device, task.static_input_shapes)
     precision = precision or resolve_precision(cfg.precision, device)
     if place:
         model = model.to(device)

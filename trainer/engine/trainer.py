@@ -467,17 +467,21 @@ class Trainer:
         the stop answer is used): do all ranks agree to stop, and is a periodic checkpoint due?
 
         One all-reduce (MAX) of three CPU ints on a gloo group (never the GPU stream): [stop requested on any
-        rank, periodic checkpoint due, rank 0's background checkpoint write failed]. Step-based periodicity is
-        the same on every rank; time-based is decided by rank 0's clock. Raises CheckpointError on every rank
-        when the write failed (so a full disk stops training at the next step, not at the next checkpoint).
+        rank, periodic checkpoint due, rank 0's background checkpoint write failed], read back with one
+        ``tolist``; a single process decides on the Python values and makes no tensor at all. Step-based
+        periodicity is the same on every rank; time-based is decided by rank 0's clock. Raises CheckpointError on
+        every rank when the write failed (so a full disk stops training at the next step, not at the next
+        checkpoint).
         """
         cfg = self.cfg
         due = bool(cfg.checkpoint_every_steps and self.global_step % cfg.checkpoint_every_steps == 0)
         if cfg.checkpoint_every_minutes and self.info.is_main:
             due |= time.monotonic() - self._last_save >= cfg.checkpoint_every_minutes * 60.0
-        flags = torch.tensor([int(self.stop.requested), int(due), int(self.ckpt.failed)], dtype=torch.int32)
+        flags = [int(self.stop.requested), int(due), int(self.ckpt.failed)]
         if self.info.distributed:
-            tdist.all_reduce(flags, op=tdist.ReduceOp.MAX, group=self._ctrl_group)
+            shared = torch.tensor(flags, dtype=torch.int32)
+            tdist.all_reduce(shared, op=tdist.ReduceOp.MAX, group=self._ctrl_group)
+            flags = shared.tolist()
         if flags[2]:
             self._raise_writer_failure()
         return bool(flags[0]), bool(flags[1])
@@ -567,9 +571,10 @@ class Trainer:
                 out = self.step.micro_step(b, sync=micro_i == self.accum - 1)
                 ld = out.loss.detach()
                 first_bad = torch.where((first_bad == _NONE) & ~torch.isfinite(ld), step_dev, first_bad)
-                st.loss_sum += ld.double() * n
+                weighted = ld.double() * n
+                st.loss_sum += weighted
                 st.count += n
-                window_loss += ld.double() * n
+                window_loss += weighted
                 window_n += n
                 for k, v in out.terms.items():
                     v = v.detach().double() * n

@@ -88,11 +88,17 @@ class Task(ABC):
     ``flops_predict_speed``: whether ``plan`` may estimate this task's images/s from its FLOPs relative to a
     ResNet-50 (true for convolutional classifiers; false where gathers, matching or host work dominate, e.g.
     DINO's deformable attention and Hungarian matching: then only a probe or ``--images-per-second`` gives time).
+
+    ``static_input_shapes``: whether the training batches come in a few fixed shapes (a crop size, a clip length),
+    so cuDNN's benchmark mode pays its per-shape autotuning once and then runs the fastest convolution algorithm
+    (``torch.backends.cudnn.benchmark``, on CUDA only). False where shapes vary from batch to batch (detection's
+    padded multi-scale batches), where autotuning every new shape would cost more than it saves.
     """
 
     name: str = "task"
     target_metric: str = "top1"
     flops_predict_speed: bool = True
+    static_input_shapes: bool = True
     #: File extensions ``predict`` reads from its input folder (None: the image extensions).
     input_extensions: Optional[tuple[str, ...]] = None
     #: the files ``render_predictions`` writes per input, as suffixes of the stem of its ``out_names`` entry

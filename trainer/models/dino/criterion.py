@@ -118,8 +118,9 @@ def dn_positive_indices(dn_meta: Mapping, targets: Sequence[Mapping[str, Tensor]
 
 def _num_boxes(sizes: Sequence[int], device: torch.device) -> Tensor:
     """DETR's normaliser: target boxes in the batch, summed over ranks / world size, clamped to >= 1 (float32, 0-d,
-    on ``device``; the count comes from the targets' shapes, so nothing is read back from the device)."""
-    n = torch.tensor(float(sum(sizes)), device=device)
+    on ``device``; the count comes from the targets' shapes and is filled on the device, so there is neither a
+    read-back nor a blocking host-to-device copy)."""
+    n = torch.full((), float(sum(sizes)), device=device)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(n)
         n = n / dist.get_world_size()

@@ -231,7 +231,7 @@ class ClassificationTask(Task):
         labels = labels.argmax(dim=1) if labels.is_floating_point() else labels
         top1, _ = _correct(out.outputs.detach(), labels)
         return torch.stack(
-            [top1.double(), torch.tensor(float(labels.shape[0]), dtype=torch.float64, device=labels.device)]
+            [top1.double(), torch.full((), float(labels.shape[0]), dtype=torch.float64, device=labels.device)]
         )
 
     def train_metrics(self, sums: torch.Tensor) -> dict[str, float]:
@@ -316,7 +316,7 @@ class TopKEvaluator(SumEvaluator):
         labels = batch["label"]
         loss_sum = F.cross_entropy(outputs.float(), labels, reduction="sum")
         top1, top5 = _correct(outputs, labels)
-        n = torch.tensor(float(labels.shape[0]), dtype=torch.float64, device=outputs.device)
+        n = torch.full((), float(labels.shape[0]), dtype=torch.float64, device=outputs.device)
         return torch.stack([loss_sum.double(), top1.double(), top5.double(), n])
 
     def metrics(self, sums: torch.Tensor) -> dict[str, float]:

@@ -79,6 +79,7 @@ class DetectionTask(Task):
     name = "detection"
     target_metric = "map"
     flops_predict_speed = False
+    static_input_shapes = False  # multi-scale resize: batches padded to many shapes
 
     # .. config ............................................................................................
     def check_config(self) -> None:

@@ -199,7 +199,7 @@ class VideoTask(Task):
     def train_statistics(self, out: StepOutput, batch: dict) -> torch.Tensor:
         """float64 [top-1 correct, count] of one micro-batch."""
         top1, _ = _correct(out.outputs.detach(), batch["label"])
-        n = torch.tensor(float(batch["label"].shape[0]), dtype=torch.float64, device=batch["label"].device)
+        n = torch.full((), float(batch["label"].shape[0]), dtype=torch.float64, device=batch["label"].device)
         return torch.stack([top1.double(), n])
 
     def train_metrics(self, sums: torch.Tensor) -> dict[str, float]:
