@@ -1,0 +1,60 @@
+"""``benchmarks/gpu_suite.sh`` (issue 24 item 5) runs through on the CPU at small sizes, as it must on any machine
+before a GPU is lent: every step succeeds and the summary table has a figure for each."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_gpu_suite_runs_through_on_cpu_small(shared_data, tmp_path):
+    out = tmp_path / "suite"
+    proc = subprocess.run(
+        [
+            "bash",
+            "benchmarks/gpu_suite.sh",
+            "--device",
+            "cpu",
+            "--small",
+            "--data",
+            str(shared_data),
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    md = (out / "gpu_suite.md").read_text()
+    assert "FAILED" not in md
+    rows = [ln for ln in md.splitlines() if ln.startswith("| ") and not ln.startswith("| figure")]
+    steps = {ln.rsplit("|", 2)[-2].strip() for ln in rows}
+    assert {
+        "op_tests",
+        "memory_classification",
+        "memory_detection",
+        "memory_segmentation",
+        "memory_video",
+        "speed_classification",
+        "speed_segmentation",
+        "speed_video_cached",
+        "speed_video_uncached",
+        "checkpoint",
+    } <= steps, steps
+    ratios = [float(x) for x in re.findall(r"\(ratio ([\d.]+)\)", md)]
+    assert len(ratios) == 4 and all(r > 0 for r in ratios), ratios  # classification, segmentation, video x2
+    stall = re.search(r"\| periodic checkpoint cost \(steps\) \| ([\d.]+) \|", md)
+    assert stall and float(stall.group(1)) >= 0
+    # the CPU classification case is measured too (allocated), not only predicted
+    assert re.search(r"\| resnet18 \| 64x64 \| 4 \| fp32 \| [\d,]+ \| [\d,]+ \|", md), md
+    for name in ("op_bench", "checkpoint", "speed_video_cached"):
+        assert (out / f"{name}.log").stat().st_size > 0
