@@ -3,8 +3,10 @@
 GPU (the default cases: ResNet-50 at batch 64, 128, 256 and ConvNeXt-Tiny at 64, 128; 224 px, bf16 autocast,
 SGD momentum, channels_last): the prediction runs on the CPU under FakeTensorMode; the measurement runs the same
 step on the GPU (warm-up step, ``reset_peak_memory_stats``, one step and one evaluation forward at 2 x batch,
-``max_memory_allocated`` / ``max_memory_reserved``). Also prints the CUDA context measured on this GPU
-(``mem_get_info`` used minus ``memory_reserved``), the figure ``trainer.planning.memory.CUDA_CONTEXT_BYTES`` documents.
+``max_memory_allocated`` / ``max_memory_reserved``). Reserved is predicted by the caching-allocator model
+(trainer/planning/allocator.py). Also prints the CUDA context per GPU model that the planner adds (catalog
+``GpuModel.cuda_context_mib``, measured or assumed) and, on a GPU, the context measured on it (``mem_get_info``
+used minus ``memory_reserved``) beside the catalog's figure for that GPU model.
 
     PYTHONPATH=. python benchmarks/memory_prediction.py --device cuda
 
@@ -15,7 +17,8 @@ CPU (proves the script here; fp32, torch's CPU allocator peak read through the p
 
 Other tasks: ``--config`` gives the task and its section (e.g. DINO's), ``--image-size 0`` the task's own largest
 input (detection: max_scale x max_size), ``--num-outputs`` the classes; ``--predict-only`` prints the prediction
-where the step cannot be measured (DINO R50 at 800 x 1333 without a GPU):
+the GPU run would print (evaluation at 2 x batch, our CUDA ops' allocations) where the step cannot be measured
+(DINO R50 at 800 x 1333 without a GPU; ResNet-50 as ``--device cuda`` runs it: ``--device cpu --predict-only``):
 
     PYTHONPATH=. python benchmarks/memory_prediction.py --config configs/seed000_dino_floorplans.yaml \
         --cases resnet50:2 --image-size 0 --num-outputs 2 --precision 32 --predict-only
@@ -29,10 +32,12 @@ import time
 
 import torch
 
+import catalog
 from trainer.config import load_config
 from trainer.engine.precision import resolve_precision
 from trainer.engine.step import build_single_rank_step
 from trainer.planning.memory import MIB, predict_step_memory
+from trainer.planning.plan import gpu_model_of
 from trainer.planning.probe import cpu_step_peak_bytes
 
 DEFAULT_CASES = "resnet50:64,128,256;convnext_tiny:64,128"
@@ -100,7 +105,7 @@ def main() -> None:
                 image_size=size,
                 precision=prec,
                 context_bytes=0,
-                eval_batch=2 * b if device.type == "cuda" else 1,
+                eval_batch=2 * b if device.type == "cuda" or a.predict_only else 1,  # as the GPU run does
                 cuda_kernels=device.type == "cuda" or a.predict_only,  # a CPU measurement runs the references
             )
             secs = time.perf_counter() - t0
@@ -122,11 +127,17 @@ def main() -> None:
                 f"{f'{reserved / MIB:,.0f}' if reserved else '-'} | {err_r} | {secs:.1f} |",
                 flush=True,
             )
+    print("\n| GPU model | CUDA context the planner adds (MiB) | source |")
+    print("| --- | ---: | --- |")
+    for g in catalog.GPU_MODELS.values():
+        print(f"| {g.name} | {g.cuda_context_mib:,} | {g.cuda_context_source} |")
     if device.type == "cuda" and contexts:
+        name = torch.cuda.get_device_name()
+        known = catalog.GPU_MODELS.get(gpu_model_of(name) or "")
         print(
-            f"\nCUDA context + library handles on {torch.cuda.get_device_name()}: "
-            f"{max(contexts) / MIB:,.0f} MiB (mem_get_info used - memory_reserved; trainer/planning/memory.py "
-            f"documents CUDA_CONTEXT_BYTES = 600 MiB)"
+            f"\nCUDA context + library handles measured on {name}: {max(contexts) / MIB:,.0f} MiB "
+            "(mem_get_info used - memory_reserved); catalog: "
+            + (f"{known.cuda_context_mib:,} MiB ({known.cuda_context_source})" if known else "no entry for this GPU")
         )
 
 

@@ -56,12 +56,39 @@ class GpuModel:
     one A100-SXM4-40GB, from NVIDIA's "Deep Learning Performance" data-center training tables (A100 ~2,600,
     H100 SXM ~5,000+, V100 ~1,400, A10 ~800, L4 ~530 images/s; 2023-2024 releases). It is only the planner's
     fallback when no probe report of the user's own workload exists.
+
+    ``cuda_context_mib`` is the GPU memory (MiB) a training process holds outside PyTorch's caching allocator:
+    the CUDA context with the kernels loaded lazily by the step (``mem_get_info`` used minus ``memory_reserved``
+    after a step, ``benchmarks/memory_prediction.py --device cuda``); the planner adds it to every prediction.
+    ``cuda_context_measured`` says whether it was measured on that GPU; ``cuda_context_source`` says where it comes
+    from. H100: measured, 771 MiB (shared/gpu-check, 2026-11-25, H100 80GB HBM3, torch 2.11.0+cu130).
+    A100, A10G, L4, V100: ASSUMED, not measured: 800 MiB, the H100's figure rounded up. The context holds the
+    driver's per-device state, which grows with the SM count (local memory reserved per resident thread), and
+    the lazily loaded kernels, which a given torch build and training step share across GPUs; the H100 has the
+    most SMs of these (132 vs A100 108, V100 80, A10G 80, L4 58), so its figure is taken as an upper estimate.
+    Public reports put a bare context at ~300-400 MiB with lazy loading (CUDA >= 11.7; pytorch/pytorch#107667,
+    #109888); a step's cuDNN/cuBLAS kernels add to it. The V100 (sm_70) is not supported by CUDA 13 builds, so it
+    runs a CUDA 12 build of torch, whose context may differ. Replace each with a measurement when a GPU is lent.
     """
 
     name: str
     compute_capability: str  # for TORCH_CUDA_ARCH_LIST
     bf16: bool
     relative_throughput: float
+    cuda_context_mib: int
+    cuda_context_measured: bool
+
+    @property
+    def cuda_context_bytes(self) -> int:
+        """``cuda_context_mib`` in bytes."""
+        return self.cuda_context_mib * 1024**2
+
+    @property
+    def cuda_context_source(self) -> str:
+        """Where ``cuda_context_mib`` comes from, for reports."""
+        if self.cuda_context_measured:
+            return f"measured on {self.name} ({self.cuda_context_mib} MiB, shared/gpu-check 2026-11-25)"
+        return f"ASSUMED for {self.name} ({self.cuda_context_mib} MiB: the H100's measured figure, rounded up)"
 
 
 #: The images/s that ``relative_throughput`` 1.0 stands for: ResNet-50 v1.5 training, mixed precision, 224 px,
@@ -71,11 +98,11 @@ REFERENCE_GPU = "A100"
 REFERENCE_IMAGES_PER_S = 2600.0
 
 GPU_MODELS: dict[str, GpuModel] = {
-    "A100": GpuModel("A100", "8.0", True, 1.0),
-    "H100": GpuModel("H100", "9.0", True, 1.9),
-    "A10G": GpuModel("A10G", "8.6", True, 0.31),
-    "L4": GpuModel("L4", "8.9", True, 0.2),
-    "V100": GpuModel("V100", "7.0", False, 0.54),
+    "A100": GpuModel("A100", "8.0", True, 1.0, 800, False),
+    "H100": GpuModel("H100", "9.0", True, 1.9, 771, True),
+    "A10G": GpuModel("A10G", "8.6", True, 0.31, 800, False),
+    "L4": GpuModel("L4", "8.9", True, 0.2, 800, False),
+    "V100": GpuModel("V100", "7.0", False, 0.54, 800, False),
 }
 
 

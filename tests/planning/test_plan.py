@@ -11,6 +11,7 @@ from conftest import tiny_overrides
 import catalog
 from trainer.cli import main
 from trainer.config import load_config
+from trainer.planning.memory import GIB, MemoryPrediction
 from trainer.planning.plan import PlanError, PlanOptions, gpu_model_of, make_plan, render_plan, verdict
 
 TYPES = ("g5.2xlarge", "g5.12xlarge", "p4d.24xlarge", "ml.g5.2xlarge")
@@ -95,6 +96,27 @@ def test_predicted_memory_and_estimated_throughput_without_a_probe(cfg):
     assert rows["g5.xlarge"]["micro_batch"] == 64 and rows["g5.12xlarge"]["micro_batch"] == 16
 
 
+def test_predicted_memory_adds_the_cuda_context_of_each_rows_gpu(cfg):
+    """The prediction is made without a context and cached per (micro-batch, precision, DDP); each row adds its
+    GPU's context from the catalog: the H100's measured 771 MiB, the A10G's and A100's assumed 800 MiB."""
+    contexts = []
+
+    def predict(cfg, micro, **kw):
+        contexts.append(kw["context_bytes"])
+        return MemoryPrediction(micro, (32, 32), "bf16-mixed", kw["world_size"], GIB, GIB, 0, kw["context_bytes"])
+
+    opts = PlanOptions(instances=("g5.xlarge", "p4d.24xlarge", "p5.48xlarge"))
+    rows = _rows(make_plan(cfg, opts, predict=predict))
+    assert set(contexts) == {0}
+    for name, mib, source in (
+        ("g5.xlarge", 800, "ASSUMED"),
+        ("p4d.24xlarge", 800, "ASSUMED"),
+        ("p5.48xlarge", 771, "measured"),
+    ):
+        assert rows[name]["memory_per_gpu_gib"] == pytest.approx(1 + mib / 1024)
+        assert rows[name]["cuda_context_mib"] == mib and rows[name]["cuda_context_source"].startswith(source)
+
+
 def test_detection_plan_predicts_dino_memory_at_its_largest_input(shared_data):
     """No --model-memory-gib: plan builds the task's model (DINO here) under fake tensors at Task.input_size, the
     largest batch as the collate pads it (64 x 96 px rounded up to pad_to_multiple 64: 64 x 128)."""
@@ -107,7 +129,7 @@ def test_detection_plan_predicts_dino_memory_at_its_largest_input(shared_data):
     row = _rows(plan)["ml.g5.2xlarge"]
     assert plan["model"] == "detection resnet18 at 64x128 px" and plan["image_size"] == [64, 128]
     assert row["memory_source"] == "predicted (bf16-mixed, trainer/planning/memory.py)" and row["fits"]
-    assert 0.6 < row["memory_per_gpu_gib"] < 1.5  # a tiny DINO: mostly the 600 MiB CUDA context
+    assert 0.6 < row["memory_per_gpu_gib"] < 1.5  # a tiny DINO: mostly the A10G's (assumed) 800 MiB CUDA context
     # DINO's speed does not follow its FLOPs (gathers, matching on the host): no time or cost is invented.
     assert "images_per_s" not in row and row["throughput_source"].startswith("unknown: detection speed")
     timed = make_plan(

@@ -6,21 +6,28 @@ GPU memory (:func:`predict_step_memory`)
     every tensor has its real shape, dtype and strides but no data, so ResNet-50 at batch 256 costs seconds of
     CPU and no memory. Live bytes are counted by torch's maintained tracker,
     ``torch.distributed._tools.mem_tracker.MemTracker`` (per category: parameters, buffers, gradients,
-    activations, backward temporaries, optimizer state), and by :class:`AllocatorModel`, which applies the CUDA
-    caching allocator's rules to every live storage (c10/cuda/CUDACachingAllocator.cpp: sizes rounded up to
-    512-byte blocks; requests <= 1 MiB served from 2 MiB segments, 1-10 MiB from 20 MiB segments, larger ones
-    rounded up to 2 MiB). Step two is the steady state (optimizer state exists during forward and backward).
+    activations, backward temporaries, optimizer state), and by :class:`AllocatorModel`, which replays every
+    storage's allocation and release through a model of the CUDA caching allocator
+    (:mod:`trainer.planning.allocator`, after c10/cuda/CUDACachingAllocator.cpp: 512-byte blocks; a small pool
+    of 2 MiB segments for requests <= 1 MiB, a large pool of 20 MiB segments for 1-10 MiB and 2 MiB-rounded
+    segments above; best-fit reuse of cached blocks, splitting and merging; segments never released), so the
+    reserved peak includes the allocator's cache and fragmentation. Step two is the steady state (optimizer
+    state exists during forward and backward).
 
     Fake tensors live on the CPU device here: autocast then uses CPU autocast's op lists as a stand-in for CUDA's
     (both run convolutions and matmuls in the low-precision dtype, losses and reductions in fp32), and
     ``FakeTensorMode`` cannot fake CUDA when no CUDA driver is present (autograd asks the driver for a context).
 
     Included: weights, buffers, gradients, optimizer state, EMA copy, activations saved for backward, backward
-    temporaries, input batch and targets, allocator rounding, DDP's gradient buckets (one fp32 copy of the
-    gradients when world_size > 1; DDP docs, ``gradient_as_bucket_view``), the CUDA context (a constant, below).
-    Excluded: cuDNN/cuBLAS workspaces chosen at run time (benchmark mode can pick algorithms with large
-    workspaces), allocator fragmentation beyond segment rounding, torch.compile's different fusion, NCCL's
-    own buffers, pinned host memory.
+    temporaries, input batch and targets, the caching allocator's rounding, cache and fragmentation (segment
+    level, as above), DDP's gradient buckets (one fp32 copy of the gradients when world_size > 1; DDP docs,
+    ``gradient_as_bucket_view``), the CUDA context (``context_bytes``: the planner passes the target GPU's,
+    ``catalog.GpuModel.cuda_context_mib``). Excluded: allocations inside kernels (cuDNN/cuBLAS workspaces
+    chosen at run time; benchmark mode can pick algorithms with large workspaces), allocations of ops whose
+    fake implementation differs from the CUDA kernel's, the order of frees when it differs from CPython's
+    reference counting under fake tensors, torch.compile's different fusion, NCCL's own buffers, pinned host
+    memory, ``PYTORCH_CUDA_ALLOC_CONF`` settings (expandable segments, max_split_size_mb, garbage collection),
+    the allocator releasing its cache on an imminent out-of-memory.
 
 Loader host RAM (:func:`predict_loader_ram`)
     Seed 002's formula, with measured inputs: ``num_workers x prefetch_factor`` batches in flight, each
@@ -44,24 +51,22 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
-from torch.utils.weak import WeakIdKeyDictionary
 
+import catalog
 from trainer.config import TrainConfig
 from trainer.engine.distributed import DistInfo
 from trainer.engine.precision import Precision, resolve_precision
 from trainer.engine.step import build_train_step
 from trainer.ops.msda import cuda_kernel_stand_in
+from trainer.planning.allocator import AllocatorModel
 from trainer.tasks import build_task
 
 MIB, GIB = 1024**2, 1024**3
 
-#: CUDA context + cuBLAS/cuDNN handles of a torch process on one GPU, in bytes. Documented estimate (CUDA 12/13
-#: on Ampere/Hopper: 400-600 MiB as reported by nvidia-smi for an idle torch process after its first
-#: convolution); not measured in this repository yet: ``benchmarks/memory_prediction.py --device cuda``
-#: prints the measured figure (``torch.cuda.mem_get_info`` before and after initialisation) to replace it.
-CUDA_CONTEXT_BYTES = 600 * MIB
+#: GPU memory a torch process holds outside the caching allocator (CUDA context, lazily loaded kernels), in bytes,
+#: when the target GPU is not known: the largest figure of the catalog (``catalog.GpuModel.cuda_context_mib``,
+#: measured on the H100, assumed for the others). The planner uses the figure of the GPU it plans for.
+CUDA_CONTEXT_BYTES = max(g.cuda_context_bytes for g in catalog.GPU_MODELS.values())
 
 #: Private memory (USS) of one forked loader worker beyond the batches it holds, in bytes: 17.3-22.3 MiB measured
 #: by ``python -m trainer probe`` on CPU-2 (imagenette subset, 112 px, 1-2 workers; docs/planning.md), rounded
@@ -87,63 +92,6 @@ CPU_PROCESS_HOST_BYTES = 1 * GIB
 #: share an instance. ASSUMED (a rule of thumb, not measured): one vCPU.
 HOST_RESERVED_VCPUS = 1
 
-_BLOCK, _SMALL, _SMALL_SEG, _MID, _MID_SEG, _LARGE_ROUND = 512, MIB, 2 * MIB, 10 * MIB, 20 * MIB, 2 * MIB
-
-
-def _round_up(n: int, to: int) -> int:
-    return -(-n // to) * to
-
-
-class AllocatorModel(TorchDispatchMode):
-    """Dispatch mode that counts live tensor storages the way the CUDA caching allocator would hold them.
-
-    ``allocated`` = sum of live block sizes (each rounded up to 512 B): what ``torch.cuda.memory_allocated``
-    reports. ``reserved`` = the segments those blocks need (small blocks pooled in 2 MiB segments, 1-10 MiB
-    blocks pooled in 20 MiB segments, larger blocks rounded up to 2 MiB), without fragmentation: a lower
-    estimate of ``torch.cuda.memory_reserved``. Peaks of both are kept (bytes). Storages are found on every
-    op's outputs and released through weak-reference callbacks, as MemTracker does.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self._live = WeakIdKeyDictionary()
-        self._sums = [0, 0, 0]  # small (<= 1 MiB), mid (1-10 MiB), large (> 10 MiB), rounded to 512 B
-        self._large_reserved = 0
-        self.peak_allocated = self.peak_reserved = 0
-
-    @property
-    def allocated(self) -> int:
-        return sum(self._sums)
-
-    @property
-    def reserved(self) -> int:
-        return _round_up(self._sums[0], _SMALL_SEG) + _round_up(self._sums[1], _MID_SEG) + self._large_reserved
-
-    def _change(self, size: int, sign: int) -> None:
-        block = _round_up(max(size, 1), _BLOCK)
-        kind = 0 if block <= _SMALL else 1 if block <= _MID else 2
-        self._sums[kind] += sign * block
-        if kind == 2:
-            self._large_reserved += sign * _round_up(block, _LARGE_ROUND)
-
-    def track(self, tensors) -> None:
-        """Count the storages of ``tensors`` (an iterable of tensors, e.g. parameters made before entering)."""
-        for t in tensors:
-            if isinstance(t, torch.Tensor):
-                st = t.untyped_storage()
-                if st not in self._live and st.nbytes() > 0:
-                    size = st.nbytes()
-                    self._live[st] = size
-                    self._change(size, +1)
-                    torch.utils.weak.weakref.finalize(st, self._change, size, -1)
-        self.peak_allocated = max(self.peak_allocated, self.allocated)
-        self.peak_reserved = max(self.peak_reserved, self.reserved)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.track(tree_flatten(out)[0])
-        return out
-
 
 @dataclass
 class MemoryPrediction:
@@ -154,7 +102,7 @@ class MemoryPrediction:
     precision: str
     world_size: int
     allocated_peak_bytes: int  # compare with torch.cuda.max_memory_allocated()
-    reserved_peak_bytes: int  # compare with torch.cuda.max_memory_reserved() (fragmentation excluded)
+    reserved_peak_bytes: int  # compare with torch.cuda.max_memory_reserved() (allocator cache included)
     ddp_bucket_bytes: int
     cuda_context_bytes: int
     breakdown_at_peak: dict = field(default_factory=dict)  # MemTracker category -> bytes (unrounded)
@@ -169,12 +117,15 @@ class MemoryPrediction:
         "backward temporaries",
         "input batch",
         "512 B block / segment rounding",
+        "caching allocator cache and fragmentation (segment level, default allocator config)",
         "DDP gradient buckets (world_size > 1)",
-        "CUDA context (constant)",
+        "CUDA context (per GPU model, catalog)",
     )
     excludes: tuple = (
         "cuDNN/cuBLAS workspaces",
-        "allocator fragmentation",
+        "allocations inside kernels",
+        "PYTORCH_CUDA_ALLOC_CONF settings (expandable segments, max_split_size_mb)",
+        "cache release on out-of-memory",
         "torch.compile fusion",
         "NCCL buffers",
         "pinned host memory",
@@ -229,7 +180,9 @@ def predict_step_memory(
         gpu_bf16: whether the target GPU supports bf16 (catalog ``GpuModel.bf16``), for ``precision: amp``.
         world_size: DDP processes; > 1 adds DDP's gradient buckets.
         precision: force a resolved precision (e.g. fp32 to compare with a CPU measurement).
-        context_bytes: CUDA context constant added to ``total_bytes`` (0 for a CPU comparison).
+        context_bytes: CUDA context (bytes) added to ``total_bytes``: the target GPU's
+            (``catalog.GPU_MODELS[name].cuda_context_bytes``), :data:`CUDA_CONTEXT_BYTES` when unknown, 0 for a
+            CPU comparison.
         eval_batch: evaluation batch per rank (default ``cfg.eval_batch_size`` or 2 x micro_batch).
         cuda_kernels: count our CUDA ops' allocations (:func:`trainer.ops.msda.cuda_kernel_stand_in`), as a GPU
             runs them; False counts their PyTorch reference, to compare with a CPU measurement.

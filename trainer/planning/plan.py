@@ -6,7 +6,8 @@ Per instance type (facts and prices from :mod:`catalog`, the one copy):
   checked against it (seed 000 starts 2 processes on ml.g5.2xlarge, which has 1 GPU);
 * micro-batch per GPU = ``batch_size / (processes x accumulate_grad_batches)``, which must be whole;
 * memory per GPU: measured by a CUDA probe report at that batch when one exists for the same GPU model, else
-  predicted (:func:`trainer.planning.memory.predict_step_memory`: reserved peak + DDP buckets + CUDA context), else
+  predicted (:func:`trainer.planning.memory.predict_step_memory`: reserved peak + DDP buckets, plus the CUDA
+  context of the row's GPU, catalog ``GpuModel.cuda_context_mib``, measured or assumed as it says), else
   ``--model-memory-gib``; ``memory_fits`` when <= the catalog's ``gpu_memory_mib`` x (1 - margin); a row
   ``fits`` only when its memory fits and it has no error (process count, batch divisibility, GPU);
 * images/s per GPU, in order of preference: a CUDA probe report's measured images/s at its best batch, or
@@ -206,8 +207,11 @@ def _memory(inp: _Inputs, it: catalog.InstanceType, micro: int, procs: int, cach
     prec = target_precision(inp.cfg, it.gpu.bf16)
     key = (micro, prec.name, procs > 1)
     if key not in cache:
-        cache[key] = inp.predict(inp.cfg, micro, num_outputs=inp.num_outputs, gpu_bf16=it.gpu.bf16, world_size=procs)
-    return float(cache[key].total_bytes), f"predicted ({prec.name}, trainer/planning/memory.py)"
+        cache[key] = inp.predict(
+            inp.cfg, micro, num_outputs=inp.num_outputs, gpu_bf16=it.gpu.bf16, world_size=procs, context_bytes=0
+        )
+    need = cache[key].total_bytes - cache[key].cuda_context_bytes + it.gpu.cuda_context_bytes
+    return float(need), f"predicted ({prec.name}, trainer/planning/memory.py)"
 
 
 def plan_rows(inp: _Inputs, types: list[catalog.InstanceType]) -> list[dict]:
@@ -263,6 +267,8 @@ def plan_rows(inp: _Inputs, types: list[catalog.InstanceType]) -> list[dict]:
         micro = cfg.batch_size // denom
         row["micro_batch"] = micro
         need, row["memory_source"] = _memory(inp, it, micro, procs, mem_cache)
+        if row["memory_source"].startswith("predicted"):
+            row.update(cuda_context_mib=it.gpu.cuda_context_mib, cuda_context_source=it.gpu.cuda_context_source)
         if share > 1:
             need *= share
             row["memory_source"] += f" x {share} jobs per GPU (a CUDA context each)"
