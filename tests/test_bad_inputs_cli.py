@@ -190,6 +190,20 @@ CASES = [
         _nothing_trained,
         env={"CUDA_VISIBLE_DEVICES": ""},
     ),
+    Case(
+        "decode-device-cuda-on-cpu",
+        lambda t: trainer_cmd("train", "--data-dir", str(images(t / "data")), *TINY, "--decode-device", "cuda"),
+        2,
+        "error: decode_device: got 'cuda' but the training device is cpu",
+        _nothing_trained,
+    ),
+    Case(
+        "decode-device-cuda-with-ffcv",
+        lambda t: trainer_cmd("train", *TINY, "--use-ffcv", "--ffcv-dir", "f", "--decode-device", "cuda"),
+        2,
+        "error: decode_device: got 'cuda' with use_ffcv",
+        _nothing_trained,
+    ),
     # --- errors met inside the training process (one line, exit 2, by trainer.errors.exit_code) ------------
     Case(
         "val-split-missing",

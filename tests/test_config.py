@@ -479,3 +479,21 @@ def test_docs_list_every_section_and_field():
     doc = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
     assert all(f"### `{s}`" in doc for s in SECTIONS)
     assert all(f"| `{n}`" in doc for n in FIELDS)
+
+
+def test_decode_device_cuda_only_for_classification_imagefolder():
+    assert parse_train_config(["--decode-device", "cuda"]).decode_device == "cuda"
+    assert TrainConfig().decode_device == "cpu"
+    with pytest.raises(ConfigError, match=r"^decode_device: got 'gpu'; allowed: cpu, cuda$"):
+        TrainConfig(decode_device="gpu").validate()
+    with pytest.raises(ConfigError, match=r"^decode_device: got 'cuda' with task detection; expected cpu"):
+        TrainConfig(task="detection", decode_device="cuda").validate()
+    with pytest.raises(ConfigError, match=r"^decode_device: got 'cuda' with use_ffcv .*; expected cpu"):
+        TrainConfig(use_ffcv=True, ffcv_dir="f", decode_device="cuda").validate()
+    from trainer.engine.trainer import _config_diff
+
+    # recorded in checkpoints: a change is a config change on resume; an older checkpoint (no field) reads as cpu
+    assert _config_diff({"decode_device": "cpu"}, {"decode_device": "cuda"}) == [
+        "decode_device: checkpoint 'cpu' -> now 'cuda'"
+    ]
+    assert _config_diff({}, {"decode_device": "cpu"}) == [] and _config_diff({}, {"decode_device": "cuda"})

@@ -139,3 +139,26 @@ def test_probe_command_end_to_end_with_a_simulated_limit(tiny_digits, tmp_path, 
     )
     stdout = capsys.readouterr().out
     assert "probe report from a cpu run" in stdout and "| g5.xlarge |" in stdout
+
+
+def test_loader_probe_times_the_device_side_of_gpu_decoding(shared_data):
+    from trainer.config import TrainConfig
+    from trainer.data.formats.imagefolder import ImageFolderDataset, collate_encoded, decode_on_device, scan_split
+    from trainer.data.transforms import train_transform
+    from trainer.planning.loader_probe import measure_loader
+
+    scan = scan_split(shared_data / "hymenoptera", "val")
+    ds = ImageFolderDataset(scan, lambda e: train_transform(64, 0.08, 0.5), decode_device="cuda")
+    shapes = []
+    r = measure_loader(
+        ds,
+        collate_encoded,
+        TrainConfig(),
+        8,
+        0,
+        2,
+        3,
+        device_side=lambda b: shapes.append(tuple(decode_on_device(b, torch.device("cpu"))[0].shape)),
+    )
+    assert shapes == [(8, 3, 64, 64)] * 3 and r["includes_device_side"] and r["images_per_s"] > 0
+    assert 5_000 < r["bytes_per_sample"] < 500_000  # encoded JPEG bytes, not a decoded 64 px image

@@ -94,3 +94,16 @@ def test_target_is_checked_before_any_data_is_read(kw, match):
 
 def test_a_loss_target_may_be_any_positive_number():
     _task(target_metric="val_loss", target_value=250.0).check_config()
+
+
+def test_decode_device_cuda_batches_equal_the_worker_path_on_a_cpu_device(shared_data):
+    root = str(shared_data / "hymenoptera")
+    with pytest.raises(ConfigError, match=r"^decode_device: got 'cuda' but the training device is cpu"):
+        _task(data_dir=root, decode_device="cuda").check_config()
+    tasks = [_task(data_dir=root, decode_device=d, image_size=64, channels_last=False) for d in ("cpu", "cuda")]
+    data = [t.build_data() for t in tasks]
+    assert any("data: decode: JPEGs on cpu (nvJPEG" in line for line in data[1].report)
+    keys = [(1, i) for i in (0, 5, 77, 150)]
+    for split, fn in (("train", "train_batch"), ("val", "eval_batch")):
+        a, b = (getattr(t, fn)(d.collate([getattr(d, split)[k] for k in keys])) for t, d in zip(tasks, data))
+        assert a["n"] == b["n"] == 4 and torch.equal(a["label"], b["label"]) and torch.equal(a["image"], b["image"])

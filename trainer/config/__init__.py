@@ -37,6 +37,7 @@ from trainer.config.fields import ALIASES, FIELDS, FIELDS_BY_SECTION, NON_TRAJEC
 from trainer.config.loading import EMBEDDED_DEFAULT, embedded_default_for, load_config, yaml_fields  # noqa: F401
 from trainer.config.schema import (  # noqa: F401
     BUILTIN_DIGITS,
+    DECODE_DEVICES,
     DEVICES,
     FFCV_ORDERS,
     MAX_IMAGE_SIZE,
@@ -57,6 +58,7 @@ __all__ = [
     "ALIASES",
     "BUILTIN_DIGITS",
     "ConfigError",
+    "DECODE_DEVICES",
     "DEVICES",
     "EMBEDDED_DEFAULT",
     "FFCV_ORDERS",

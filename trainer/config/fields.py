@@ -15,6 +15,7 @@ from typing import Optional
 
 from trainer.config.schema import (
     BUILTIN_DIGITS,
+    DECODE_DEVICES,
     DEVICES,
     FFCV_ORDERS,
     MAX_IMAGE_SIZE,
@@ -134,6 +135,13 @@ class TrainConfig:
     prefetch_factor: int = _loader(2, "Batches each worker loads ahead (RAM = workers x prefetch x batch bytes).")
     pin_memory: bool = _loader(True, "Pin host batches for faster async host->GPU copies (ignored on CPU).")
     persistent_workers: bool = _loader(True, "Keep loader workers alive between epochs.")
+    decode_device: str = _loader(
+        "cpu",
+        "Where classification's ImageFolder JPEGs are decoded: cpu (loader workers, libjpeg-turbo) or cuda "
+        "(workers read the bytes and draw the crops; the training GPU decodes each batch with nvJPEG). "
+        "Not with use_ffcv; recorded in checkpoints (a change is a config change on resume).",
+        choices=DECODE_DEVICES,
+    )
 
     # --- optim ---------------------------------------------------------------------------------------
     optimizer: str = _optim("sgd", "Optimizer.", choices=OPTIMIZERS)

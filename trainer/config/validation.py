@@ -48,6 +48,12 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         why = task_section_conflict(f.name, getattr(cfg, f.name), cfg.task)
         if why:
             raise ConfigError(f"{f.name}: got {getattr(cfg, f.name)!r}; {why}")
+    if cfg.decode_device == "cuda" and (cfg.use_ffcv or cfg.task != "classification"):
+        what = "use_ffcv (FFCV decodes in its own pipeline)" if cfg.use_ffcv else f"task {cfg.task}"
+        raise ConfigError(
+            f"decode_device: got 'cuda' with {what}; expected cpu: GPU decoding is implemented for "
+            "classification's ImageFolder data only"
+        )
     _positive = (
         "batch_size",
         "accumulate_grad_batches",

@@ -74,3 +74,55 @@ def normalize_on_device(images: torch.Tensor, device: torch.device, channels_las
         x = x.contiguous(memory_format=torch.channels_last)
     mean, inv_std = _mean_inv_std(device)
     return x.float().sub_(mean).mul_(inv_std)
+
+
+#: One sample's training crop, drawn in a loader worker and applied on the training device:
+#: ``(top, left, height, width, flip, out_height, out_width)`` in pixels (top/left/height/width of the box in
+#: the decoded image, flip 0 or 1, then the output size: the epoch's training size).
+CropParams = tuple[int, int, int, int, int, int, int]
+
+
+def draw_train_crop(transform: v2.Compose, height: int, width: int) -> CropParams:
+    """The crop and flip that ``transform(img)`` would apply to a (3, ``height``, ``width``) image, drawn
+    without the image.
+
+    ``transform`` is a :func:`train_transform` (RandomResizedCrop, then RandomHorizontalFlip when
+    ``hflip_prob > 0``). The draws come from torch's default CPU generator in the same order and number as
+    ``transform(img)`` makes them (torchvision 0.29's ``RandomResizedCrop.make_params``, which reads only the
+    input's size, then ``RandomHorizontalFlip``'s ``torch.rand(1) >= p`` test in
+    ``_RandomApplyTransform.forward``), so under :func:`trainer.data.samples.seeded_for_sample` the result is
+    the worker path's crop and the generator ends in the same state. Nothing is allocated: the size is given
+    by a zero-stride view.
+
+    Raises:
+        ValueError: ``transform`` holds another transform than those two.
+    """
+    probe = torch.empty((), dtype=torch.uint8).expand(3, height, width)
+    top, left, h, w, flip, out_h, out_w = 0, 0, height, width, 0, height, width
+    for t in transform.transforms:
+        if isinstance(t, v2.RandomResizedCrop):
+            p = t.make_params([probe])
+            top, left, h, w = p["top"], p["left"], p["height"], p["width"]
+            out_h, out_w = t.size
+        elif isinstance(t, v2.RandomHorizontalFlip):
+            flip = int(not bool(torch.rand(1) >= t.p))
+        else:
+            raise ValueError(f"draw_train_crop: cannot draw the parameters of {type(t).__name__} without the image")
+    return top, left, h, w, flip, out_h, out_w
+
+
+def apply_train_crop(img: torch.Tensor, crop: CropParams) -> torch.Tensor:
+    """Apply a crop drawn by :func:`draw_train_crop`: uint8 (3, H, W) on any device -> uint8
+    (3, out_height, out_width) on that device.
+
+    ``torchvision.transforms.v2.functional.resized_crop`` (bilinear, antialias: what :func:`train_transform`'s
+    RandomResizedCrop calls), then ``horizontal_flip`` when ``flip``: on the same device and input the output
+    is identical (torch.equal) to ``transform(img)`` in the worker.
+    """
+    from torchvision.transforms.v2 import functional as F
+
+    top, left, h, w, flip, out_h, out_w = (int(v) for v in crop)
+    img = F.resized_crop(
+        img, top, left, h, w, size=[out_h, out_w], interpolation=v2.InterpolationMode.BILINEAR, antialias=True
+    )
+    return F.horizontal_flip(img) if flip else img

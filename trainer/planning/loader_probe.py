@@ -8,7 +8,9 @@ children while they load. Pages shared with the parent after fork are not counte
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -39,11 +41,35 @@ def _children_private_bytes() -> int:
     return total
 
 
-def measure_loader(dataset, collate, cfg: TrainConfig, batch: int, workers: int, prefetch: int, n_batches: int) -> dict:
+def _batch_bytes(batch: dict) -> int:
+    """Bytes of the tensors in a collated batch (tensors, and lists of tensors such as encoded JPEGs)."""
+    total = 0
+    for v in batch.values():
+        for t in v if isinstance(v, (list, tuple)) else [v]:
+            total += t.nbytes if isinstance(t, torch.Tensor) else 0
+    return total
+
+
+def measure_loader(
+    dataset,
+    collate,
+    cfg: TrainConfig,
+    batch: int,
+    workers: int,
+    prefetch: int,
+    n_batches: int,
+    device_side: Optional[Callable[[dict], object]] = None,
+) -> dict:
     """Images/s and host RAM of the trainer's loader over ``n_batches`` batches of ``batch`` images.
 
+    ``device_side``: the part of the input pipeline that runs in the training process on each batch (the
+    task's ``train_batch``: with ``decode_device: cuda`` the JPEG decode and crops), timed with the loader
+    (CUDA synchronised after each batch); None: the loader alone.
+
     Returns ``{"num_workers", "prefetch_factor", "images_per_s", "first_batch_s", "workers_private_bytes",
-    "worker_overhead_bytes", "bytes_per_sample"}``; images/s excludes the first batch (worker start-up).
+    "worker_overhead_bytes", "bytes_per_sample", "includes_device_side"}``; images/s excludes the first batch
+    (worker start-up); ``bytes_per_sample`` is one decoded image's bytes, or with an encoded batch (no
+    ``"image"`` key) its tensor bytes per sample (JPEG bytes, crop rows, worker-decoded fallbacks).
     """
     sampler = EpochSampler(len(dataset), 0, 1, shuffle=True, seed=cfg.seed)
     loader = build_loader(
@@ -55,13 +81,27 @@ def measure_loader(dataset, collate, cfg: TrainConfig, batch: int, workers: int,
         pin_memory=False,
         persistent_workers=False,
     )
+
+    def finish(b: dict) -> None:
+        if device_side is not None:
+            device_side(b)
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.synchronize()
+
     t0 = time.perf_counter()
     it = iterate(loader)
     first = next(it)
+    finish(first)
     t1 = time.perf_counter()
-    images, priv, sample_bytes = 0, 0, first["image"][0].nbytes if len(first["image"]) else 0
+    n_first = len(first["label"])
+    if "image" in first:  # decoded uint8 (B, 3, h, w)
+        sample_bytes = first["image"][0].nbytes if n_first else 0
+    else:  # encoded batch: JPEG bytes, crop rows and worker-decoded fallbacks, per sample
+        sample_bytes = _batch_bytes(first) // n_first if n_first else 0
+    images, priv = 0, 0
     for i, b in enumerate(it):
-        images += len(b["image"])
+        finish(b)
+        images += len(b["label"])
         priv = max(priv, _children_private_bytes()) if workers else priv
         if i + 2 >= n_batches:
             break
@@ -72,9 +112,10 @@ def measure_loader(dataset, collate, cfg: TrainConfig, batch: int, workers: int,
     return {
         "num_workers": workers,
         "prefetch_factor": prefetch,
-        "images_per_s": images / max(t2 - t1, 1e-9) if images else len(first["image"]) / (t1 - t0),
+        "images_per_s": images / max(t2 - t1, 1e-9) if images else n_first / (t1 - t0),
         "first_batch_s": t1 - t0,
         "workers_private_bytes": priv,
         "bytes_per_sample": int(sample_bytes),
         "worker_overhead_bytes": int(max(priv - in_flight, 0) / workers) if workers else 0,
+        "includes_device_side": device_side is not None,
     }

@@ -236,6 +236,7 @@ class ProbeResult:
     host_data_bytes_per_process: int = 0  # Task.host_data_bytes(data)[0]: part of the RSS above
     host_data_bytes_per_host: int = 0  # Task.host_data_bytes(data)[1]: page cache shared by a host's processes
     gpu_waits_on_data: Optional[bool] = None
+    decode_device: str = "cpu"  # where JPEGs were decoded (config decode_device)
     data_verdict: str = ""
     memory_method: str = ""
     seconds: float = 0.0
@@ -292,9 +293,26 @@ def run_probe(cfg: TrainConfig, opts: ProbeOptions, log: Callable[[str], None] =
     data_per_process, data_per_host = (int(b) for b in task.host_data_bytes(data))
     loader_batch = best or opts.start_batch
     loader = []
+    gpu_decode = cfg.decode_device == "cuda"
+    decode = (
+        f"decode: JPEGs on {device} (decode_device=cuda); the loader figures include that decode and the crops "
+        "(the task's train_batch, synchronised)"
+        if gpu_decode
+        else "decode: in the loader workers (decode_device=cpu); the loader figures are the workers alone"
+    )
+    log(f"probe: {decode}")
     for w in sorted(set(opts.workers)):
         for p in sorted(set(opts.prefetch)) if w else [min(opts.prefetch)]:
-            r = measure_loader(data.train, data.collate, cfg, loader_batch, w, p, opts.loader_batches)
+            r = measure_loader(
+                data.train,
+                data.collate,
+                cfg,
+                loader_batch,
+                w,
+                p,
+                opts.loader_batches,
+                device_side=task.train_batch if gpu_decode else None,
+            )
             log(
                 f"probe: loader workers={w} prefetch={p}: {r['images_per_s']:.0f} images/s, workers private "
                 f"{r['workers_private_bytes'] / GIB:.3f} GiB"
@@ -325,6 +343,7 @@ def run_probe(cfg: TrainConfig, opts: ProbeOptions, log: Callable[[str], None] =
         measurements=[asdict(m) for m in taken],
         loader=loader,
         loader_ram_prediction=ram.to_dict(),
+        decode_device=cfg.decode_device,
         host_rss_hwm_bytes=host_rss,
         host_data_bytes_per_process=data_per_process,
         host_data_bytes_per_host=data_per_host,
@@ -340,6 +359,7 @@ def run_probe(cfg: TrainConfig, opts: ProbeOptions, log: Callable[[str], None] =
         row = cfg_row or best_loader
         res.gpu_waits_on_data = row["images_per_s"] < best_m.images_per_s
         res.data_verdict = (
+            f"{decode}; "
             f"loader at num_workers={row['num_workers']} prefetch={row['prefetch_factor']}: "
             f"{row['images_per_s']:.0f} images/s vs step {best_m.images_per_s:.0f} images/s at batch {best}: "
             + ("the device WAITS on data" if res.gpu_waits_on_data else "the loader keeps up")

@@ -15,7 +15,10 @@ Layout: ``root/<split>/<class>/<file>``; class index = position of the class fol
   drops and reports, so the loop can count bad files per epoch and abort above a threshold;
 * takes ``(epoch, index)`` keys from :class:`trainer.data.sampler.EpochSampler`; the augmentation RNG is
   seeded from ``(seed, epoch, index)`` so every sample's crop and flip are a pure function of those three
-  numbers, independent of worker count and of interruptions.
+  numbers, independent of worker count and of interruptions;
+* can leave the JPEG decode to the training device (``decode_device="cuda"``): workers read the bytes and the
+  header, draw the same crop from the same seeded stream, and :func:`decode_on_device` decodes the batch there
+  (:func:`collate_encoded` documents the batch).
 """
 
 from __future__ import annotations
@@ -30,10 +33,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Optional
 
 import torch
 from torch.utils.data import Dataset
 
+from trainer.config.schema import DECODE_DEVICES
 from trainer.data.samples import (  # noqa: F401 - BadSample, collate_skip_bad, sample_seed re-exported
     BadSample,
     collate_skip_bad,
@@ -42,7 +47,8 @@ from trainer.data.samples import (  # noqa: F401 - BadSample, collate_skip_bad, 
     sample_seed,
     seeded_for_sample,
 )
-from trainer.errors import DataError  # noqa: F401 - re-exported
+from trainer.data.transforms import CropParams, apply_train_crop, draw_train_crop
+from trainer.errors import DataError
 
 #: Extensions scanned (lower-case). torchvision.io decodes JPEG/PNG/GIF/WEBP; PIL handles the rest.
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".gif", ".webp", ".bmp", ".tif", ".tiff", ".ppm", ".pgm")
@@ -335,6 +341,60 @@ def check_split(scan: SplitScan, max_bad_fraction: float, full: bool | None = No
     return kept, [f"data: {split}: {len(bad)} of {n} file(s) cannot be read ({how}); left out of evaluation: {names}"]
 
 
+#: PIL modes of the JPEGs left to the device decoder (decoded with ``ImageReadMode.RGB``, grey replicated to
+#: three channels); CMYK/YCCK (``CMYK``) and anything else are decoded in the worker.
+DEVICE_JPEG_MODES = ("RGB", "L")
+
+
+@dataclass(frozen=True)
+class EncodedJpeg:
+    """A JPEG read but not decoded (``decode_device="cuda"``): ``data`` uint8 (n_bytes,) the file's bytes,
+    ``height``/``width`` from its header (pixels), ``crop`` the training crop drawn in the worker
+    (:data:`~trainer.data.transforms.CropParams`; None in evaluation: the device applies the eval transform)."""
+
+    path: str
+    data: torch.Tensor
+    height: int
+    width: int
+    crop: Optional[CropParams] = None
+
+
+def _ends_with_eoi(data: torch.Tensor) -> bool:
+    """Whether the JPEG bytes end with the end-of-image marker ``FF D9`` (trailing NUL/whitespace padding
+    allowed): a truncated file does not, and goes to the worker decode, which reports it as today."""
+    tail = bytes(data[-64:].numpy()).rstrip(b"\x00\r\n ")
+    return tail.endswith(b"\xff\xd9")
+
+
+def read_jpeg_for_device(path: str) -> Optional[EncodedJpeg]:
+    """The bytes and header size of ``path`` when the device decoder is to take it, else None.
+
+    None (the worker decodes the file with :func:`decode_file`, today's path, which also names why a bad file
+    is bad) for: an empty file, content that does not start with the JPEG SOI marker ``FF D8 FF`` (PNG, GIF,
+    ... whatever the extension), a header PIL cannot read or that claims more than :data:`MAX_IMAGE_PIXELS`, a
+    PIL mode outside :data:`DEVICE_JPEG_MODES` (CMYK), bytes without the end-of-image marker (truncated).
+    Cost: one file read and a PIL header parse (no pixel decoded).
+
+    Raises:
+        OSError: the file cannot be read (the caller treats it as a file for the worker decode).
+    """
+    from torchvision.io import read_file
+
+    if os.path.getsize(path) == 0:
+        return None
+    data = read_file(path)
+    if data.numel() < 4 or bytes(data[:3].numpy()) != b"\xff\xd8\xff" or not _ends_with_eoi(data):
+        return None
+    try:
+        with _open_header(io.BytesIO(data.numpy())) as im:
+            if im.format != "JPEG" or im.mode not in DEVICE_JPEG_MODES:
+                return None
+            width, height = im.size
+    except Exception:  # noqa: BLE001 - unreadable or too large: decode_file decides and names why
+        return None
+    return EncodedJpeg(path, data, height, width)
+
+
 class ImageFolderDataset(Dataset):
     """Map-style dataset over a :class:`SplitScan`.
 
@@ -347,10 +407,16 @@ class ImageFolderDataset(Dataset):
             (index + 1, + 2, ... up to ``MAX_REPLACEMENTS``) takes its place, so every micro-batch keeps its
             size (static shapes for torch.compile, no empty DDP ranks). Evaluation mode (False): the bad
             file is dropped from its batch, so metrics count each good file exactly once.
+        decode_device: ``"cpu"`` (decode in the worker) or ``"cuda"``: JPEGs that
+            :func:`read_jpeg_for_device` accepts come back as an :class:`EncodedJpeg` in place of the image,
+            carrying the crop drawn from the same seeded stream (:func:`draw_train_crop`; no crop when the
+            transform has no random step, i.e. evaluation); other files are decoded and transformed in the
+            worker as with ``"cpu"``. Batch them with :func:`collate_encoded`, decode with
+            :func:`decode_on_device`.
 
     ``__getitem__((epoch, index))`` (or a plain ``index``, taken as epoch 0) returns
-    ``(image uint8 (3,h,w), label int, bad: tuple[BadSample, ...])``, or a :class:`BadSample` when
-    ``replace_bad`` is False and the file is bad.
+    ``(image uint8 (3,h,w) or EncodedJpeg, label int, bad: tuple[BadSample, ...])``, or a :class:`BadSample`
+    when ``replace_bad`` is False and the file is bad.
 
     Bad-file counting: ``bad`` holds only the sample's *own* file, when that file was bad and replaced
     (empty otherwise); the bad files passed over while looking for a replacement are not reported there.
@@ -369,14 +435,22 @@ class ImageFolderDataset(Dataset):
     MAX_REPLACEMENTS = 16
 
     def __init__(
-        self, scan: SplitScan, transform_for_epoch: Callable[[int], Callable], seed: int = 0, replace_bad: bool = True
+        self,
+        scan: SplitScan,
+        transform_for_epoch: Callable[[int], Callable],
+        seed: int = 0,
+        replace_bad: bool = True,
+        decode_device: str = "cpu",
     ):
+        if decode_device not in DECODE_DEVICES:
+            raise ValueError(f"decode_device: got {decode_device!r}; expected one of {', '.join(DECODE_DEVICES)}")
         self.scan = scan
         self.samples = scan.samples
         self.classes = scan.classes
         self.transform_for_epoch = transform_for_epoch
         self.seed = seed
         self.replace_bad = replace_bad
+        self.decode_device = decode_device
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -389,16 +463,176 @@ class ImageFolderDataset(Dataset):
         except Exception as e:  # noqa: BLE001 - corrupt, truncated, too large or unsupported: skip, count, report
             return BadSample(path, describe_error(e))
 
+    def _read(self, index: int):
+        """``decode_device="cuda"``: ``(EncodedJpeg, label)``, or what :meth:`_decode` gives for a file the
+        device decoder does not take (:func:`read_jpeg_for_device`)."""
+        path, label = self.samples[index]
+        try:
+            encoded = read_jpeg_for_device(path)
+        except Exception:  # noqa: BLE001 - unreadable: the worker decode reports it as today
+            encoded = None
+        return (encoded, label) if encoded is not None else self._decode(index)
+
     def __getitem__(self, key):
         epoch, index = key if isinstance(key, tuple) else (0, key)
+        load = self._read if self.decode_device != "cpu" else self._decode
         if not self.replace_bad:
-            item, own = self._decode(index), ()
+            item, own = load(index), ()
             if isinstance(item, BadSample):
                 return item
         else:
-            item, _, own = decode_or_replace(self._decode, index, len(self.samples), self.MAX_REPLACEMENTS)
+            item, _, own = decode_or_replace(load, index, len(self.samples), self.MAX_REPLACEMENTS)
         img, label = item
         transform = self.transform_for_epoch(epoch)
         with seeded_for_sample(self.seed, epoch, index):
-            img = transform(img)
+            if not isinstance(img, EncodedJpeg):
+                img = transform(img)
+            elif _is_random(transform):
+                img = replace(img, crop=draw_train_crop(transform, img.height, img.width))
         return img, label, own
+
+
+def _is_random(transform) -> bool:
+    """Whether ``transform`` (a v2.Compose) draws random numbers, i.e. is a training transform."""
+    from torchvision.transforms import v2
+
+    steps = getattr(transform, "transforms", [transform])
+    return any(isinstance(t, (v2.RandomResizedCrop, v2.RandomHorizontalFlip)) for t in steps)
+
+
+def collate_encoded(items: list) -> dict:
+    """Batch the samples of a ``decode_device="cuda"`` :class:`ImageFolderDataset` (encoded JPEGs and
+    worker-decoded fallbacks in one batch), for :func:`decode_on_device`.
+
+    Returns, for B good samples of which k are encoded JPEGs and m = B - k were decoded in the worker::
+
+        {"label": int64 (B,), "bad": [BadSample, ...]  (as collate_skip_bad),
+         "jpeg": uint8 (sum of n_bytes_i,)  the k files' bytes, concatenated,
+         "jpeg_offsets": int64 (k + 1,)     file i is jpeg[offsets[i]:offsets[i + 1]] (jpeg_list() splits),
+         "jpeg_pos": int64 (k,)             their positions in the batch,
+         "jpeg_hw": int64 (k, 2)            header height, width,
+         "jpeg_path": [str] * k,
+         "crop": int64 (k, 7) or None       CropParams rows (None: evaluation, no random step),
+         "decoded": uint8 (m, 3, h, w)      fallbacks (non-JPEG, CMYK, truncated), already transformed,
+         "decoded_pos": int64 (m,)}
+
+    The variable-length files travel as one concatenated tensor, not a list of k tensors: a DataLoader worker
+    hands each tensor's storage to the main process as its own shared-memory file descriptor, and a list of 64
+    encoded files per batch exhausted that (``OSError: [Errno 9] Bad file descriptor`` in the worker's queue
+    feeder, then a hung loader, with one worker on imagenette); one tensor is one descriptor per batch.
+
+    Raises:
+        ValueError: some encoded samples carry a crop and others do not (two datasets mixed).
+    """
+    good = [it for it in items if not isinstance(it, BadSample)]
+    bad = [it for it in items if isinstance(it, BadSample)] + [b for g in good for b in g[2]]
+    enc = [(i, g[0]) for i, g in enumerate(good) if isinstance(g[0], EncodedJpeg)]
+    dec = [(i, g[0]) for i, g in enumerate(good) if not isinstance(g[0], EncodedJpeg)]
+    crops = [e.crop for _, e in enc]
+    if any(c is None for c in crops) and any(c is not None for c in crops):
+        raise ValueError("collate_encoded: a batch mixes samples with and without a training crop")
+    return {
+        "label": torch.tensor([g[1] for g in good], dtype=torch.int64),
+        "bad": bad,
+        "jpeg": torch.cat([e.data for _, e in enc]) if enc else torch.empty((0,), dtype=torch.uint8),
+        "jpeg_offsets": torch.tensor([0] + [e.data.numel() for _, e in enc], dtype=torch.int64).cumsum(0),
+        "jpeg_pos": torch.tensor([i for i, _ in enc], dtype=torch.int64),
+        "jpeg_hw": torch.tensor([[e.height, e.width] for _, e in enc], dtype=torch.int64).view(-1, 2),
+        "jpeg_path": [e.path for _, e in enc],
+        "crop": torch.tensor(crops, dtype=torch.int64).view(-1, 7) if enc and crops[0] is not None else None,
+        "decoded": torch.stack([d for _, d in dec]) if dec else torch.empty((0, 3, 1, 1), dtype=torch.uint8),
+        "decoded_pos": torch.tensor([i for i, _ in dec], dtype=torch.int64),
+    }
+
+
+def jpeg_list(batch: dict) -> list[torch.Tensor]:
+    """The encoded files of a :func:`collate_encoded` batch as a list of k uint8 (n_bytes_i,) views (no copy)."""
+    sizes = batch["jpeg_offsets"].diff().tolist()
+    return list(torch.split(batch["jpeg"], sizes)) if sizes else []
+
+
+def _decode_jpegs(data: list, paths: list, device: torch.device) -> tuple[list, list]:
+    """``(images, failed)``: uint8 (3, H, W) on ``device`` per input (None where it failed) and the
+    :class:`BadSample` of each failure.
+
+    One batched ``torchvision.io.decode_jpeg(list, mode=RGB, device=device)`` call (on CUDA torchvision decodes
+    the list as one nvJPEG batch); if it raises, each file again alone, then on the CPU
+    (``torchvision.io.decode_image``, the worker path's decoder) and copied to ``device``.
+    """
+    from torchvision.io import ImageReadMode, decode_image, decode_jpeg
+
+    if not data:
+        return [], []
+    try:
+        return list(decode_jpeg(data, mode=ImageReadMode.RGB, device=device)), []
+    except RuntimeError:
+        pass
+    images, failed = [], []
+    for d, path in zip(data, paths):
+        try:
+            images.append(decode_jpeg(d, mode=ImageReadMode.RGB, device=device))
+            continue
+        except RuntimeError:
+            pass
+        try:
+            images.append(to_uint8(decode_image(d, mode=ImageReadMode.RGB)).to(device))
+        except Exception as e:  # noqa: BLE001 - corrupt body: a bad file (see decode_on_device)
+            images.append(None)
+            failed.append(BadSample(path, describe_error(e)))
+    return images, failed
+
+
+def decode_on_device(
+    batch: dict, device: torch.device, eval_transform: Optional[Callable] = None, replace_bad: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, list[BadSample]]:
+    """Decode and crop a :func:`collate_encoded` batch on ``device``: ``(images, labels, failed)``.
+
+    ``images`` uint8 (B', 3, h, w) on ``device``, in batch order: each JPEG decoded
+    (``torchvision.io.decode_jpeg`` with ``ImageReadMode.RGB``: batched nvJPEG on CUDA, libjpeg-turbo on CPU),
+    then its training crop (:func:`~trainer.data.transforms.apply_train_crop`) or, without crops,
+    ``eval_transform`` (e.g. :func:`~trainer.data.transforms.val_transform`, applied on ``device``); the
+    worker-decoded fallbacks copied in. ``labels`` int64 (B',) on the host. On the CPU device the images are
+    identical (torch.equal) to the ``decode_device="cpu"`` path for the same (seed, epoch, indices).
+
+    A JPEG that passed the worker's header checks but that no decoder reads (a corrupt body) is a bad file
+    found too late to count in the loop's ``max_bad_fraction`` (the engine has read ``batch["bad"]``): it is
+    returned in ``failed`` and, when ``replace_bad`` (training), replaced by the batch's first good image so
+    the shape stays; otherwise (evaluation) dropped with its label.
+
+    Raises:
+        DataError: every image of a training batch failed to decode.
+        ValueError: a batch without crops and no ``eval_transform``; a decoded size differs from the header's.
+    """
+    labels = batch["label"]
+    out: list = [None] * len(labels)
+    images, failed = _decode_jpegs(jpeg_list(batch), batch["jpeg_path"], device)
+    crops = batch["crop"]
+    if images and crops is None and eval_transform is None:
+        raise ValueError("decode_on_device: the batch has no crops; pass eval_transform")
+    for k, (pos, img) in enumerate(zip(batch["jpeg_pos"].tolist(), images)):
+        if img is None:
+            continue
+        h, w = batch["jpeg_hw"][k].tolist()
+        if tuple(img.shape[-2:]) != (h, w):
+            raise ValueError(
+                f"decode_on_device: {batch['jpeg_path'][k]} decoded to {tuple(img.shape[-2:])}, header said {(h, w)}"
+            )
+        out[pos] = apply_train_crop(img, crops[k].tolist()) if crops is not None else eval_transform(img)
+    for pos, img in zip(batch["decoded_pos"].tolist(), batch["decoded"]):
+        out[pos] = img.to(device, non_blocking=True)
+    keep = [i for i, x in enumerate(out) if x is not None]
+    if failed:
+        warnings.warn(
+            f"data: {len(failed)} JPEG(s) could not be decoded on {device} (not counted in max_bad_fraction): "
+            + "; ".join(f"{b.path} ({b.error})" for b in failed[:3]),
+            stacklevel=2,
+        )
+        if replace_bad:
+            if not keep:
+                raise DataError(f"no image of the batch could be decoded, e.g. {failed[0].path} ({failed[0].error})")
+            out = [x if x is not None else out[keep[0]] for x in out]
+        else:
+            out, labels = [out[i] for i in keep], labels[keep]
+    if not out:
+        return torch.empty((0, 3, 1, 1), dtype=torch.uint8, device=device), labels, failed
+    return torch.stack(out), labels, failed

@@ -15,7 +15,14 @@ from torchvision.transforms import v2
 
 from trainer.config import BUILTIN_DIGITS, ConfigError
 from trainer.data.formats.digits import ensure_digits
-from trainer.data.formats.imagefolder import ImageFolderDataset, check_same_classes, check_split, scan_split
+from trainer.data.formats.imagefolder import (
+    ImageFolderDataset,
+    check_same_classes,
+    check_split,
+    collate_encoded,
+    decode_on_device,
+    scan_split,
+)
 from trainer.data.samples import collate_skip_bad
 from trainer.data.transforms import normalize_on_device, train_size_for_epoch, train_transform, val_transform
 from trainer.engine.evaluation import SumEvaluator
@@ -87,7 +94,9 @@ class _ValTransformForEpoch:
 
 
 class ClassificationTask(Task):
-    """ImageFolder classification. Batches: ``image`` uint8 (B,3,H,W), ``label`` int64 (B,).
+    """ImageFolder classification. Batches: ``image`` uint8 (B,3,H,W), ``label`` int64 (B,); with
+    ``decode_device: cuda`` the encoded batch of :func:`~trainer.data.formats.imagefolder.collate_encoded`,
+    decoded on the device by :meth:`train_batch` / :meth:`eval_batch`.
 
     Targets in training are int64 class indices, or float32 (B, num_classes) soft labels when MixUp/CutMix
     is on. Eval statistics vector: [loss_sum, top1_correct, top5_correct, count] (float64).
@@ -111,7 +120,8 @@ class ClassificationTask(Task):
 
     def check_config(self) -> None:
         """Before the data scan: ``model`` is a torchvision classifier that accepts ``image_size`` and, with
-        progressive resizing, every training size (:func:`check_input_size`). Raises :class:`ConfigError`."""
+        progressive resizing, every training size (:func:`check_input_size`); ``decode_device: cuda`` only
+        with a CUDA training device. Raises :class:`ConfigError`."""
         cfg = self.cfg
         sizes = {cfg.image_size: f"image_size={cfg.image_size}"}
         if cfg.progressive_resize:
@@ -122,6 +132,11 @@ class ClassificationTask(Task):
                     f"progressive_min_size={cfg.progressive_min_size}, image_size={cfg.image_size}",
                 )
         check_input_size(cfg.model, sizes)
+        if cfg.decode_device == "cuda" and self.dist.device.type != "cuda":
+            raise ConfigError(
+                f"decode_device: got 'cuda' but the training device is {self.dist.device} (device={cfg.device}, "
+                f"torch.cuda.is_available()={torch.cuda.is_available()}); expected cpu, or a run on a CUDA GPU"
+            )
         metric, _ = self.check_target()
         if cfg.target_value is not None and metric != "loss" and not 0 < cfg.target_value <= 100:
             raise ConfigError(
@@ -170,12 +185,24 @@ class ClassificationTask(Task):
         n_val = len(val_scan.samples)
         val_scan, val_report = check_split(val_scan, cfg.max_bad_fraction)  # bad val files: named, left out
         report += val_report
-        train = ImageFolderDataset(train_scan, _TrainTransformForEpoch(cfg), seed=cfg.seed)
-        val = ImageFolderDataset(val_scan, _ValTransformForEpoch(cfg), seed=cfg.seed, replace_bad=False)
+        dd = cfg.decode_device
+        train = ImageFolderDataset(train_scan, _TrainTransformForEpoch(cfg), seed=cfg.seed, decode_device=dd)
+        val = ImageFolderDataset(
+            val_scan, _ValTransformForEpoch(cfg), seed=cfg.seed, replace_bad=False, decode_device=dd
+        )
+        report.append(
+            "data: decode: "
+            + (
+                f"JPEGs on {self.dist.device} (nvJPEG batches; workers read bytes and draw crops; "
+                "other formats, CMYK and truncated JPEGs decoded in the workers)"
+                if dd == "cuda"
+                else "in the loader workers (torchvision.io, libjpeg-turbo)"
+            )
+        )
         return TaskData(
             train,
             val,
-            collate_skip_bad,
+            collate_encoded if dd == "cuda" else collate_skip_bad,
             self.num_classes,
             report,
             label_space={"classes": list(train_scan.classes)},
@@ -189,14 +216,23 @@ class ClassificationTask(Task):
         """``image_size``: the training resolution of epoch ``epoch`` (0-based; progressive resizing aware)."""
         return {"image_size": train_size_for_epoch(self.cfg, epoch)}
 
-    def _images(self, batch: dict) -> torch.Tensor:
-        return normalize_on_device(batch["image"], self.dist.device, self.cfg.channels_last)
+    def _images(self, batch: dict, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Normalised float32 images (B,3,H,W) on the device and int64 labels (B,), host or device. An encoded
+        batch (``decode_device: cuda``) is decoded and cropped on the device first (evaluation: resize and
+        centre crop there); a file no decoder reads is replaced in training, dropped in evaluation."""
+        labels = batch["label"]
+        if "jpeg" in batch:
+            evt = None if train else val_transform(self.cfg.image_size, self.cfg.val_resize_ratio)
+            images, labels, _ = decode_on_device(batch, self.dist.device, evt, replace_bad=train)
+        else:
+            images = batch["image"]
+        return normalize_on_device(images, self.dist.device, self.cfg.channels_last), labels
 
     def train_batch(self, batch: dict) -> dict:
         """``{"image": float32 (B,3,H,W) normalised, "label": int64 (B,) or float32 (B, classes) after
         MixUp/CutMix, "n": B}`` on the device."""
-        x = self._images(batch)
-        y = batch["label"].to(self.dist.device, non_blocking=True)
+        x, y = self._images(batch, train=True)
+        y = y.to(self.dist.device, non_blocking=True)
         if self._mix is not None and x.shape[0] > 1:
             x, y = self._mix(x, y)
             if y.is_floating_point():
@@ -205,11 +241,8 @@ class ClassificationTask(Task):
 
     def eval_batch(self, batch: dict) -> dict:
         """``{"image": float32 (B,3,H,W), "label": int64 (B,), "n": B}`` on the device (B may be 0)."""
-        return {
-            "image": self._images(batch),
-            "label": batch["label"].to(self.dist.device, non_blocking=True),
-            "n": batch["label"].shape[0],
-        }
+        x, y = self._images(batch, train=False)
+        return {"image": x, "label": y.to(self.dist.device, non_blocking=True), "n": y.shape[0]}
 
     def model_step(self, model: nn.Module, batch: dict) -> StepOutput:
         """Logits (B, classes) and the cross-entropy with ``label_smoothing`` (float32 mean)."""
