@@ -295,6 +295,7 @@ def main() -> None:
                 scheduler="cosine",
                 channels_last=cl,
                 no_decay_norm_bias=False,
+                **dict(args.set or []),
             )
             torch.manual_seed(0)
             model = build_classifier(args.model, n_classes).to(dev)
