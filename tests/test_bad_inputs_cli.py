@@ -118,6 +118,10 @@ def _once(fragment: str):
     return check
 
 
+def _no_export(tmp: Path) -> None:
+    assert not (tmp / "out").exists()
+
+
 def _nothing_measured(proc: subprocess.CompletedProcess) -> None:
     assert "probe: " not in proc.stdout, proc.stdout  # not even the first "probe: <model> at ..." line
 
@@ -161,6 +165,19 @@ CASES = [
         "error: trainer: command: invalid choice: 'bogus' (choose from",
     ),
     Case("no-command", lambda t: trainer_cmd(), 2, "the following arguments are required: command"),
+    Case(
+        "export-unsupported-format",
+        lambda t: trainer_cmd("export", "--checkpoint", "ck", "--format", "tflite", "--out", "out"),
+        2,
+        "error: export: --format: invalid choice: 'tflite' (choose from 'onnx', 'torchscript', 'safetensors')",
+    ),
+    Case(
+        "export-missing-checkpoint",
+        lambda t: trainer_cmd("export", "--checkpoint", "nope", "--format", "onnx", "--out", "out"),
+        2,
+        "error: --checkpoint: nope does not exist; give a ckpt-* folder or a checkpoint_dir",
+        lambda t: _no_export(t),
+    ),
     # --- config values --------------------------------------------------------------------------------------
     Case(
         "image-size-100000",

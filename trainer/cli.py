@@ -106,6 +106,7 @@ COMMANDS = {
     "write-ffcv": "convert ImageFolder splits into FFCV .beton files",
     "predict": "run a checkpoint on a folder of images: drawn PNGs and predictions.json",
     "scale": "run a scaling plan's phases in order and report measured vs expected",
+    "export": "export a checkpoint as ONNX, TorchScript or safetensors with a model card",
 }
 
 
@@ -145,6 +146,10 @@ def build_parser(command: Optional[str] = "train") -> argparse.ArgumentParser:
             from trainer.planning.scale import add_scale_command
 
             add_scale_command(sub)
+        elif name == "export":
+            from trainer.export import add_export_command
+
+            add_export_command(sub)
         else:
             from trainer.data.formats.ffcv_writer import add_write_ffcv_command
 
@@ -247,4 +252,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from trainer.planning.scale import run_scale_command
 
         return run_scale_command(args)
+    if args.command == "export":
+        from trainer.export import run_export
+
+        return run_export(args)
     return EXIT_USAGE

@@ -252,3 +252,97 @@ class Task(ABC):
         checkpoint's, ``score_threshold`` the lowest score kept where outputs are scored. ``OSError`` when a
         file cannot be written."""
         raise NotImplementedError(f"task {self.name} does not implement render_predictions (no prediction support)")
+
+    # .. export (python -m trainer export) ..................................................................
+    #: Input tensor names of the exported graph, in :meth:`export_example` order.
+    export_input_names: tuple[str, ...] = ("image",)
+    #: Output tensor names of :meth:`export_module`'s forward, in order.
+    export_output_names: tuple[str, ...] = ("logits",)
+
+    def export_unsupported(self, fmt: str) -> Optional[str]:
+        """Why ``fmt`` (``onnx`` | ``torchscript`` | ``safetensors``) cannot be exported for this task (one phrase),
+        or None when it can. Default: every format."""
+        return None
+
+    def export_module(self, model: nn.Module) -> nn.Module:
+        """``model`` (eval mode, float32, CPU) wrapped with the pre/post-processing that belongs in a served graph:
+        inputs are RGB pixel values float32 in [0, 255] (:meth:`export_example`), ImageNet normalisation
+        (:data:`~trainer.data.transforms.IMAGENET_MEAN`/``STD``) happens inside; outputs are
+        :attr:`export_output_names`. Default: normalise, then the model's logits."""
+        return ExportWrapper(model, lambda logits: (logits,))
+
+    def export_example(self, batch_size: int) -> tuple[torch.Tensor, ...]:
+        """Example graph inputs for ``batch_size`` samples, without reading data: float32 (B, 3, S, S) pixel values
+        in [0, 255] at the config's ``image_size`` (seeded, so exports are reproducible)."""
+        g = torch.Generator().manual_seed(0)
+        s = self.cfg.image_size
+        return (torch.randint(0, 256, (batch_size, 3, s, s), generator=g).float(),)
+
+    def export_inputs(self, batch: dict) -> tuple[torch.Tensor, ...]:
+        """Graph inputs (float32 pixel values in [0, 255], on CPU) of a device batch from :meth:`predict_inputs`:
+        its normalised images mapped back through the ImageNet mean/std. Default: ``batch["image"]``."""
+        return (denormalize(batch["image"]),)
+
+    def export_metadata(self, label_space: dict) -> dict:
+        """Serving facts of an export (JSON-able): classes and ids from the checkpoint's ``label_space``, input
+        layout and size, mean/std, and the task's post-processing parameters. Subclasses add to the default."""
+        from trainer.data.transforms import IMAGENET_MEAN, IMAGENET_STD
+
+        classes = list(label_space.get("classes") or label_space.get("categories") or [])
+        return {
+            "task": self.name,
+            "model": self.cfg.model,
+            "classes": classes,
+            "class_ids": list(label_space.get("category_ids") or range(len(classes))),
+            "inputs": list(self.export_input_names),
+            "outputs": list(self.export_output_names),
+            "input_layout": "B,3,H,W RGB float32 pixel values in [0, 255]",
+            "input_size": [self.cfg.image_size, self.cfg.image_size],
+            "mean": list(IMAGENET_MEAN),
+            "std": list(IMAGENET_STD),
+            "normalization": "in the graph: (x / 255 - mean) / std",
+        }
+
+    def export_agreement(self, reference: list, exported: list) -> str:
+        """How far the exported model's outputs agree with PyTorch's on the same inputs, as one phrase (e.g.
+        ``top-1 agreement 100.0 % (4/4)``). ``reference``/``exported``: numpy arrays in
+        :attr:`export_output_names` order. Default: top-1 agreement of the first output (B, C)."""
+        a, b = reference[0].argmax(1), exported[0].argmax(1)
+        return f"top-1 agreement {100.0 * float((a == b).mean()):.1f} % ({int((a == b).sum())}/{len(a)})"
+
+    def backbone_license(self) -> str:
+        """The license of the pretrained weights this task's model starts from, honestly ('unknown' where the
+        trainer cannot know). Default: torchvision's ImageNet weights."""
+        return (
+            "torchvision model code BSD-3-Clause; pretrained ImageNet weights (if the run started from them) per "
+            "torchvision's model documentation (https://pytorch.org/vision/stable/models.html); this checkpoint's "
+            "own weights: those of whoever trained it"
+        )
+
+
+def denormalize(images: torch.Tensor) -> torch.Tensor:
+    """ImageNet-normalised float images (B, 3, H, W) -> float32 pixel values in [0, 255] on CPU (the inverse of
+    :func:`~trainer.data.transforms.normalize_on_device`)."""
+    from trainer.data.transforms import IMAGENET_MEAN, IMAGENET_STD
+
+    mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1) * 255.0
+    std = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1) * 255.0
+    return images.detach().float().cpu().mul(std).add(mean).contiguous()
+
+
+class ExportWrapper(nn.Module):
+    """``model`` behind ImageNet normalisation of float32 pixel values in [0, 255], then ``post(logits)``, a
+    function returning the tuple of outputs. Images (B, 3, H, W) or clips (B, T, 3, H, W) (the channel axis third
+    from last)."""
+
+    def __init__(self, model: nn.Module, post: Callable[[torch.Tensor], tuple]):
+        super().__init__()
+        from trainer.data.transforms import IMAGENET_MEAN, IMAGENET_STD
+
+        self.model, self.post = model, post
+        self.register_buffer("mean", torch.tensor(IMAGENET_MEAN).view(3, 1, 1) * 255.0, persistent=False)
+        self.register_buffer("inv_std", 1.0 / (torch.tensor(IMAGENET_STD).view(3, 1, 1) * 255.0), persistent=False)
+
+    def forward(self, x: torch.Tensor):
+        """``x`` float32 pixel values -> the outputs ``post`` returns."""
+        return self.post(self.model((x - self.mean) * self.inv_std))

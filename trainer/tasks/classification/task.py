@@ -26,7 +26,7 @@ from trainer.data.formats.imagefolder import (
 from trainer.data.samples import collate_skip_bad
 from trainer.data.transforms import normalize_on_device, train_size_for_epoch, train_transform, val_transform
 from trainer.engine.evaluation import SumEvaluator
-from trainer.tasks.base import StepOutput, Task, TaskData
+from trainer.tasks.base import ExportWrapper, StepOutput, Task, TaskData
 
 
 def classification_models() -> list[str]:
@@ -326,6 +326,27 @@ class ClassificationTask(Task):
         from trainer.predict import render_top_k
 
         return render_top_k(paths, batch["originals"], outputs, label_space, out_dir, out_names)
+
+    # .. export (python -m trainer export) ..................................................................
+    export_output_names = ("logits", "probs")
+
+    def export_module(self, model: nn.Module) -> nn.Module:
+        """Normalisation, the classifier, then ``logits`` float32 (B, C) and their softmax ``probs`` (B, C)."""
+        return ExportWrapper(model, softmax_outputs)
+
+    def export_metadata(self, label_space: dict) -> dict:
+        """The default facts plus the evaluation resize (``val_resize_ratio``) and ``top_k`` 5 (what ``predict``
+        reports per image)."""
+        return {
+            **super().export_metadata(label_space),
+            "preprocess": f"resize shorter side to image_size / {self.cfg.val_resize_ratio:g}, centre crop image_size",
+            "top_k": 5,
+        }
+
+
+def softmax_outputs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logits, softmax(logits))`` float32 (B, C): a classifier's exported outputs."""
+    return logits, logits.float().softmax(dim=-1)
 
 
 def _correct(outputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

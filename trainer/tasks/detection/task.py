@@ -527,6 +527,35 @@ class DetectionTask(Task):
             save_png(drawn, Path(out_dir) / (out_names[i] if out_names else f"{Path(path).stem}.png"))
         return records
 
+    # .. export (python -m trainer export) ..................................................................
+    export_output_names = ("scores", "labels", "boxes")
+
+    def export_unsupported(self, fmt: str) -> Optional[str]:
+        """DINO exports as safetensors only: an ONNX / TorchScript graph of its forward (through the PyTorch
+        reference deformable attention, shapes built from tensor values: level sizes, padding masks, top-k
+        proposals) is not implemented yet."""
+        if fmt == "safetensors":
+            return None
+        return (
+            f"{fmt} export of DINO is not implemented yet (a graph through the PyTorch reference deformable "
+            "attention with data-dependent level shapes is still to be written); use --format safetensors"
+        )
+
+    def export_metadata(self, label_space: dict) -> dict:
+        """The default facts plus DINO's post-processing: ``num_select`` (top detections kept per image), the score
+        threshold ``predict`` applies by default (0.3), boxes xyxy in pixels of the original image, COCO category
+        ids per class."""
+        cfg = self.cfg
+        return {
+            **super().export_metadata(label_space),
+            "input_size": [cfg.eval_size, cfg.max_size],
+            "preprocess": f"resize shorter side to {cfg.eval_size} (longer side at most {cfg.max_size})",
+            "num_select": cfg.num_select,
+            "score_threshold": 0.3,
+            "postprocess": "sigmoid scores, top num_select over queries x classes, boxes cxcywh -> xyxy in pixels "
+            "of the original image",
+        }
+
 
 def _check_metric_keys(split) -> None:
     """Every category's per-class AP key (``ap_<name>``, :func:`~trainer.engine.evaluation.metric_key`) must be its

@@ -13,7 +13,7 @@ from torch import nn
 from trainer.data.transforms import normalize_on_device
 from trainer.engine.evaluation import metric_key
 from trainer.errors import ConfigError, DataError
-from trainer.tasks.base import StepOutput, Task, TaskData
+from trainer.tasks.base import ExportWrapper, StepOutput, Task, TaskData
 from trainer.tasks.segmentation.evaluator import SUMMARY, ConfusionMatrixEvaluator
 
 #: Loss terms logged per epoch as ``train_<name>``.
@@ -311,3 +311,45 @@ class SegmentationTask(Task):
                 }
             )
         return records
+
+    # .. export (python -m trainer export) ..................................................................
+    export_output_names = ("logits", "mask")
+
+    def export_module(self, model: nn.Module) -> nn.Module:
+        """Normalisation, the segmentation model, then ``logits`` float32 (B, C, H, W) and ``mask`` int64 (B, H, W)
+        class ids (their argmax). One forward over the whole input (``predict``'s sliding windows, when
+        ``eval_window`` is set, stay outside the graph)."""
+        return ExportWrapper(model, argmax_outputs)
+
+    def export_metadata(self, label_space: dict) -> dict:
+        """The default facts plus the palette (``r,g,b`` per class, when the config has one), ``ignore_index`` and
+        the side divisor inputs must be padded to."""
+        from trainer.models.segmentation import required_divisor
+
+        cfg = self.cfg
+        return {
+            **super().export_metadata(label_space),
+            "palette": list(cfg.palette or []),
+            "ignore_index": cfg.ignore_index,
+            "size_divisor": required_divisor(cfg.model),
+            "preprocess": (f"resize shorter side to {cfg.image_size}" if cfg.eval_resize else "no resize")
+            + f", zero-pad H and W to a multiple of {required_divisor(cfg.model)}",
+        }
+
+    def export_agreement(self, reference: list, exported: list) -> str:
+        """Mask pixel agreement: the share of pixels whose class id (output ``mask``) is the same."""
+        same = reference[1] == exported[1]
+        return f"mask pixel agreement {100.0 * float(same.mean()):.3f} % ({int(same.sum())}/{same.size})"
+
+    def backbone_license(self) -> str:
+        """segmentation_models_pytorch encoders: the weights' license is their source's (smp's encoder table)."""
+        return (
+            f"model code segmentation_models_pytorch (MIT) / torchvision (BSD-3-Clause); encoder "
+            f"{self.cfg.encoder!r} weights ({self.cfg.encoder_weights or 'none'}): per the source smp lists for that "
+            "encoder (torchvision ImageNet weights for ResNets; others unknown here)"
+        )
+
+
+def argmax_outputs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logits, logits.argmax(1))``: a segmentation model's exported outputs (mask int64 (B, H, W))."""
+    return logits, logits.argmax(1)

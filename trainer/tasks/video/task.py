@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.errors import ConfigError, DataError
-from trainer.tasks.base import StepOutput, Task, TaskData
-from trainer.tasks.classification.task import TopKEvaluator, _correct
+from trainer.tasks.base import ExportWrapper, StepOutput, Task, TaskData, denormalize
+from trainer.tasks.classification.task import TopKEvaluator, _correct, softmax_outputs
 
 #: File extensions ``predict`` reads as videos.
 VIDEO_EXTENSIONS = (".mp4", ".avi", ".webm", ".mkv", ".mov")
@@ -298,6 +298,47 @@ class VideoTask(Task):
         from trainer.predict import render_top_k
 
         return render_top_k(paths, batch["frames"], outputs, label_space, out_dir, out_names)
+
+    # .. export (python -m trainer export) ..................................................................
+    export_input_names = ("clip",)
+    export_output_names = ("logits", "probs")
+
+    def export_unsupported(self, fmt: str) -> Optional[str]:
+        """Cached-feature models (``cache_features``) take frame features, not clips: only safetensors."""
+        if self.cfg.cache_features and fmt != "safetensors":
+            return "a cache_features model takes cached frame features, not clips; export it as safetensors"
+        return None
+
+    def export_module(self, model: nn.Module) -> nn.Module:
+        """Normalisation of each frame, the video model, then ``logits`` and ``probs`` float32 (B, C)."""
+        return ExportWrapper(model, softmax_outputs)
+
+    def export_example(self, batch_size: int) -> tuple[torch.Tensor, ...]:
+        """float32 clips (B, T, 3, S, S) of pixel values in [0, 255], T = ``num_frames``, S = ``image_size``."""
+        g = torch.Generator().manual_seed(0)
+        cfg = self.cfg
+        shape = (batch_size, cfg.num_frames, 3, cfg.image_size, cfg.image_size)
+        return (torch.randint(0, 256, shape, generator=g).float(),)
+
+    def export_inputs(self, batch: dict) -> tuple[torch.Tensor, ...]:
+        """The clips of a :meth:`predict_inputs` batch as float32 pixel values (B, T, 3, S, S)."""
+        clips = batch["clip"]
+        b, t = clips.shape[:2]
+        return (denormalize(clips.reshape(b * t, *clips.shape[2:])).reshape(clips.shape),)
+
+    def export_metadata(self, label_space: dict) -> dict:
+        """The default facts for clips: layout B,T,3,S,S, ``num_frames``, ``frame_stride`` (the centred evaluation
+        window), ``top_k`` 5."""
+        cfg = self.cfg
+        return {
+            **super().export_metadata(label_space),
+            "input_layout": "B,T,3,H,W RGB float32 pixel values in [0, 255]",
+            "num_frames": cfg.num_frames,
+            "frame_stride": cfg.frame_stride,
+            "preprocess": f"{cfg.num_frames} frames every {cfg.frame_stride} from the clip's centre, each resized "
+            f"to {cfg.image_size} px",
+            "top_k": 5,
+        }
 
 
 def _check_rejected_clips(source, split: str, classes: list[str], cfg) -> list[str]:

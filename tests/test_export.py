@@ -1,0 +1,209 @@
+"""``python -m trainer export`` on real tiny checkpoints (issue 26 item 2): a 1-epoch digits classifier, a 1-step
+RID U-Net, a 1-epoch video frame transformer on the shared clips, a 1-step DINO. ONNX (ONNX Runtime vs PyTorch:
+max |diff| < 1e-3, top-1 / mask agreement 100 %, batch 1 and 3), TorchScript and safetensors; the metadata, the
+model card; DINO's onnx refusal; the bad-input rows (exit 2, one line)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from bad_input_table import Case, run_case, trainer_cmd
+from test_detection import _cfg as detection_cfg
+from test_predict import _facemask_subset, _fit, digits_run  # noqa: F401 - digits_run is a fixture
+
+from trainer.cli import main
+from trainer.data.transforms import IMAGENET_MEAN, IMAGENET_STD
+
+pytestmark = pytest.mark.slow
+
+
+def _export(ckpt: Path, fmt: str, out: Path, capsys, *extra: str) -> list[str]:
+    assert main(["export", "--checkpoint", str(ckpt), "--format", fmt, "--out", str(out), *extra]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    with capsys.disabled():  # shown with -s: the figures of docs/benchmarks.md ("Export")
+        print("\n" + "\n".join(lines))
+    return lines
+
+
+def _check_verify_lines(lines: list[str], agreement: str) -> None:
+    diffs = [
+        float(m.group(1)) for line in lines if (m := re.search(r"max \|diff\| \w+(?: vs PyTorch)?: ?([\d.e+-]+)", line))
+    ]
+    assert diffs and max(diffs) < 1e-3, lines
+    assert any(agreement in line and "100." in line for line in lines), lines
+
+
+def _ort(path: Path, x: np.ndarray) -> list[np.ndarray]:
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return sess.run(None, {sess.get_inputs()[0].name: x})
+
+
+def _check_onnx(path: Path, example: np.ndarray, agreement_key: int) -> dict:
+    """Metadata of ``path``; ORT at batch 1 and 3 gives the same rows (dynamic batch), opset >= 17."""
+    model = onnx.load(str(path))
+    assert max(o.version for o in model.opset_import if o.domain in ("", "ai.onnx")) >= 17
+    assert {n.domain for n in model.graph.node} <= {"", "ai.onnx"}  # standard ops only
+    meta = {p.key: p.value for p in model.metadata_props}
+    three = _ort(path, example[:3])
+    one = _ort(path, example[:1])
+    assert three[0].shape[0] == 3 and one[0].shape[0] == 1
+    assert np.abs(three[0][:1] - one[0]).max() < 1e-4
+    assert (three[agreement_key][:1] == one[agreement_key]).all()
+    return meta
+
+
+def test_classification_exports_onnx_torchscript_safetensors(digits_run, tmp_path, capsys):  # noqa: F811 - the fixture
+    ckpt, _ = digits_run
+    lines = _export(ckpt, "onnx", tmp_path / "onnx", capsys)
+    _check_verify_lines(lines, "top-1 agreement")
+    assert "verify: on 4 files of" in "\n".join(lines)
+    assert lines[-1].startswith("export: classification resnet18 -> ") and "ema weights" in lines[-1]
+    meta = _check_onnx(tmp_path / "onnx" / "model.onnx", np.random.rand(3, 3, 32, 32).astype(np.float32) * 255, 1)
+    assert json.loads(meta["classes"]) == [str(i) for i in range(10)]
+    assert json.loads(meta["class_ids"]) == list(range(10))
+    assert json.loads(meta["input_size"]) == [32, 32] and json.loads(meta["top_k"]) == 5
+    assert json.loads(meta["mean"]) == list(IMAGENET_MEAN) and json.loads(meta["std"]) == list(IMAGENET_STD)
+    assert re.fullmatch(r"[0-9a-f]{16}", meta["config_fingerprint"])
+    card = (tmp_path / "onnx" / "model_card.md").read_text()
+    for fragment in (
+        "classification model `resnet18`",
+        "0: 0, 1: 1",
+        "val_top1",
+        meta["config_fingerprint"],
+        "top-1 agreement 100.0 %",
+        "BSD-3-Clause",
+        "python -m trainer train --config",
+        "opset 18",
+    ):
+        assert fragment in card, fragment
+
+    lines = _export(ckpt, "torchscript", tmp_path / "ts", capsys, "--weights", "raw")
+    _check_verify_lines(lines, "top-1 agreement")
+    assert "model weights" in lines[-1]
+    extra = {"metadata.json": ""}
+    ts = torch.jit.load(str(tmp_path / "ts" / "model.pt"), _extra_files=extra)
+    assert json.loads(extra["metadata.json"])["weights"] == "model"
+    assert ts(torch.rand(2, 3, 32, 32) * 255)[1].shape == (2, 10)
+
+    from safetensors import safe_open
+
+    _export(ckpt, "safetensors", tmp_path / "st", capsys)
+    with safe_open(str(tmp_path / "st" / "model.safetensors"), "pt") as f:
+        assert json.loads(f.metadata()["classes"])[:2] == ["0", "1"] and "fc.weight" in f.keys()
+    assert (tmp_path / "st" / "model_card.md").exists()
+
+
+def test_segmentation_exports_onnx_with_mask_agreement(shared_data, tmp_path, capsys):
+    from test_segmentation import rid_cfg
+
+    cfg = rid_cfg(shared_data, tmp_path, max_steps_per_epoch=1)
+    _fit(cfg)
+    lines = _export(tmp_path / "ck", "onnx", tmp_path / "onnx", capsys)
+    _check_verify_lines(lines, "mask pixel agreement")
+    meta = _check_onnx(tmp_path / "onnx" / "model.onnx", np.random.rand(3, 3, 64, 64).astype(np.float32) * 255, 1)
+    assert json.loads(meta["classes"]) == list(cfg.classes) and json.loads(meta["size_divisor"]) == 32
+    assert "palette" in meta and json.loads(meta["outputs"]) == ["logits", "mask"]
+    card = (tmp_path / "onnx" / "model_card.md").read_text()
+    assert "mask pixel agreement 100.000 %" in card and "segmentation_models_pytorch" in card
+    lines = _export(tmp_path / "ck", "torchscript", tmp_path / "ts", capsys)
+    _check_verify_lines(lines, "mask pixel agreement")
+
+
+def test_video_exports_onnx_with_top1_agreement(shared_data, tmp_path, capsys):
+    from test_video import video_cfg
+
+    root = tmp_path / "videos"
+    for split in ("train", "val"):
+        for f in sorted((shared_data / "video-clips").iterdir()):
+            (root / split / f.stem).mkdir(parents=True)
+            (root / split / f.stem / f.name).symlink_to(f)
+    cfg = video_cfg(root, tmp_path, video_format="folders", num_frames=4, frame_stride=4, batch_size=7)
+    _fit(cfg)
+    lines = _export(tmp_path / "ck", "onnx", tmp_path / "onnx", capsys)
+    _check_verify_lines(lines, "top-1 agreement")
+    assert "4 files of" in "\n".join(lines)
+    clips = np.random.rand(3, 4, 3, 32, 32).astype(np.float32) * 255
+    meta = _check_onnx(tmp_path / "onnx" / "model.onnx", clips, 1)
+    assert json.loads(meta["num_frames"]) == 4 and json.loads(meta["inputs"]) == ["clip"]
+    assert len(json.loads(meta["classes"])) == 7
+
+
+def test_detection_exports_safetensors_and_refuses_onnx(shared_data, tmp_path, capsys):
+    data, _ = _facemask_subset(shared_data, tmp_path, 2)
+    t = _fit(detection_cfg(data, tmp_path, max_steps_per_epoch=1))
+    _export(tmp_path / "ck", "safetensors", tmp_path / "st", capsys)
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "st" / "model.safetensors"), "pt") as f:
+        meta = f.metadata()
+    assert json.loads(meta["num_select"]) == 30 and json.loads(meta["score_threshold"]) == 0.3
+    assert json.loads(meta["classes"]) == t.label_space["categories"]
+    assert json.loads(meta["class_ids"]) == t.label_space["category_ids"]
+    card = (tmp_path / "st" / "model_card.md").read_text()
+    assert '"num_select": 30' in card
+
+    argv = ["export", "--checkpoint", str(tmp_path / "ck"), "--format", "onnx", "--out", str(tmp_path / "x")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: --format: onnx export of DINO is not implemented yet") and "safetensors" in err
+
+
+# --- bad inputs ---------------------------------------------------------------------------------------------
+def _missing(tmp: Path, ckpt: Path) -> list[str]:
+    return trainer_cmd("export", "--checkpoint", "nope", "--format", "onnx", "--out", "out")
+
+
+def _other_task(tmp: Path, ckpt: Path) -> list[str]:
+    return trainer_cmd("export", "--checkpoint", str(ckpt), "--format", "onnx", "--out", "out", "--task", "video")
+
+
+def _corrupt(tmp: Path, ckpt: Path) -> list[str]:
+    latest = ckpt / (ckpt / "latest").read_text().strip()
+    shutil.copytree(latest, tmp / "ckpt-x")
+    with open(tmp / "ckpt-x" / "state.pt", "r+b") as f:
+        f.seek(100)
+        f.write(b"\0" * 16)
+    return trainer_cmd("export", "--checkpoint", "ckpt-x", "--format", "onnx", "--out", "out")
+
+
+def _out_under_file(tmp: Path, ckpt: Path) -> list[str]:
+    (tmp / "afile").write_text("a file")
+    return trainer_cmd("export", "--checkpoint", str(ckpt), "--format", "onnx", "--out", "afile/out")
+
+
+def _bad_format(tmp: Path, ckpt: Path) -> list[str]:
+    return trainer_cmd("export", "--checkpoint", str(ckpt), "--format", "tflite", "--out", "out")
+
+
+def _low_opset(tmp: Path, ckpt: Path) -> list[str]:
+    return trainer_cmd("export", "--checkpoint", str(ckpt), "--format", "onnx", "--out", "out", "--opset", "13")
+
+
+def _no_output(tmp: Path) -> None:
+    assert not (tmp / "out").exists() or not any((tmp / "out").iterdir())
+
+
+#: (id, setup(tmp, checkpoint_dir) -> argv, fragment of the last stderr line)
+ROWS = [
+    ("missing-checkpoint", _missing, "error: --checkpoint: nope does not exist"),
+    ("checkpoint-of-another-task", _other_task, "is a classification checkpoint, not video"),
+    ("corrupt-checkpoint", _corrupt, "SHA-256 differs from the manifest (corrupt)"),
+    ("out-cannot-be-created", _out_under_file, "error: --out: cannot create afile/out"),
+    ("unsupported-format", _bad_format, "error: export: --format: invalid choice: 'tflite'"),
+    ("opset-below-17", _low_opset, "error: export: --opset: must be >= 17"),
+]
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r[0] for r in ROWS])
+def test_export_bad_inputs(row, digits_run, tmp_path):  # noqa: F811 - the fixture
+    name, setup, message = row
+    ckpt, _ = digits_run
+    run_case(Case(name, lambda t: setup(t, ckpt), 2, message, _no_output, env={"OMP_NUM_THREADS": "1"}), tmp_path)

@@ -1,0 +1,399 @@
+"""``python -m trainer export``: turn a trained checkpoint into what a serving stack loads, with a model card.
+
+Usage::
+
+    python -m trainer export --checkpoint CKPT --format onnx|torchscript|safetensors --out DIR
+        [--opset 17] [--weights ema|raw] [--verify/--no-verify] [--task TASK]
+
+``CKPT`` is a checkpoint folder (``ckpt-*``) or a run's ``checkpoint_dir``, resolved and loaded exactly as
+``predict`` does (:func:`trainer.predict.resolve_checkpoint`, :func:`trainer.predict.load_model`). The task says
+how its model is exported (:meth:`trainer.tasks.base.Task.export_module`: ImageNet normalisation of float32 pixel
+values in [0, 255] inside the graph, the task's post-processing after it) and what serving needs to know
+(:meth:`~trainer.tasks.base.Task.export_metadata`: classes and ids, input size, mean/std, post-processing).
+
+Outputs in ``DIR``: ``model.onnx`` (``torch.onnx.export`` with the torch.export-based exporter, torch's default
+since 2.9, which needs ``onnxscript``; a dynamic batch axis; the metadata as JSON strings in ``metadata_props``),
+``model.pt`` (``torch.jit.trace``; the metadata as ``_extra_files["metadata.json"]``) or ``model.safetensors``
+(weights only; the metadata as str -> JSON string in its header); ``train_config.yaml`` (the checkpoint's config)
+and ``model_card.md``. Verification (on by default for onnx and torchscript): the exported model (ONNX Runtime on
+CPU, or the loaded TorchScript module) against PyTorch on real inputs (a few files of the checkpoint's
+``data_dir`` when it exists, else the task's example inputs): max |diff| per float output and the task's agreement
+(top-1 / mask pixels), printed and written into the model card; ONNX is also run at batch 1.
+
+Exit status: 0 done; 2 bad input, one line: missing or invalid checkpoint, a checkpoint of another task than
+``--task``, an output folder that cannot be created, a format the task cannot export (DINO: onnx/torchscript).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+from trainer.errors import EXIT_USAGE
+
+FORMATS = ("onnx", "torchscript", "safetensors")
+FILES = {"onnx": "model.onnx", "torchscript": "model.pt", "safetensors": "model.safetensors"}
+MODEL_CARD = "model_card.md"
+#: Real input files used for verification (at most).
+VERIFY_FILES = 4
+
+
+class ExportError(Exception):
+    """A bad input of ``export``; the message names the flag (exit 2)."""
+
+
+def _opset(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid integer: {text!r}") from None
+    if value < 17:
+        raise argparse.ArgumentTypeError(f"must be >= 17 (grid_sample, LayerNormalization), got {value}")
+    return value
+
+
+def add_export_command(sub) -> None:
+    """Register the ``export`` sub-command on ``sub`` (an argparse sub-parsers object)."""
+    from trainer.tasks import task_names
+
+    p = sub.add_parser(
+        "export",
+        help="export a checkpoint as ONNX, TorchScript or safetensors with a model card",
+        description="Export a trained checkpoint of any task (DINO: safetensors only for now) with its serving "
+        "metadata and a model_card.md; ONNX and TorchScript exports are verified against PyTorch.",
+    )
+    p.add_argument(
+        "--checkpoint", required=True, metavar="CKPT", help="a checkpoint folder (ckpt-*) or a run's checkpoint_dir"
+    )
+    p.add_argument("--format", required=True, choices=FORMATS, help="onnx | torchscript | safetensors (weights only)")
+    p.add_argument("--out", required=True, metavar="DIR", help="output folder (created)")
+    p.add_argument(
+        "--opset",
+        type=_opset,
+        default=18,
+        metavar="N",
+        help="ONNX opset, >= 17 (default 18, the exporter's own; 17 is converted down where onnx's converter can)",
+    )
+    p.add_argument(
+        "--weights",
+        choices=("ema", "raw"),
+        default="ema",
+        help="ema: the EMA weights when the checkpoint has them (default), else the model's; raw: the model's",
+    )
+    p.add_argument(
+        "--verify",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="compare the export with PyTorch on real inputs (onnx, torchscript; default on)",
+    )
+    p.add_argument("--task", choices=task_names(), default=None, help="refuse a checkpoint of another task")
+
+
+def prepare_out(out: str | Path) -> Path:
+    """Create the output folder.
+
+    Raises:
+        ExportError: it is a file or cannot be created.
+    """
+    from trainer.engine.checkpoint import describe_os_error
+
+    d = Path(out)
+    if d.exists() and not d.is_dir():
+        raise ExportError(f"--out: {d} exists and is not a folder; give a folder path")
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ExportError(f"--out: cannot create {d}: {describe_os_error(e)}; give a writable folder") from None
+    return d
+
+
+def _manifest_task(ckpt: Path) -> Optional[str]:
+    try:
+        return json.loads((ckpt / "manifest.json").read_text()).get("task")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def sample_files(task, limit: int = VERIFY_FILES) -> list[str]:
+    """Up to ``limit`` input files of the checkpoint's ``data_dir`` (its ``val``, else ``images``, else itself,
+    searched recursively; the first file of each sub-folder, then the second..., so several classes are
+    covered), of the extensions the task reads; [] when the folder is gone."""
+    from trainer.config import BUILTIN_DIGITS
+    from trainer.data.formats.imagefolder import IMAGE_EXTENSIONS
+
+    if not task.cfg.data_dir:
+        return []
+    exts = tuple(task.input_extensions or IMAGE_EXTENSIONS)
+    root = Path(task.cfg.data_dir)
+    if task.cfg.data_dir == BUILTIN_DIGITS:
+        from trainer.data.formats.digits import cache_root
+
+        root = cache_root() / "digits-v1"  # written by the training run; not rewritten here
+    for d in (root / "val", root / "images", root):
+        if d.is_dir():
+            groups: dict[Path, list[str]] = {}  # by folder (class), then round-robin: several classes
+            for f in sorted(d.rglob("*")):
+                if f.is_file() and f.suffix.lower() in exts:
+                    groups.setdefault(f.parent, []).append(str(f))
+            picks = [g[i] for i in range(limit) for g in groups.values() if i < len(g)]
+            if picks:
+                return picks[:limit]
+    return []
+
+
+def verification_inputs(task) -> tuple[tuple, str]:
+    """(graph inputs, where they come from): real files of the checkpoint's data (:func:`sample_files` through
+    :meth:`Task.predict_inputs`), else the task's example inputs (3 samples)."""
+    files = sample_files(task)
+    if files:
+        try:
+            batch = task.predict_inputs(files)
+            if batch.get("n"):
+                names = ", ".join(Path(p).name for p in batch["paths"])
+                return task.export_inputs(batch), f"{batch['n']} files of {task.cfg.data_dir} ({names})"
+        except Exception:  # noqa: BLE001 - a data layout the task's reader does not take: fall back, said below
+            pass
+    return task.export_example(3), "the task's example inputs (3 seeded random samples; data_dir not readable)"
+
+
+def compare(task, reference: list, exported: list) -> list[str]:
+    """Lines: max |diff| per float output, then the task's agreement phrase."""
+    import numpy as np
+
+    lines = []
+    for name, a, b in zip(task.export_output_names, reference, exported):
+        if np.issubdtype(a.dtype, np.floating):
+            lines.append(f"max |diff| {name}: {float(np.abs(a.astype(np.float64) - b).max()):.3g}")
+    lines.append(task.export_agreement(reference, exported))
+    return lines
+
+
+def _metadata_strings(meta: dict) -> dict[str, str]:
+    return {k: v if isinstance(v, str) else json.dumps(v) for k, v in meta.items()}
+
+
+def export_onnx(module, example: tuple, path: Path, task, opset: int, meta: dict) -> int:
+    """``torch.onnx.export`` (torch.export-based, ``dynamo=True``) with a dynamic batch axis on every input, then
+    ``meta`` (plus ``opset``) as JSON strings in the model's ``metadata_props``. Returns the opset of the saved
+    model: the exporter writes 18 and converts down to a lower ``opset`` only where onnx's version converter
+    can (it keeps 18 otherwise, with a warning)."""
+    import contextlib
+    import io
+    import warnings
+
+    import onnx
+    import torch
+
+    batch = torch.export.Dim("batch", min=1, max=1024)
+    shapes = tuple({0: batch} for _ in example)
+    with (
+        warnings.catch_warnings(),
+        contextlib.redirect_stdout(io.StringIO()),
+        contextlib.redirect_stderr(io.StringIO()),
+    ):
+        warnings.simplefilter("ignore")  # the exporter's progress lines and its opset-18 notice: not the user's
+        program = torch.onnx.export(
+            module,
+            example,
+            input_names=list(task.export_input_names),
+            output_names=list(task.export_output_names),
+            opset_version=opset,
+            dynamic_shapes=shapes,
+            dynamo=True,
+            verbose=False,
+        )
+    program.save(str(path))
+    model = onnx.load(str(path))
+    meta = {**meta, "opset": max(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))}
+    for k, v in _metadata_strings(meta).items():
+        entry = model.metadata_props.add()
+        entry.key, entry.value = k, v
+    onnx.save(model, str(path))
+    return meta["opset"]
+
+
+def run_onnx(path: Path, inputs: tuple) -> list:
+    """ONNX Runtime (CPU) outputs of ``inputs`` (numpy arrays, in the graph's output order)."""
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    names = [i.name for i in sess.get_inputs()]
+    return sess.run(None, {n: x.numpy() for n, x in zip(names, inputs)})
+
+
+def _torch_outputs(module, inputs: tuple) -> list:
+    import torch
+
+    with torch.no_grad():
+        return [o.numpy() for o in module(*inputs)]
+
+
+def _metrics(state: dict, manifest: dict, target: str) -> list[str]:
+    """Markdown lines of the checkpoint's recorded validation metrics (last epoch, best target metric)."""
+    lines = []
+    history = state.get("history") or []
+    if history:
+        last = history[-1]
+        vals = {k: v for k, v in last.items() if k.startswith("val_") and isinstance(v, (int, float))}
+        lines.append(
+            f"- last evaluated epoch {last.get('epoch')}: " + ", ".join(f"{k} {v:.4g}" for k, v in vals.items())
+        )
+    if state.get("best_metric") is not None:
+        lines.append(f"- best {target} over the run (selects the `best` checkpoint): {state['best_metric']:.4g}")
+    progress = manifest.get("progress") or {}
+    if progress:
+        lines.append("- checkpoint progress: " + ", ".join(f"{k} {v}" for k, v in progress.items()))
+    return lines or ["- none recorded in this checkpoint"]
+
+
+def model_card(meta: dict, facts: dict, metrics: list[str], verify: list[str], license_line: str) -> str:
+    """The ``model_card.md`` text."""
+    post = {k: v for k, v in meta.items() if k in ("top_k", "num_select", "score_threshold", "postprocess", "palette")}
+    classes = ", ".join(f"{i}: {c}" for i, c in zip(meta["class_ids"], meta["classes"]))
+    lines = [
+        f"# {meta['task']} model `{meta['model']}` ({facts['format']})",
+        "",
+        f"Exported {facts['date']} by `{facts['command']}` from checkpoint `{facts['checkpoint']}` "
+        f"({facts['weights']} weights).",
+        "",
+        "## Inputs and outputs",
+        f"- inputs: {', '.join(meta['inputs'])}: {meta['input_layout']}; size {meta['input_size']}"
+        + (" (batch axis dynamic)" if facts["format"] != "safetensors" else ""),
+        f"- preprocessing before the graph: {meta.get('preprocess', 'none')}",
+        f"- normalisation: mean {meta['mean']}, std {meta['std']} ({meta['normalization']})",
+        f"- outputs: {', '.join(meta['outputs'])}",
+        f"- post-processing: {json.dumps(post) if post else 'none'}",
+        f"- classes (id: name): {classes}",
+        "",
+        "## Data and metrics",
+        f"- data: `{facts['data_dir']}`",
+        *metrics,
+        "- reproduce: there is no standalone evaluation command yet; these are the validation metrics the training "
+        f"run computed. `python -m trainer train --config {facts['config_file']}` reruns the training that produced "
+        "them (the saved config of the checkpoint).",
+        f"- config fingerprint (sha256/16 of the trajectory fields): `{facts['fingerprint']}`",
+        "",
+        "## Export",
+        f"- {facts['how']}",
+        *([f"- verification on {facts['verified_on']}:", *[f"  - {v}" for v in verify]] if verify else []),
+        "",
+        "## License",
+        f"- {license_line}",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def export(args: argparse.Namespace) -> list[str]:
+    """Run the command; returns the printed lines. Raises :class:`ExportError` for bad input."""
+    import torch
+    import yaml
+
+    from trainer.engine.checkpoint import CheckpointManager, describe_os_error
+    from trainer.predict import PredictError, load_model, resolve_checkpoint
+
+    try:
+        ckpt = resolve_checkpoint(args.checkpoint)
+    except PredictError as e:
+        raise ExportError(f"{e}; give a ckpt-* folder or a checkpoint_dir") from None
+    found = _manifest_task(ckpt)
+    if args.task and found and found != args.task:
+        raise ExportError(
+            f"--checkpoint: {ckpt} is a {found} checkpoint, not {args.task}; give a {args.task} checkpoint"
+        )
+    out = prepare_out(args.out)
+    try:
+        task, model, label_space, which = load_model(ckpt, torch.device("cpu"), args.weights == "ema")
+    except PredictError as e:
+        raise ExportError(str(e)) from None
+    if args.task and task.name != args.task:
+        raise ExportError(f"--checkpoint: {ckpt} is a {task.name} checkpoint, not {args.task}")
+    why = task.export_unsupported(args.format)
+    if why:
+        raise ExportError(f"--format: {why}")
+    state, _ = CheckpointManager.load(ckpt, 0, map_location="cpu")
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    meta = task.export_metadata(label_space)
+    meta.update(checkpoint=ckpt.name, weights=which, config_fingerprint=str(state.get("fingerprint")))
+    model.float().eval()
+    path = out / FILES[args.format]
+    lines, verify, verified_on = [], [], ""
+    try:
+        (out / "train_config.yaml").write_text(yaml.safe_dump(state["config"], sort_keys=False))
+        if args.format == "safetensors":
+            from safetensors.torch import load_file, save_file
+
+            weights = {k: v.detach().cpu().clone().contiguous() for k, v in model.state_dict().items()}
+            save_file(weights, str(path), metadata=_metadata_strings(meta))
+            back = load_file(str(path))
+            same = back.keys() == weights.keys() and all(torch.equal(back[k], weights[k]) for k in weights)
+            verify = [f"{len(weights)} tensors read back {'identical' if same else 'DIFFERENT'}"]
+            verified_on, how = "the saved file", "safetensors.torch.save_file: weights only (the model's state_dict)"
+        else:
+            module = task.export_module(model).eval()
+            example = task.export_example(2)
+            if args.format == "onnx":
+                opset = export_onnx(module, example, path, task, args.opset, meta)
+                how = (
+                    f"torch.onnx.export (torch {torch.__version__.split('+')[0]}, torch.export-based exporter, "
+                    f"onnxscript), opset {opset} (asked {args.opset}), dynamic batch axis; standard ONNX ops only; "
+                    "metadata in metadata_props (JSON strings)"
+                )
+            else:
+                with torch.no_grad():
+                    traced = torch.jit.trace(module, example, check_trace=False)
+                torch.jit.save(traced, str(path), _extra_files={"metadata.json": json.dumps(meta)})
+                how = "torch.jit.trace; metadata as _extra_files['metadata.json']"
+            if args.verify:
+                inputs, verified_on = verification_inputs(task)
+                ref = _torch_outputs(module, inputs)
+                if args.format == "onnx":
+                    got = run_onnx(path, inputs)
+                    one = run_onnx(path, tuple(x[:1] for x in inputs))
+                    verified_on += "; ONNX Runtime CPU vs PyTorch float32"
+                    verify = compare(task, ref, got) + [
+                        f"batch 1 run: max |diff| {task.export_output_names[0]} vs PyTorch "
+                        f"{float(abs(one[0].astype('float64') - ref[0][:1]).max()):.3g}"
+                    ]
+                else:
+                    got = _torch_outputs(torch.jit.load(str(path)), inputs)
+                    verified_on += "; loaded TorchScript vs PyTorch float32"
+                    verify = compare(task, ref, got)
+        facts = {
+            "format": args.format,
+            "date": datetime.date.today().isoformat(),
+            "command": "python -m trainer export " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["export"] else []),
+            "checkpoint": str(ckpt),
+            "weights": which,
+            "data_dir": task.cfg.data_dir,
+            "config_file": out / "train_config.yaml",
+            "fingerprint": state.get("fingerprint"),
+            "how": how,
+            "verified_on": verified_on,
+        }
+        (out / MODEL_CARD).write_text(
+            model_card(meta, facts, _metrics(state, manifest, task.check_target()[0]), verify, task.backbone_license())
+        )
+    except OSError as e:
+        raise ExportError(f"--out: cannot write in {out}: {describe_os_error(e)}; give a writable folder") from None
+    if verify:
+        lines.append(f"verify: on {verified_on}")
+    lines += [f"verify: {v}" for v in verify]
+    lines.append(f"export: {task.name} {task.cfg.model} -> {path} ({args.format}; {ckpt.name}, {which} weights)")
+    return lines
+
+
+def run_export(args: argparse.Namespace) -> int:
+    """``export``'s exit status: 0, or 2 with one ``error:`` line for bad input."""
+    from trainer.failures import fail
+
+    try:
+        lines = export(args)
+    except ExportError as e:
+        return fail(EXIT_USAGE, str(e))
+    print("\n".join(lines), flush=True)
+    return 0
