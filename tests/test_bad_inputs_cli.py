@@ -187,6 +187,13 @@ CASES = [
         _nothing_trained,
     ),
     Case(
+        "tracking-unknown",
+        lambda t: trainer_cmd("train", *TINY, "--tracking", "mlflow,tensorbord"),
+        2,
+        "error: tracking: got 'tensorbord'; allowed: mlflow, wandb (a list: mlflow,wandb)",
+        _nothing_trained,
+    ),
+    Case(
         "progressive-min-size-100000",
         lambda t: trainer_cmd("train", "--progressive-min-size", "100000"),
         2,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import os
 import sys
 from collections.abc import Sequence
 from typing import Optional
@@ -171,6 +172,8 @@ def _config_from_namespace(ns: argparse.Namespace, embedded_default: bool = Fals
             if env_rank() == 0:
                 print(f"config: {chosen} (the embedded default; --config FILE or --data-dir DIR to choose)", flush=True)
         path = chosen
+    if path is not None:  # the tracked run's "config" tag (trainer.engine.trainer.Trainer._start_tracking)
+        os.environ["TRAINSTACK_CONFIG_FILE"] = str(path)
     return load_config(path, values)
 
 

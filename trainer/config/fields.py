@@ -196,6 +196,21 @@ class TrainConfig:
     # --- logging -------------------------------------------------------------------------------------
     log_dir: str = _log("runs/default/logs", "Metrics JSONL, TensorBoard events and the curves PNG go here.")
     log_every_steps: int = _log(50, "Plain progress line every N optimizer steps (no terminal attached).")
+    tracking: list = _log(
+        [],
+        "Experiment trackers beside JSONL/TensorBoard, rank 0: mlflow, wandb, or both (--tracking mlflow,wandb). "
+        "Metrics are named <kind>/<JSONL key> (step/loss, epoch/val_top1); an unreachable tracker is a warning.",
+    )
+    tracking_uri: Optional[str] = _log(
+        None,
+        "MLflow tracking URI: file:/path (local store), http(s)://host, or a SageMaker managed MLflow tracking "
+        "server ARN (arn:aws:sagemaker:...:mlflow-tracking-server/NAME; needs the sagemaker-mlflow plugin); "
+        "default: MLFLOW_TRACKING_URI or ./mlruns. W&B reads WANDB_* variables instead.",
+    )
+    tracking_experiment: str = _log(
+        "trainstack", "MLflow experiment / W&B project of the tracked run (created when missing)."
+    )
+    tracking_run_name: Optional[str] = _log(None, "Name of the tracked run (default: the tracker's generated name).")
 
     # --- classification (task section: only with task: classification) ------------------------------
     label_smoothing: float = _cls(0.0, "Label smoothing for the cross-entropy loss, in [0, 1).")
@@ -407,6 +422,10 @@ NON_TRAJECTORY_FIELDS = (
     "resume",
     "force_resume",
     "log_every_steps",
+    "tracking",
+    "tracking_uri",
+    "tracking_experiment",
+    "tracking_run_name",
     "checkpoint_interval",
     "target_metric",
     "target_value",

@@ -35,6 +35,8 @@ SCHEDULERS = ("onecycle", "cosine", "step")
 OPTIMIZERS = ("sgd", "adamw")
 FFCV_ORDERS = ("random", "quasi_random")
 DEVICES = ("auto", "cpu", "cuda")
+#: Experiment trackers of the ``tracking`` field (:mod:`trainer.engine.tracking`).
+TRACKERS = ("mlflow", "wandb")
 #: Where ImageFolder JPEGs are decoded (``decode_device``): in the loader workers, or on the training GPU.
 DECODE_DEVICES = ("cpu", "cuda")
 #: Largest image side trained or evaluated on (pixels). One 8192 px RGB sample is 192 MiB as uint8 and 768 MiB as

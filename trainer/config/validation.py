@@ -6,7 +6,7 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING, Optional
 
-from trainer.config.schema import BUILTIN_DIGITS, MAX_IMAGE_SIZE, choices_of, is_task_section, section_of
+from trainer.config.schema import BUILTIN_DIGITS, MAX_IMAGE_SIZE, TRACKERS, choices_of, is_task_section, section_of
 from trainer.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -54,6 +54,13 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             f"decode_device: got 'cuda' with {what}; expected cpu: GPU decoding is implemented for "
             "classification's ImageFolder data only"
         )
+    for name in cfg.tracking:
+        if name not in TRACKERS:
+            raise ConfigError(f"tracking: got {name!r}; allowed: {', '.join(TRACKERS)} (a list: mlflow,wandb)")
+    if len(set(cfg.tracking)) != len(cfg.tracking):
+        raise ConfigError(f"tracking: got {cfg.tracking!r}; name each tracker once")
+    if not cfg.tracking_experiment.strip():
+        raise ConfigError("tracking_experiment: empty; give an MLflow experiment / W&B project name")
     _positive = (
         "batch_size",
         "accumulate_grad_batches",

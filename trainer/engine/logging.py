@@ -1,5 +1,6 @@
 """Metric sinks (rank 0 only): stdout ``key=value`` lines, a JSON-lines file, TensorBoard, the curves PNG,
-and the per-step progress display (tqdm bar on a terminal, plain lines otherwise).
+the per-step progress display (tqdm bar on a terminal, plain lines otherwise) and the experiment trackers
+(MLflow, W&B: :mod:`trainer.engine.tracking`, which receive every JSONL row as ``<kind>/<key>`` metrics).
 
 Epoch line format (one line per epoch, parsed by SageMaker metric definitions)::
 
@@ -55,6 +56,7 @@ class MetricsLogger:
         self._tb = None
         self._jsonl = None
         self._purge_step: Optional[int] = None
+        self.tracking = None  # TrackingSinks after start_tracking
         if enabled:
             try:
                 self.dir.mkdir(parents=True, exist_ok=True)
@@ -98,6 +100,26 @@ class MetricsLogger:
         self._jsonl = open(path, "a", buffering=1)
         self._purge_step = global_step + 1
         return dropped
+
+    def start_tracking(self, trackers: list, run_ids: dict, params: dict, tags: dict) -> None:
+        """Start the experiment trackers (:class:`trainer.engine.tracking.Tracker` list; rank 0), continuing the
+        run ids of ``run_ids`` (tracker name -> id, from the checkpoint being resumed), and log ``params`` (the
+        flat resolved config) and ``tags``. A tracker that fails is a WARNING line and is dropped."""
+        if not self.enabled or not trackers:
+            return
+        from trainer.engine.tracking import TrackingSinks
+
+        self.tracking = TrackingSinks(trackers, self.info)
+        self.tracking.start(run_ids)
+        for t in self.tracking.live:
+            rid = self.tracking.run_ids[t.name]
+            self.info(f"tracking: {t.name} run {rid} ({'continued' if run_ids.get(t.name) == rid else 'new'})")
+        self.tracking.log_params(params)
+        self.tracking.set_tags(tags)
+
+    def tracking_ids(self) -> dict:
+        """Tracker name -> run id (for the checkpoint, so that a resumed run continues them); empty when none."""
+        return dict(self.tracking.run_ids) if self.tracking is not None else {}
 
     def _writer(self):
         """The TensorBoard writer, created on first use (after :meth:`resume_at`, with its purge step)."""
@@ -159,15 +181,27 @@ class MetricsLogger:
         for k, v in values.items():
             if isinstance(v, (int, float)) and k != "epoch" and math.isfinite(v):
                 self._writer().add_scalar(f"{kind}/{k}", v, global_step)
+        if self.tracking is not None:
+            self.tracking.log_metrics(kind, global_step, values)
 
-    def close(self) -> Optional[Path]:
-        """Flush files, draw ``curves.png`` from ``metrics.jsonl`` and return its path (rank 0)."""
+    def close(self, tags: Optional[dict] = None, status: str = "FINISHED") -> Optional[Path]:
+        """Flush files, draw ``curves.png`` from ``metrics.jsonl`` and return its path (rank 0). The trackers
+        get ``tags`` (e.g. the final and best checkpoint paths), the PNG as an artifact, and are finished
+        with ``status`` (FINISHED, KILLED)."""
         if not self.enabled:
             return None
         self.end_epoch()
         self._writer().close()
         self._jsonl.close()
-        return plot_curves(self.dir / "metrics.jsonl", self.dir / "curves.png")
+        png = plot_curves(self.dir / "metrics.jsonl", self.dir / "curves.png")
+        if self.tracking is not None:
+            if tags:
+                self.tracking.set_tags(tags)
+            if png is not None:
+                self.tracking.log_artifact(png)
+            self.tracking.finish(status)
+            self.tracking = None
+        return png
 
 
 _CURVE_PREFIXES = ("train_", "val_", "ema_val_")

@@ -12,6 +12,7 @@ the checkpoint's ``progress`` fields stay 0-based (see :mod:`trainer.engine.chec
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import time
 import warnings
@@ -197,6 +198,7 @@ class Trainer:
         self.epoch, self.step_in_epoch, self.global_step = 0, 0, 0
         self.best: Optional[float] = None
         self.history: list[dict] = []
+        self._tracking_ids: dict = {}
         self._resume_if_asked()
         if self.resumed_from is not None:
             dropped = self.log.resume_at(self.global_step, evaluated=self.step_in_epoch < self.steps_per_epoch)
@@ -205,12 +207,32 @@ class Trainer:
                     f"metrics: dropped {dropped} row(s) of {self.log.dir / 'metrics.jsonl'} logged after "
                     f"global step {self.global_step} by the previous run (trained again now)"
                 )
+        self._start_tracking()
         previous = self.ckpt.pop_interrupted() if info.is_main else None
         if previous:
             self.log.info(f"checkpoint: the previous run was interrupted: {previous.get('reason')}")
         torch.manual_seed(cfg.seed * 1000 + info.rank + 1 + self.global_step)  # per-rank MixUp/CutMix stream
         if self.global_step and self._rank_state is not None:
             restore_rng(self._rank_state["rng"])
+
+    def _start_tracking(self) -> None:
+        """Start the ``tracking`` sinks on rank 0 (continuing the run ids of a resumed checkpoint): the flat
+        config as params; task, model, seed, config file (``TRAINSTACK_CONFIG_FILE``, set by the command line),
+        world size and the system facts as tags. A failing tracker is a warning (MetricsLogger)."""
+        cfg = self.cfg
+        if not (cfg.tracking and self.info.is_main):
+            return
+        from trainer.engine.tracking import build_trackers, system_facts
+
+        trackers = build_trackers(
+            cfg.tracking, cfg.tracking_uri, cfg.tracking_experiment, cfg.tracking_run_name, self.log.dir
+        )
+        tags = {"task": cfg.task, "model": cfg.model, "seed": cfg.seed, "world_size": self.info.world_size}
+        config_file = os.environ.get("TRAINSTACK_CONFIG_FILE")
+        if config_file:
+            tags["config"] = Path(config_file).name
+        tags.update(system_facts())
+        self.log.start_tracking(trackers, self._tracking_ids, cfg.to_dict(), tags)
 
     def _open_checkpoint_dir(self) -> CheckpointManager:
         """The :class:`CheckpointManager`; rank 0 checks that the folder can be created and written, and every
@@ -288,6 +310,7 @@ class Trainer:
         self.epoch, self.step_in_epoch, self.global_step = p["epoch"], p["step_in_epoch"], p["global_step"]
         self.best = state.get("best_metric")
         self.history = list(state.get("history", []))
+        self._tracking_ids = dict(state.get("tracking") or {})
         self.resumed_from = Path(path)
         saved_ws = state.get("world_size", self.info.world_size)
         if self.info.world_size != saved_ws:
@@ -379,6 +402,7 @@ class Trainer:
             "history": self.history,
             "world_size": self.info.world_size,
             "label_space": self.label_space,
+            "tracking": self.log.tracking_ids() or self._tracking_ids,
         }
 
     def save_checkpoint(self, is_best: bool = False, epoch_stats: Optional[dict] = None) -> Optional[Path]:
@@ -782,4 +806,11 @@ class Trainer:
         the PNG's path."""
         self.ckpt.wait()
         shutdown_all()
-        return self.log.close()
+        tags = {}
+        if self.log.tracking is not None:
+            final, best = self.final_checkpoint(), self.ckpt.pointer("best")
+            if final is not None:
+                tags["checkpoint_final"] = str(final)
+            if best:
+                tags["checkpoint_best"] = str(self.ckpt.dir / best)
+        return self.log.close(tags, status="KILLED" if self.interrupted else "FINISHED")

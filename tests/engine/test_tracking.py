@@ -1,0 +1,162 @@
+"""Experiment tracking (issue 26 item 1) with the real libraries, offline: MLflow's file store under tmp_path, W&B in
+offline mode. After a short digits run the tracked metrics equal the JSONL rows (``<kind>/<key>`` at the row's step),
+a resumed run appends to the same tracked run (its id lives in the checkpoint), and an unreachable tracker or a
+missing package is a warning line, never a lost run."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_trainer, tiny_overrides
+
+mlflow = pytest.importorskip("mlflow")
+
+
+def _flags(overrides: dict) -> list[str]:
+    out = []
+    for k, v in overrides.items():
+        out += ["--" + k.replace("_", "-"), str(v)]
+    return out
+
+
+def _rows(log_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _expected(rows: list[dict]) -> dict:
+    """``<kind>/<key>`` -> sorted [(step, value)] of the JSONL rows' finite numbers (what a tracker must hold)."""
+    out: dict = {}
+    for r in rows:
+        for k, v in r.items():
+            if k in ("kind", "step", "time") or isinstance(v, bool) or not isinstance(v, (int, float)):
+                continue
+            if math.isfinite(v):
+                out.setdefault(f"{r['kind']}/{k}", []).append((r["step"], float(v)))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def _tracking_ids(ckpt_dir: Path) -> dict:
+    latest = (ckpt_dir / "latest").read_text().strip()
+    return torch.load(ckpt_dir / latest / "state.pt", map_location="cpu", weights_only=False)["tracking"]
+
+
+def _mlflow_history(store: str, run_id: str) -> dict:
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(tracking_uri=store)
+    keys = c.get_run(run_id).data.metrics
+    return {k: sorted((m.step, m.value) for m in c.get_metric_history(run_id, k)) for k in keys}
+
+
+def test_mlflow_metrics_equal_jsonl_and_resume_appends_to_the_same_run(tiny_digits, tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    store = (tmp_path / "mlruns").as_uri()
+    o = tiny_overrides(tiny_digits, tmp_path, epochs=1, max_steps_per_epoch=3, log_every_steps=1)
+    track = ["--tracking", "mlflow", "--tracking-uri", store, "--tracking-experiment", "digits-test"]
+    first = run_trainer([*_flags(o), *track, "--tracking-run-name", "first"], timeout=120)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "WARNING: tracking" not in first.stdout + first.stderr
+    run_id = _tracking_ids(tmp_path / "ckpt")["mlflow"]
+    rows = _rows(tmp_path / "logs")
+    assert _mlflow_history(store, run_id) == _expected(rows)
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=store)
+    run = client.get_run(run_id)
+    params, tags = run.data.params, run.data.tags
+    assert params["model"] == "resnet18" and params["lr"] == "0.0125" and params["tracking"] == '["mlflow"]'
+    assert params["data_dir"] == str(tiny_digits) and len(params) >= 100  # the whole flat config
+    assert tags["task"] == "classification" and tags["model"] == "resnet18" and tags["device"] == "cpu"
+    assert tags["torch"] == torch.__version__ and "checkpoint_final" in tags
+    assert run.info.status == "FINISHED" and run.info.run_name == "first"
+    assert [a.path for a in client.list_artifacts(run_id)] == ["curves.png"]
+
+    # resume with one more epoch (a changed schedule: --force-resume): the same MLflow run grows
+    o2 = {**o, "epochs": 2}
+    second = run_trainer([*_flags(o2), *track, "--force-resume"], timeout=120)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert _tracking_ids(tmp_path / "ckpt")["mlflow"] == run_id
+    exp = client.get_experiment_by_name("digits-test")
+    assert len(client.search_runs([exp.experiment_id])) == 1
+    rows2 = _rows(tmp_path / "logs")
+    assert len(rows2) > len(rows) and max(r["step"] for r in rows2) > max(r["step"] for r in rows)
+    assert _mlflow_history(store, run_id) == _expected(rows2)
+
+
+def _wandb_records(path: Path) -> list:
+    """Records of a W&B ``.wandb`` file: a 7-byte header (``:W&B``, magic, version), then LevelDB-log chunks in
+    32 KiB blocks (crc32 4 bytes, length 2 bytes little-endian, type 1 full / 2 first / 3 middle / 4 last), each
+    record a ``wandb_internal_pb2.Record``. W&B 0.31 ships no reader of its own (``sdk.internal.datastore`` is gone)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, block = path.read_bytes(), 32768
+    assert data[:4] == b":W&B"
+    pos, buf, out = 7, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        if kind == 0:
+            continue
+        buf = chunk if kind in (1, 2) else buf + chunk
+        if kind in (1, 4):
+            rec = wandb_internal_pb2.Record()
+            rec.ParseFromString(buf)
+            out.append(rec)
+    return out
+
+
+def test_wandb_offline_run_holds_the_jsonl_metrics(tiny_digits, tmp_path):
+    pytest.importorskip("wandb")
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DIR": str(tmp_path / "wandb-home")}
+    env["WANDB_CONFIG_DIR"] = env["WANDB_CACHE_DIR"] = str(tmp_path / "wandb-home")
+    o = tiny_overrides(tiny_digits, tmp_path, epochs=1, max_steps_per_epoch=3, log_every_steps=1)
+    proc = run_trainer(
+        [*_flags(o), "--tracking", "wandb", "--tracking-experiment", "digits-test"], env=env, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "WARNING: tracking" not in proc.stdout + proc.stderr
+    run_id = _tracking_ids(tmp_path / "ckpt")["wandb"]
+    (run_dir,) = (tmp_path / "logs" / "wandb").glob(f"offline-run-*-{run_id}")
+    assert (run_dir / "files" / "curves.png").is_file()
+    got: dict = {}
+    config = {}
+    for rec in _wandb_records(run_dir / f"run-{run_id}.wandb"):
+        kind = rec.WhichOneof("record_type")
+        if kind == "history":
+            items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item}
+            for k, v in items.items():
+                if k.startswith(("step/", "epoch/")):
+                    got.setdefault(k, []).append((items["global_step"], float(v)))
+        elif kind == "config":
+            config.update({i.key: json.loads(i.value_json) for i in rec.config.update})
+    assert {k: sorted(v) for k, v in got.items()} == _expected(_rows(tmp_path / "logs"))
+    assert config["model"] == "resnet18" and config["tag/task"] == "classification"
+
+
+def test_unreachable_mlflow_and_missing_wandb_are_warnings(tiny_digits, tmp_path, monkeypatch, capsys):
+    import sys
+
+    from trainer.config import load_config
+    from trainer.engine import run as train
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # "import wandb" raises ImportError: the package is missing
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "3")
+    o = tiny_overrides(tiny_digits, tmp_path, epochs=1, max_steps_per_epoch=2)
+    cfg = load_config(None, {**o, "tracking": ["mlflow", "wandb"], "tracking_uri": "http://127.0.0.1:9"})
+    assert train.run(cfg) == 0
+    out = capsys.readouterr()
+    lines = [x for x in (out.out + out.err).splitlines() if x.startswith("WARNING: tracking")]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("WARNING: tracking mlflow: start failed (ConnectionRefusedError")
+    assert lines[1].startswith("WARNING: tracking wandb: start failed (ModuleNotFoundError")
+    assert all(x.endswith("training continues without it") for x in lines)
+    assert (tmp_path / "logs" / "metrics.jsonl").stat().st_size > 0 and (tmp_path / "ckpt" / "latest").is_file()
