@@ -172,8 +172,10 @@ def summarize(results: list[dict]) -> tuple[list[tuple[str, str, str]], list[str
                 if ln.startswith(("CUDA context", "vs upstream")):
                     rows.append((ln.split(":")[0], ln.split(":", 1)[1].strip(), name))
             if name.startswith("memory_"):
-                for ln in table[2:]:
-                    cells = [c.strip() for c in ln.strip("|").split("|")]
+                for ln in table:
+                    cells = [c.strip() for c in ln.strip().strip("|").split("|")]
+                    if len(cells) != 11 or cells[0] in ("model", "---"):
+                        continue  # the header, its rule, and the CUDA-context table that follows
                     rows.append(
                         (
                             f"memory {name[7:]} {cells[0]} batch {cells[2]} ({cells[3]}): reserved "
