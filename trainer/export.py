@@ -33,6 +33,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from trainer.cli import bounded_number
 from trainer.errors import EXIT_USAGE
 
 FORMATS = ("onnx", "torchscript", "safetensors")
@@ -44,16 +45,6 @@ VERIFY_FILES = 4
 
 class ExportError(Exception):
     """A bad input of ``export``; the message names the flag (exit 2)."""
-
-
-def _opset(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid integer: {text!r}") from None
-    if value < 17:
-        raise argparse.ArgumentTypeError(f"must be >= 17 (grid_sample, LayerNormalization), got {value}")
-    return value
 
 
 def add_export_command(sub) -> None:
@@ -73,7 +64,7 @@ def add_export_command(sub) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (created)")
     p.add_argument(
         "--opset",
-        type=_opset,
+        type=bounded_number(int, 17, why=" (grid_sample, LayerNormalization)"),
         default=18,
         metavar="N",
         help="ONNX opset, >= 17 (default 18, the exporter's own; 17 is converted down where onnx's converter can)",

@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from trainer.cli import bounded_number
 from trainer.errors import EXIT_USAGE
 
 PREDICTIONS_FILE = "predictions.json"
@@ -150,26 +151,6 @@ def color_of(label: int) -> str:
 
 
 # --- the command ------------------------------------------------------------------------------------------
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _threshold(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
-    return value
-
-
 def add_predict_command(sub) -> None:
     """Register the ``predict`` sub-command on ``sub`` (an argparse sub-parsers object)."""
     p = sub.add_parser(
@@ -197,7 +178,7 @@ def add_predict_command(sub) -> None:
     )
     p.add_argument(
         "--score-threshold",
-        type=_threshold,
+        type=bounded_number(float, 0.0, 1.0),
         metavar="S",
         default=0.3,
         help="keep detections scoring at least this (detection; default 0.3)",
@@ -209,9 +190,15 @@ def add_predict_command(sub) -> None:
         help="use the EMA weights when the checkpoint has them (default), else the model's",
     )
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: auto")
-    p.add_argument("--batch-size", type=_positive_int, metavar="N", default=8, help="images per forward (default 8)")
     p.add_argument(
-        "--limit", type=_positive_int, metavar="N", default=None, help="predict only the first N images (by name)"
+        "--batch-size", type=bounded_number(int, 1), metavar="N", default=8, help="images per forward (default 8)"
+    )
+    p.add_argument(
+        "--limit",
+        type=bounded_number(int, 1),
+        metavar="N",
+        default=None,
+        help="predict only the first N images (by name)",
     )
 
 

@@ -56,11 +56,18 @@ def val_transform(size: int, resize_ratio: float) -> v2.Compose:
     return v2.Compose([v2.Resize(int(round(size / resize_ratio)), antialias=True), v2.CenterCrop(size)])
 
 
+def pixel_mean_std(device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """ImageNet mean and std on the 0-255 pixel scale: float32 (3, 1, 1) each, on ``device`` (broadcast over
+    (B, 3, H, W) images and (B, T, 3, H, W) clips)."""
+    mean = torch.tensor(IMAGENET_MEAN, device=device).view(3, 1, 1) * 255.0
+    std = torch.tensor(IMAGENET_STD, device=device).view(3, 1, 1) * 255.0
+    return mean, std
+
+
 @functools.lru_cache(maxsize=8)
 def _mean_inv_std(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1) * 255.0
-    inv_std = 1.0 / (torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1) * 255.0)
-    return mean, inv_std
+    mean, std = pixel_mean_std(device)
+    return mean.view(1, 3, 1, 1), 1.0 / std.view(1, 3, 1, 1)
 
 
 def normalize_on_device(images: torch.Tensor, device: torch.device, channels_last: bool) -> torch.Tensor:

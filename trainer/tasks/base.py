@@ -323,10 +323,9 @@ class Task(ABC):
 def denormalize(images: torch.Tensor) -> torch.Tensor:
     """ImageNet-normalised float images (B, 3, H, W) -> float32 pixel values in [0, 255] on CPU (the inverse of
     :func:`~trainer.data.transforms.normalize_on_device`)."""
-    from trainer.data.transforms import IMAGENET_MEAN, IMAGENET_STD
+    from trainer.data.transforms import pixel_mean_std
 
-    mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1) * 255.0
-    std = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1) * 255.0
+    mean, std = pixel_mean_std()
     return images.detach().float().cpu().mul(std).add(mean).contiguous()
 
 
@@ -337,11 +336,12 @@ class ExportWrapper(nn.Module):
 
     def __init__(self, model: nn.Module, post: Callable[[torch.Tensor], tuple]):
         super().__init__()
-        from trainer.data.transforms import IMAGENET_MEAN, IMAGENET_STD
+        from trainer.data.transforms import pixel_mean_std
 
         self.model, self.post = model, post
-        self.register_buffer("mean", torch.tensor(IMAGENET_MEAN).view(3, 1, 1) * 255.0, persistent=False)
-        self.register_buffer("inv_std", 1.0 / (torch.tensor(IMAGENET_STD).view(3, 1, 1) * 255.0), persistent=False)
+        mean, std = pixel_mean_std()
+        self.register_buffer("mean", mean, persistent=False)
+        self.register_buffer("inv_std", 1.0 / std, persistent=False)
 
     def forward(self, x: torch.Tensor):
         """``x`` float32 pixel values -> the outputs ``post`` returns."""
