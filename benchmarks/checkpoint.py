@@ -1,7 +1,8 @@
 """Checkpoint costs (CPU, or ``--device cuda``): SIGTERM-to-durable time and the training stall of a periodic
-checkpoint, for the staging into reused host buffers (now) and a fresh host copy per checkpoint (before issue
-24), measured side by side in alternating rounds. The last line is ``stall_steps=X``: the full cost of one periodic
-checkpoint (epoch time with periodic checkpoints minus without, per checkpoint) in steps, for the reused buffers.
+checkpoint, for the writer process on shared memory, the writer thread on reused host buffers, and the writer
+thread with a fresh host copy per checkpoint (before issue 24), measured side by side in alternating rounds. The
+last line is ``stall_steps=X``: the full cost of one periodic checkpoint (epoch time with periodic checkpoints minus
+without, per checkpoint) in steps, for the first of ``--variants`` (default: the writer process).
 
 ResNet-50 + SGD momentum + EMA: ~25.6 M parameters x 3 copies (weights, momentum, EMA) ~ 300 MB of state.
 The trainer's real ``fit`` runs on in-memory batches of real photos (loader excluded, so step times are the
@@ -63,10 +64,11 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def measure_stall(args, batches, staging=None) -> dict:
+def measure_stall(args, batches, writer: str = "process", staging=None) -> dict:
     """Per-step times of one epoch with a checkpoint every ``--every`` steps, and the epoch without any
-    checkpoint (after a warm-up epoch of each); ``staging`` replaces the manager's StagingBuffers."""
-    t = _trainer(args, batches, checkpoint_every_steps=args.every)
+    checkpoint (after a warm-up epoch of each); ``writer`` is the ``checkpoint_writer``; ``staging`` replaces
+    the manager's StagingBuffers."""
+    t = _trainer(args, batches, checkpoint_every_steps=args.every, checkpoint_writer=writer)
     if staging is not None:  # the state before issue 24: a clone per checkpoint
         t.ckpt._staging = staging
     times, saved = [], []
@@ -100,7 +102,7 @@ def measure_stall(args, batches, staging=None) -> dict:
     plain = [x for j, x in enumerate(times[1:], 1) if j not in saved and j - 1 not in saved]
     ck_size = sum(f.stat().st_size for d in t.ckpt.list() for f in d.iterdir())
 
-    t0 = _trainer(args, batches)
+    t0 = _trainer(args, batches, checkpoint_writer=writer)
     t0.train_epoch()  # warm-up of the allocator for the same shapes
     t0.step_in_epoch = 0
     _sync(args.device)
@@ -110,7 +112,10 @@ def measure_stall(args, batches, staging=None) -> dict:
     total_without = time.perf_counter() - start
     step = total_without / len(batches)
     cost = (total_with - total_without) / max(len(saved), 1)
+    t.ckpt.close()
+    t0.ckpt.close()
     return {
+        "writer": t.ckpt.writer,
         "checkpoint_files_mb": round(ck_size / 2**20 / max(len(t.ckpt.list()), 1), 1),
         "step_s_mean_no_checkpoint": round(step, 4),
         "step_s_median_no_checkpoint": round(statistics.median(plain), 4),
@@ -128,16 +133,28 @@ def main() -> None:
     ap = in_memory_parser(__doc__, "resnet50", 64, 8, 24)
     ap.add_argument("--every", type=int, default=6)
     ap.add_argument("--signal-after", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds of each staging (median reported)")
+    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds of each variant (median reported)")
+    ap.add_argument(
+        "--variants",
+        default="process,thread,clone_per_checkpoint",
+        help="comma-separated: process (writer process on shared memory), thread (writer thread, reused "
+        "buffers), clone_per_checkpoint (writer thread, a fresh host copy per checkpoint: before issue 24); the "
+        "first is the one of the stall_steps line and of SIGTERM-to-durable",
+    )
     args = ap.parse_args()
     batches, _ = in_memory_batches(args.data, args.size, args.batch, args.steps)
     state_bytes = None
 
-    # 1. stall of periodic checkpoints: reused buffers (now) and a clone per checkpoint (before), alternating
-    rounds = {"reused_buffers": [], "clone_per_checkpoint": []}
+    # 1. stall of periodic checkpoints, the variants alternating round by round
+    variants = {
+        "process": lambda: measure_stall(args, batches, "process"),
+        "thread": lambda: measure_stall(args, batches, "thread"),
+        "clone_per_checkpoint": lambda: measure_stall(args, batches, "thread", _ClonePerCheckpoint()),
+    }
+    rounds = {k: [] for k in args.variants.split(",")}
     for _ in range(args.rounds):
-        rounds["reused_buffers"].append(measure_stall(args, batches))
-        rounds["clone_per_checkpoint"].append(measure_stall(args, batches, _ClonePerCheckpoint()))
+        for k in rounds:
+            rounds[k].append(variants[k]())
     stall = {
         k: {f: statistics.median(r[f] for r in v) if isinstance(v[0][f], (int, float)) else v[0][f] for f in v[0]}
         for k, v in rounds.items()
@@ -148,7 +165,8 @@ def main() -> None:
     # 2. SIGTERM-to-durable
     stop = StopFlag()
     handlers = SignalHandlers(stop)
-    t2 = _trainer(args, batches, stop=stop)
+    first = args.variants.split(",")[0]
+    t2 = _trainer(args, batches, stop=stop, checkpoint_writer="thread" if first == "clone_per_checkpoint" else first)
     count = [0]
     orig2 = t2._control
 
@@ -162,6 +180,7 @@ def main() -> None:
     t2.train_epoch()
     handlers.restore()
     durable = t2.ckpt.last_durable[1] - stop.requested_at
+    t2.ckpt.close()
     print(
         json.dumps(
             {
@@ -180,7 +199,7 @@ def main() -> None:
             indent=1,
         )
     )
-    print(f"stall_steps={stall['reused_buffers']['stall_steps']}")
+    print(f"stall_steps={stall[first]['stall_steps']}")
 
 
 if __name__ == "__main__":

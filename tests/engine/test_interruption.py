@@ -269,12 +269,16 @@ def test_sigterm_torture_resume_is_bit_exact(tiny_digits, tmp_path, reference):
     _assert_same_state(reference, _final_state(out))
 
 
-def test_single_process_exit_code_and_resume(tiny_digits, tmp_path):
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_single_process_exit_code_and_resume(tiny_digits, tmp_path, writer):
+    """Ctrl-C to the whole process group (loader workers and the checkpoint writer process included): the stop
+    checkpoint is still written and durable, and the rerun resumes from it."""
     out = tmp_path / "run"
-    cmd = _cmd(tiny_digits, out, 1, num_workers=2, epochs=2)
+    cmd = _cmd(tiny_digits, out, 1, num_workers=2, epochs=2, checkpoint_writer=writer)
     rc, log = _run_until(cmd, 5, signal.SIGINT)  # Ctrl-C
     assert rc == EXIT_INTERRUPTED, log[-2000:]
     assert re.search(r"checkpoint \S+ckpt-0000000\d\d-m, durable [0-9.]+ s after the request", log)
+    assert f"checkpoint: writer {writer}" in log
     name = (out / "ck" / "latest").read_text()
     assert name.endswith("-m")
     p = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)

@@ -46,7 +46,9 @@ def test_learns_and_writes_outputs(tiny_digits, tmp_path):
 def test_checkpoint_round_trip_and_resume_is_bit_exact(tiny_digits, tmp_path):
     kw = dict(epochs=3, use_ema=True, ema_decay=0.9, mixup_alpha=0.2, cutmix_prob=0.5)
     ref, _ = _fit(tiny_digits, tmp_path / "a", **kw)
+    kw["checkpoint_writer"] = "process"  # the resumed run reads what the writer process wrote
     t, _ = _fit(tiny_digits, tmp_path / "b", **kw)
+    assert t.ckpt.writer == "process"
     ck = tmp_path / "b" / "ckpt"
     # Simulate a stop after epoch 2: the epoch-3 checkpoint never became durable.
     shutil.rmtree(ck / "ckpt-000000027")

@@ -15,6 +15,7 @@ from typing import Optional
 
 from trainer.config.schema import (
     BUILTIN_DIGITS,
+    CHECKPOINT_WRITERS,
     DECODE_DEVICES,
     DEVICES,
     FFCV_ORDERS,
@@ -189,6 +190,12 @@ class TrainConfig:
         0.0,
         "Also checkpoint every N minutes of training, mid-epoch (0 = off; "
         "inside SageMaker 10 by default, since SIGTERM may not reach us there).",
+    )
+    checkpoint_writer: str = _ckpt(
+        "auto",
+        "Who serialises, hashes and writes a checkpoint: a thread of the training process, or a writer process on "
+        "shared memory (off the GIL and the training step); auto = the process for states of 128 MiB or more.",
+        choices=CHECKPOINT_WRITERS,
     )
     spot_poll_interval_s: float = _ckpt(5.0, "Seconds between EC2 spot interruption-notice polls (IMDSv2).")
     stop_on_rebalance: bool = _ckpt(False, "Also checkpoint and stop on an EC2 rebalance recommendation.")
@@ -440,6 +447,7 @@ NON_TRAJECTORY_FIELDS = (
     "device",
     "checkpoint_every_steps",
     "checkpoint_every_minutes",
+    "checkpoint_writer",
     "spot_poll_interval_s",
     "stop_on_rebalance",
     "ffcv_dir",

@@ -39,6 +39,8 @@ DEVICES = ("auto", "cpu", "cuda")
 TRACKERS = ("mlflow", "wandb")
 #: Where ImageFolder JPEGs are decoded (``decode_device``): in the loader workers, or on the training GPU.
 DECODE_DEVICES = ("cpu", "cuda")
+#: Who writes ``state.pt`` (``checkpoint_writer``): :data:`trainer.engine.checkpoint.WRITERS`, kept equal by a test.
+CHECKPOINT_WRITERS = ("auto", "thread", "process")
 #: Largest image side trained or evaluated on (pixels). One 8192 px RGB sample is 192 MiB as uint8 and 768 MiB as
 #: float32, already beyond any GPU batch; a larger value is a typo (an extra digit), refused before anything starts.
 MAX_IMAGE_SIZE = 8192

@@ -208,6 +208,8 @@ class Trainer:
                     f"global step {self.global_step} by the previous run (trained again now)"
                 )
         self._start_tracking()
+        if info.is_main:
+            self.log.info(self.ckpt.prepare(self._state()))
         previous = self.ckpt.pop_interrupted() if info.is_main else None
         if previous:
             self.log.info(f"checkpoint: the previous run was interrupted: {previous.get('reason')}")
@@ -240,7 +242,9 @@ class Trainer:
         cfg, info = self.cfg, self.info
         ckpt, err = None, None
         try:
-            ckpt = CheckpointManager(cfg.checkpoint_dir, info.rank, info.world_size, cfg.checkpoint_interval)
+            ckpt = CheckpointManager(
+                cfg.checkpoint_dir, info.rank, info.world_size, cfg.checkpoint_interval, writer=cfg.checkpoint_writer
+            )
         except CheckpointError as e:
             err = str(e)
         err = dist.broadcast_object(err)
@@ -693,6 +697,7 @@ class Trainer:
         """Abandon the checkpoint being written (its ``.tmp-ckpt-*`` folder is removed; complete checkpoints
         stay) and stop the loader workers. Returns :meth:`final_checkpoint`. Idempotent."""
         self.ckpt.abort()
+        self.ckpt.close()
         shutdown_all()
         return self.final_checkpoint()
 
@@ -805,6 +810,7 @@ class Trainer:
         """Wait for the last checkpoint, close the metric sinks and draw the curves PNG (rank 0); returns
         the PNG's path."""
         self.ckpt.wait()
+        self.ckpt.close()
         shutdown_all()
         tags = {}
         if self.log.tracking is not None:
