@@ -377,6 +377,9 @@ def run_sweep(args: argparse.Namespace, log: Callable[[str], None] = print) -> i
 
         stopped = _run_trials(todo, out, k, local_machine().gpus, log)
     rows = rank([trial_result(n, t, metric, mode, out) for n, t in zip(names, trials)], metric, mode)
+    import logging
+
+    logging.getLogger("matplotlib.font_manager").setLevel(logging.ERROR)  # "findfont: ..." lines, not ours
     paths = write_results(rows, space.names, metric, mode, out, extra=("best_epoch", "last"))
     print(results_markdown(rows, space.names, metric, mode, extra=("best_epoch", "last")), end="")
     log(f"sweep: results: {paths['md']}, {paths['json']}, {paths['png']}")
@@ -399,3 +402,6 @@ def run_sweep_command(args: argparse.Namespace) -> int:
     except (ConfigError, DataError, PlanError, CatalogError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:  # Ctrl-C before the trials started (their handler covers the rest)
+        print("error: sweep: interrupted before any trial started; run the same command again", file=sys.stderr)
+        return EXIT_INTERRUPTED
