@@ -1,9 +1,10 @@
 """``python -m trainer sweep`` (trainer/planning/sweep.py) and its search space (trainer/config/sweep.py).
 
 The space tests are pure Python. The sweep tests run one real 2-trial sweep of ``train`` subprocesses on the
-shared hymenoptera photos (1 epoch of 2 steps at 32 px, no loader workers: ~1 min on 2 vCPUs), then a re-run
-(nothing retrained), a different space against the same folder and a ``--parallel`` one above what the planner
-allows (both exit 2). K is asserted against :func:`trainer.planning.plan.max_local_jobs` called directly.
+shared hymenoptera photos (1 epoch of 2 steps at 32 px, no loader workers): first stopped by SIGTERM during its
+first trial (exit 75, partial table), then run again to the end, then once more (nothing retrained); a
+different space against the same folder and a ``--parallel`` above what the planner allows are exit 2. K is
+asserted against :func:`trainer.planning.plan.max_local_jobs` called directly.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -133,17 +135,46 @@ def _sweep(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def _interrupted_sweep(args: list[str]) -> tuple[int, str]:
+    """Start the sweep, SIGTERM it once its first trial has started; (exit status, stdout)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "trainer", "sweep", "--config", str(BASE), *args]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "t000: started" in line:
+            proc.send_signal(signal.SIGTERM)
+            break
+    rest, _ = proc.communicate(timeout=300)
+    return proc.returncode, "".join(lines) + rest
+
+
 @pytest.fixture(scope="module")
 def swept(shared_data, tmp_path_factory):
+    """A sweep stopped by SIGTERM during its first trial, then the same command run to the end."""
     out = tmp_path_factory.mktemp("sweep") / "out"
     args = ["--data", str(shared_data / "hymenoptera"), *TINY, *GRID, "--out", str(out)]
+    rc, stopped = _interrupted_sweep(args)
     proc = _sweep(*args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out, args, proc
+    return out, args, proc, (rc, stopped)
+
+
+def test_sigterm_stops_the_sweep_with_a_partial_table_and_the_rerun_finishes(swept):
+    out, _, proc, (rc, stopped) = swept
+    assert rc == 75, stopped[-3000:]
+    assert "t000: forwarding SIGTERM" in stopped and "t000: interrupted" in stopped
+    assert "t001: started" not in stopped  # no trial starts after the signal
+    assert re.search(r"\| – \| t000 \| 0\.02 \| .* \| interrupted \|", stopped)
+    assert re.search(r"\| – \| t001 \| 0\.005 \| .* \| pending \|", stopped)
+    assert "run the same command again to resume" in stopped
+    assert "t000: started" in proc.stdout and "already finished" not in proc.stdout  # t000 ran again
+    assert json.loads((out / "t000" / "status.json").read_text())["status"] == "done"
 
 
 def test_sweep_ranks_each_trials_own_jsonl_rows(swept):
-    out, _, proc = swept
+    out, _, proc, _ = swept
     doc = json.loads((out / "results.json").read_text())
     assert doc["metric"] == "val_top1" and doc["mode"] == "max" and doc["parameters"] == ["lr"]
     by_trial = {r["trial"]: r for r in doc["trials"]}
@@ -167,7 +198,7 @@ def test_sweep_ranks_each_trials_own_jsonl_rows(swept):
 
 
 def test_k_is_the_planners_answer_for_this_machine(swept):
-    out, args, proc = swept
+    out, args, proc, _ = swept
     line = next(x for x in proc.stdout.splitlines() if "trial(s) at a time on this machine" in x)
     k = int(re.search(r"sweep: (\d+) trial\(s\) at a time", line).group(1))
     fixed = {"data_dir": args[1], "epochs": 1, "max_steps_per_epoch": 2, "image_size": 32, "num_workers": 0}
@@ -179,7 +210,7 @@ def test_k_is_the_planners_answer_for_this_machine(swept):
 
 
 def test_rerun_skips_finished_trials_and_another_space_is_refused(swept):
-    out, args, _ = swept
+    out, args, _, _ = swept
     mtimes = {p: p.stat().st_mtime_ns for p in out.glob("t*/logs/metrics.jsonl")}
     proc = _sweep(*args)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -193,7 +224,7 @@ def test_rerun_skips_finished_trials_and_another_space_is_refused(swept):
 
 
 def test_parallel_above_what_fits_is_refused_in_one_line(swept, tmp_path):
-    out, args, _ = swept
+    out, args, _, _ = swept
     fixed = {"data_dir": args[1], "epochs": 1, "max_steps_per_epoch": 2, "image_size": 32, "num_workers": 0}
     fixed.update(batch_size=16, scheduler="step", warmup_epochs=0, device="cpu")
     probe = str(out / "probe" / "probe.json")
