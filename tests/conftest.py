@@ -118,9 +118,19 @@ SLOW_MODULES = {
     "test_bad_inputs_engine",
     "test_video",
 }
-SLOW_FIXTURES = {"tiny_digits", "templates", "pr_env", "default_env", "default", "full", "executions", "moto_server"}
+SLOW_FIXTURES = {
+    "tiny_digits",
+    "templates",
+    "pr_env",
+    "default_env",
+    "default",
+    "full",
+    "executions",
+    "moto_server",
+    "swept",  # tests/planning/test_sweep.py: a real 2-trial sweep (train subprocesses)
+}
 MULTIPROCESS_MODULES = {"test_ddp", "test_ffcv", "test_interruption", "test_detection_resume", "test_video"}
-MULTIPROCESS_FIXTURES = {"moto_server"}
+MULTIPROCESS_FIXTURES = {"moto_server", "swept"}
 GPU_MODULES = {"test_msda_cuda"}
 
 

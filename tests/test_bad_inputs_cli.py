@@ -24,6 +24,7 @@ from conftest import run_trainer
 from PIL import Image
 
 TRAIN = REPO / "images" / "training" / "train"
+DIGITS = REPO / "configs" / "digits.yaml"
 TINY = [
     "--model",
     "resnet18",
@@ -60,6 +61,10 @@ def images(root: Path, splits=("train", "val"), classes=("a", "b"), n: int = 4) 
 
 def _nothing_trained(tmp: Path) -> None:
     assert not (tmp / "ck").exists() or not any((tmp / "ck").iterdir())
+
+
+def _nothing_swept(tmp: Path) -> None:
+    assert not (tmp / "sw").exists()
 
 
 def _results_file_kept(tmp: Path) -> None:
@@ -304,6 +309,28 @@ CASES = [
         2,
         "error: --out results/plan.json: cannot create its folder results",
         _results_file_kept,
+    ),
+    Case("sweep-no-config", lambda t: trainer_cmd("sweep", "--grid", "lr=[0.1]", "--out", "sw"), 2, "error: --config"),
+    Case(
+        "sweep-unknown-grid-field",
+        lambda t: trainer_cmd("sweep", "--config", str(DIGITS), "--grid", "lrr=[0.1]", "--out", "sw"),
+        2,
+        "error: --grid lrr: unknown config field",
+    ),
+    Case(  # trial t001's bad value is found before t000 runs
+        "sweep-trial-bad-value",
+        lambda t: trainer_cmd("sweep", "--config", str(DIGITS), "--grid", "lr=[0.1, -1]", "--out", "sw"),
+        2,
+        "error: sweep trial t001 (lr=-1): lr: got -1.0; must be a finite number > 0",
+        lambda t: _nothing_swept(t),
+    ),
+    Case(
+        "sweep-sets-checkpoint-dir",
+        lambda t: trainer_cmd(
+            "sweep", "--config", str(DIGITS), "--checkpoint-dir", "ck", "--grid", "lr=[0.1]", "--out", "sw"
+        ),
+        2,
+        "error: --checkpoint-dir: the sweep sets it per trial",
     ),
 ]
 

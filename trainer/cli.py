@@ -129,6 +129,7 @@ COMMANDS = {
     "predict": "run a checkpoint on a folder of images: drawn PNGs and predictions.json",
     "scale": "run a scaling plan's phases in order and report measured vs expected",
     "export": "export a checkpoint as ONNX, TorchScript or safetensors with a model card",
+    "sweep": "run a hyperparameter sweep here, as many trials at a time as the planner says fit",
 }
 
 
@@ -172,6 +173,10 @@ def build_parser(command: Optional[str] = "train") -> argparse.ArgumentParser:
             from trainer.export import add_export_command
 
             add_export_command(sub)
+        elif name == "sweep":
+            from trainer.planning.sweep import add_sweep_command
+
+            add_sweep_command(sub, _add_train_flags)
         else:
             from trainer.data.formats.ffcv_writer import add_write_ffcv_command
 
@@ -280,4 +285,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from trainer.export import run_export
 
         return run_export(args)
+    if args.command == "sweep":
+        from trainer.planning.sweep import run_sweep_command
+
+        return run_sweep_command(args)
     return EXIT_USAGE

@@ -253,10 +253,12 @@ def rank(rows: list[dict], metric: str, mode: str) -> list[dict]:
     return [{**r, "rank": i + 1} for i, r in enumerate(ok)] + [{**r, "rank": None} for r in rest]
 
 
-def results_markdown(rows: list[dict], names: list[str], metric: str, mode: str) -> str:
+def results_markdown(rows: list[dict], names: list[str], metric: str, mode: str, extra: tuple = ()) -> str:
     """A Markdown table of ranked ``rows`` (from :func:`rank`): rank, trial, each swept field, ``metric``
-    (best first, ``mode`` named in the header), status, and wall time in seconds when rows carry ``wall_s``."""
-    cols = ["rank", "trial", *names, metric, "status"] + (["wall_s"] if any("wall_s" in r for r in rows) else [])
+    (best first, ``mode`` named in the header), the ``extra`` columns (e.g. ``best_epoch``), status, and wall
+    time in seconds when rows carry ``wall_s``."""
+    wall = ["wall_s"] if any("wall_s" in r for r in rows) else []
+    cols = ["rank", "trial", *names, metric, *extra, "status", *wall]
     head = [c if c != metric else f"{metric} ({mode})" for c in cols]
 
     def cell(r: dict, c: str) -> str:
@@ -270,8 +272,10 @@ def results_markdown(rows: list[dict], names: list[str], metric: str, mode: str)
     return "\n".join(lines) + "\n"
 
 
-def write_results(rows: list[dict], names: list[str], metric: str, mode: str, out_dir: Any) -> dict[str, Any]:
-    """Write a sweep's ranked results into ``out_dir``: ``results.md`` (:func:`results_markdown`),
+def write_results(
+    rows: list[dict], names: list[str], metric: str, mode: str, out_dir: Any, extra: tuple = ()
+) -> dict[str, Any]:
+    """Write a sweep's ranked results into ``out_dir``: ``results.md`` (:func:`results_markdown` with ``extra``),
     ``results.json`` (``{"metric", "mode", "parameters", "trials": rows}``) and ``results.png`` (``metric`` against
     each swept field, one panel per field, log x-axis for positive numeric fields spanning over 10x; categorical
     fields on a category axis; matplotlib's Agg backend, 100 dpi).
@@ -284,7 +288,7 @@ def write_results(rows: list[dict], names: list[str], metric: str, mode: str, ou
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"md": out / "results.md", "json": out / "results.json", "png": out / "results.png"}
-    paths["md"].write_text(results_markdown(rows, names, metric, mode), encoding="utf-8")
+    paths["md"].write_text(results_markdown(rows, names, metric, mode, extra), encoding="utf-8")
     doc = {"metric": metric, "mode": mode, "parameters": names, "trials": rows}
     paths["json"].write_text(json.dumps(doc, indent=2, default=str) + "\n", encoding="utf-8")
 

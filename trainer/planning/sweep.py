@@ -1,0 +1,407 @@
+"""``python -m trainer sweep``: a hyperparameter sweep on this machine, K trials at a time, K from the planner.
+
+Usage::
+
+    python -m trainer sweep --config BASE [--FIELD VALUE ...] --grid 'lr=[0.1,0.03]' [--grid ...]
+        [--range 'lr=1e-4:0.1:log' --random N --sweep-seed S] [--metric top1] --out DIR [--parallel K]
+
+* Space: :mod:`trainer.config.sweep` (``--grid``, ``--range``, ``--random``; the draw's seed is ``--sweep-seed``,
+  because ``--seed`` is the training seed, a config field fixed for every trial like any other ``--FIELD``).
+* Every trial's config (base file + fixed flags + the trial's values + its own ``checkpoint_dir``/``log_dir``
+  under ``OUT/<trial>/``) is validated with :func:`trainer.config.load_config` before any trial starts.
+* K, trials at a time: the largest K for which :func:`trainer.planning.plan.max_local_jobs` (the checks of
+  ``plan --jobs-per-instance K``, on this machine: host RAM available now, vCPUs, GPU memory with CUDA) says K
+  jobs fit, capped by the trials left to run. The config checked is the base config with each swept resource
+  field (:data:`RESOURCE_FIELDS`) at its largest value in the space. Host RAM per job comes from one cheap probe
+  of that config (:func:`cheap_probe`: one batch size, one timed step, the config's loader setting; ~10 s on
+  2 vCPUs), written to ``OUT/probe/`` and reused by a re-run; ``--probe-report FILE`` uses an existing one.
+  ``--parallel K`` above that K is refused (exit 2), so a sweep cannot repeat seed 004's 4-jobs incident.
+* Each trial: ``sys.executable -m trainer train ...`` in its own session (a terminal's Ctrl-C reaches only the
+  sweep), output in ``OUT/<trial>/train.log``, ``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` = vCPUs // K (at least 1),
+  and with several GPUs ``CUDA_VISIBLE_DEVICES`` = its slot's GPU (slot i of K: GPU i mod GPUs).
+* ``OUT/sweep.json``: the manifest (base config path, its SHA-256 and resolved values, fixed flags, the space,
+  its seed, the metric, the trials). ``OUT/<trial>/status.json``: ``{"status": "done" | "failed" |
+  "interrupted", "rc", "wall_s"}``. Re-running the same command resumes: done and failed trials are skipped
+  (delete a trial's ``status.json`` to run it again), interrupted and pending ones run (the trainer resumes from
+  their checkpoints). Another space, metric or base config against an existing ``OUT`` is exit 2.
+* SIGTERM / SIGINT: forwarded once as SIGTERM to the running trials, which checkpoint and exit 75; the sweep
+  waits for them, writes the partial results and exits 75.
+* Results (:func:`trial_result`): per trial the best value of the objective over its epoch rows of
+  ``OUT/<trial>/logs/metrics.jsonl`` (``kind == "epoch"``) and its epoch, the last value, status, wall seconds;
+  ranked (:func:`trainer.config.sweep.rank`, done trials only) into ``OUT/results.md|json|png``.
+
+Exit codes: 0 every trial done; 1 any trial failed (results still written); 2 bad input (one line, nothing run);
+75 interrupted (run the same command again to resume).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Optional
+
+from trainer.config import FIELDS, ConfigError, flag_of, load_config
+from trainer.config.sweep import objective, rank, results_markdown, search_space, trial_name, write_results
+from trainer.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
+
+#: Fields whose largest swept value is used for the planner's check of K (they set memory and CPU per job).
+RESOURCE_FIELDS = ("batch_size", "eval_batch_size", "image_size", "num_workers", "prefetch_factor")
+
+#: Exit status when a trial failed (the results are still written).
+EXIT_TRIAL_FAILED = 1
+
+MANIFEST = "sweep.json"
+
+
+def add_sweep_command(sub, add_train_flags: Callable[[argparse.ArgumentParser], None]) -> None:
+    """Register ``sweep`` on the ``trainer`` sub-parsers: ``--config`` and every training field (fixed for all
+    trials, as for ``train``), plus the sweep's own flags."""
+    p = sub.add_parser(
+        "sweep",
+        help="run a hyperparameter sweep here, as many trials at a time as the planner says fit",
+        description="Grid or random search over config fields; each trial is a `train` subprocess with its own "
+        "OUT/<trial>/ folder; results ranked in OUT/results.md|json|png (docs/sweeps.md).",
+    )
+    add_train_flags(p)
+    g = p.add_argument_group("sweep (not training fields)")
+    g.add_argument("--grid", action="append", default=[], metavar="NAME=[V1,V2]", help="Values of one field.")
+    g.add_argument(
+        "--range", action="append", default=[], metavar="NAME=LOW:HIGH[:log][:int]", help="Sampled with --random."
+    )
+    from trainer.cli import bounded_number
+
+    g.add_argument("--random", type=bounded_number(int, 1), default=None, metavar="N", help="N random trials.")
+    g.add_argument("--sweep-seed", type=int, default=0, metavar="S", help="Seed of the random draws (default 0).")
+    g.add_argument("--metric", default=None, help="Objective (default: the task's headline metric, e.g. val_top1).")
+    g.add_argument("--out", required=True, metavar="DIR", help="Sweep folder (manifest, trials, results).")
+    g.add_argument(
+        "--parallel", type=bounded_number(int, 1), default=None, metavar="K", help="Trials at a time (<= what fits)."
+    )
+    g.add_argument("--probe-report", default=None, metavar="FILE", help="probe.json of the base config to use.")
+
+
+def _fixed_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The training fields given on the command line (fixed for every trial)."""
+    fixed = {k: v for k, v in vars(args).items() if k in FIELDS}
+    for name in ("checkpoint_dir", "log_dir", "resume"):
+        if name in fixed:
+            raise ConfigError(f"--{name.replace('_', '-')}: the sweep sets it per trial (OUT/<trial>/); drop it")
+    return fixed
+
+
+def _flags(values: dict[str, Any]) -> list[str]:
+    """``train`` flags for ``values`` (field -> value): ``--batch-size 64``; booleans ``--x`` / ``--no-x``."""
+    out: list[str] = []
+    for name, v in values.items():
+        flag = flag_of(FIELDS[name])
+        if isinstance(FIELDS[name].default, bool):
+            out.append(flag if v in (True, "true", "True") else "--no-" + flag[2:])
+        else:
+            out += [flag, str(v)]
+    return out
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def trial_dirs(out: Path, name: str) -> dict[str, Path]:
+    """A trial's paths under ``out``: its folder, ``checkpoints/``, ``logs/``, ``train.log``, ``status.json``."""
+    d = out / name
+    return {
+        "dir": d,
+        "checkpoints": d / "checkpoints",
+        "logs": d / "logs",
+        "log": d / "train.log",
+        "status": d / "status.json",
+    }
+
+
+def _check_manifest(out: Path, manifest: dict) -> None:
+    """Raise ConfigError when ``out`` holds another sweep (its manifest differs in identity)."""
+    path = out / MANIFEST
+    if not path.exists():
+        return
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"--out {out}: {MANIFEST} is unreadable ({e}); use another --out") from None
+    for key in ("base_config", "base_sha256", "base_values", "fixed", "space", "metric", "trials"):
+        if old.get(key) != manifest[key]:
+            raise ConfigError(
+                f"--out {out}: holds a sweep with another {key.replace('_', ' ')} ({MANIFEST}); "
+                "run the same command to resume it, or choose a new --out"
+            )
+
+
+def cheap_probe(config: str, overrides: dict, cfg, out_dir: Path) -> Path:
+    """Probe the config once, cheaply, for the host RAM of one training process: ``python -m trainer probe``
+    (a subprocess of this interpreter, output in ``out_dir/probe.log``) with ``--config config`` and
+    ``overrides`` (``cfg`` is their validated config), at one batch (the per-process batch), one timed step, the
+    config's own ``num_workers``/``prefetch_factor``, 2 loader batches (~10 s on 2 vCPUs). It measures the
+    process's RSS high-water mark (``host_rss_hwm_bytes``, what the planner takes as one job's process RSS), the
+    step's memory (GPU memory on CUDA) and the loader workers' memory. Reused when ``out_dir/probe.json`` exists.
+
+    Raises:
+        ConfigError: the probe failed (names its log).
+    """
+    path = out_dir / "probe.json"
+    if path.exists():
+        return path
+    out_dir.mkdir(parents=True, exist_ok=True)
+    micro = str(max(1, cfg.batch_size // cfg.accumulate_grad_batches))
+    argv = [sys.executable, "-m", "trainer", "probe", "--config", config, *_flags(overrides)]
+    argv += ["--out-dir", str(out_dir), "--start-batch", micro, "--max-batch", micro, "--steps", "1"]
+    argv += ["--workers", str(cfg.num_workers), "--prefetch", str(cfg.prefetch_factor), "--loader-batches", "2"]
+    with open(out_dir / "probe.log", "w") as fh:
+        fh.write(f"$ {' '.join(argv)}\n")
+        fh.flush()
+        rc = subprocess.run(argv, stdout=fh, stderr=subprocess.STDOUT).returncode
+    if rc != 0 or not path.exists():
+        raise ConfigError(
+            f"sweep probe: exit {rc}, see {out_dir / 'probe.log'}; fix the base config or give --probe-report"
+        )
+    return path
+
+
+def worst_overrides(fixed: dict, trials: list[dict]) -> dict:
+    """``fixed`` with each swept :data:`RESOURCE_FIELDS` field at its largest value in ``trials``: the
+    overrides of the config the planner checks K for."""
+    worst = dict(fixed)
+    for name in RESOURCE_FIELDS:
+        vals = [t[name] for t in trials if isinstance(t.get(name), (int, float))]
+        if vals:
+            worst[name] = max(vals)
+    return worst
+
+
+def choose_parallel(cfg, n_trials: int, requested: Optional[int], probe_report: Optional[str]) -> tuple[int, str]:
+    """K, the trials to run at a time, and one line saying why (see module doc).
+
+    Raises:
+        ConfigError: ``requested`` is more than the planner's check allows on this machine (names the limit).
+    """
+    from trainer.planning.plan import local_machine, max_local_jobs
+
+    machine = local_machine()
+    limit = max(1, requested or n_trials)
+    fit, rows = max_local_jobs(cfg, limit, probe_report=probe_report, machine=machine)
+    here = f"{machine.vcpus} vCPUs, {machine.memory_gib:.1f} GiB RAM available" + (
+        f", {machine.gpus} x {machine.gpu_model} {machine.gpu_memory_gib:.0f} GiB" if machine.gpus else ", no GPU"
+    )
+    why_not = ""
+    if len(rows) > fit:  # the first K that did not fit
+        why_not = rows[fit]["errors"][0].replace(f"--jobs-per-instance {fit + 1}: ", "")
+    if requested is not None and requested > fit:
+        raise ConfigError(
+            f"--parallel {requested}: {fit + 1} trials at a time do not fit this machine ({here}): {why_not}; "
+            f"use --parallel {fit} or less (trainer.planning.plan.max_local_jobs)"
+        )
+    k = min(fit, n_trials, requested or fit)
+    if requested is not None:
+        reason = f"--parallel {requested}, which fits"
+    elif why_not:
+        reason = f"{fit + 1} would not fit: {why_not}"
+    else:
+        reason = f"capped by the {n_trials} trial(s) to run"
+    return k, f"sweep: {k} trial(s) at a time on this machine ({here}); {reason}"
+
+
+def trial_result(name: str, values: dict, metric: str, mode: str, out: Path) -> dict:
+    """One trial's row: ``trial``, its values, ``metric`` = the best epoch value (max or min by ``mode``; only
+    when done, so only done trials are ranked), ``best_epoch``, ``last`` (last epoch's value), ``epochs`` (epoch
+    rows logged), ``status`` (``done`` | ``failed rc=N`` | ``interrupted`` | ``pending``), ``wall_s``."""
+    paths = trial_dirs(out, name)
+    status = json.loads(paths["status"].read_text()) if paths["status"].exists() else {"status": "pending"}
+    rows = []
+    jsonl = paths["logs"] / "metrics.jsonl"
+    if jsonl.exists():
+        for line in jsonl.read_text().splitlines():
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by a kill
+            v = r.get(metric)
+            if r.get("kind") == "epoch" and isinstance(v, (int, float)) and math.isfinite(v):
+                rows.append(r)
+    best = None
+    if rows:
+        best = (max if mode == "max" else min)(rows, key=lambda r: r[metric])
+    state = status["status"]
+    if state == "failed":
+        state = f"failed rc={status.get('rc')}"
+    row = {"trial": name, **values}
+    row[metric] = best[metric] if best is not None and state == "done" else None
+    row.update(
+        best_epoch=best.get("epoch") if best else None,
+        best_so_far=best[metric] if best else None,
+        last=rows[-1][metric] if rows else None,
+        epochs=len(rows),
+        status=state,
+        wall_s=round(status["wall_s"], 1) if "wall_s" in status else None,
+    )
+    return row
+
+
+class _Stop:
+    """Set by SIGTERM/SIGINT: the sweep stops starting trials and forwards SIGTERM once to the running ones."""
+
+    def __init__(self):
+        self.signum: Optional[int] = None
+
+    def __call__(self, signum, frame) -> None:
+        self.signum = signum
+
+
+def _run_trials(todo: list[tuple[str, list[str]]], out: Path, k: int, gpus: int, log: Callable) -> bool:
+    """Run ``todo`` (trial name, train argv) ``k`` at a time; write each ``status.json``. Returns True when a
+    signal stopped the sweep (running trials were sent SIGTERM and waited for)."""
+    threads = str(max(1, (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()) // k))
+    stop = _Stop()
+    old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    running: dict[int, tuple[str, subprocess.Popen, float, Any]] = {}  # slot -> (name, proc, start, log file)
+    queue = list(todo)
+    forwarded = False
+    try:
+        while queue or running:
+            if stop.signum is not None and not forwarded:
+                for name, proc, _, _ in running.values():
+                    log(f"sweep: {name}: forwarding SIGTERM (checkpoint and exit 75)")
+                    proc.send_signal(signal.SIGTERM)
+                forwarded, queue = True, []
+            while queue and len(running) < k and stop.signum is None:
+                slot = next(s for s in range(k) if s not in running)
+                name, argv = queue.pop(0)
+                paths = trial_dirs(out, name)
+                paths["dir"].mkdir(parents=True, exist_ok=True)
+                env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1"}
+                if gpus > 1:
+                    env["CUDA_VISIBLE_DEVICES"] = str(slot % gpus)
+                fh = open(paths["log"], "a")
+                fh.write(f"$ {' '.join(argv)}\n")
+                fh.flush()
+                proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                running[slot] = (name, proc, time.monotonic(), fh)
+                log(f"sweep: {name}: started (slot {slot}, {threads} CPU thread(s)); log {paths['log']}")
+            for slot, (name, proc, t0, fh) in list(running.items()):
+                rc = proc.poll()
+                if rc is None:
+                    continue
+                fh.close()
+                del running[slot]
+                paths = trial_dirs(out, name)
+                prev = json.loads(paths["status"].read_text()) if paths["status"].exists() else {}
+                # a trial stopped by the forwarded SIGTERM before its handler was installed dies of it (rc < 0)
+                stopped = rc == EXIT_INTERRUPTED or (forwarded and rc < 0)
+                state = "done" if rc == EXIT_OK else "interrupted" if stopped else "failed"
+                wall = prev.get("wall_s", 0.0) + time.monotonic() - t0
+                paths["status"].write_text(json.dumps({"status": state, "rc": rc, "wall_s": round(wall, 2)}) + "\n")
+                log(f"sweep: {name}: {state} (exit {rc}, {wall:.1f} s)")
+            time.sleep(0.2)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    return stop.signum is not None
+
+
+def run_sweep(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
+    """Run the sweep of parsed ``args`` (module doc); returns the exit code. Raises ConfigError, DataError,
+    PlanError on bad input, before any trial starts."""
+    if not args.config:
+        raise ConfigError("--config: required; the base config every trial starts from")
+    base = Path(args.config)
+    fixed = _fixed_overrides(args)
+    space = search_space(args.grid, args.range, args.random, args.sweep_seed)
+    cfg = load_config(base, fixed)
+    metric, mode = objective(cfg.task, args.metric)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out}: is a file; expected a folder for the sweep")
+    trials = space.trials()
+    names = [trial_name(i) for i in range(len(trials))]
+    argvs = []
+    for name, values in zip(names, trials):  # every trial's config, before any trial runs
+        paths = trial_dirs(out, name)
+        where = {"checkpoint_dir": str(paths["checkpoints"]), "log_dir": str(paths["logs"])}
+        try:
+            load_config(base, {**fixed, **values, **where})
+        except ConfigError as e:
+            shown = ", ".join(f"{k}={v}" for k, v in values.items())
+            raise ConfigError(f"sweep trial {name} ({shown}): {e}") from None
+        argvs.append(
+            [sys.executable, "-m", "trainer", "train", "--config", str(base), *_flags({**fixed, **values, **where})]
+        )
+    manifest = {
+        "base_config": str(base),
+        "base_sha256": _sha256(base),
+        "base_values": json.loads(json.dumps(cfg.to_dict(), default=str)),
+        "fixed": {k: str(v) for k, v in fixed.items()},
+        "space": {
+            "grid": space.grid,
+            "ranges": {k: vars(r) for k, r in space.ranges.items()},
+            "random": space.random,
+            "seed": space.seed,
+        },
+        "metric": {"key": metric, "mode": mode},
+        "trials": [{"trial": n, **t} for n, t in zip(names, trials)],
+    }
+    _check_manifest(out, manifest)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str) + "\n")
+
+    def state(name: str) -> str:
+        p = trial_dirs(out, name)["status"]
+        return json.loads(p.read_text())["status"] if p.exists() else "pending"
+
+    todo = [(n, a) for n, a in zip(names, argvs) if state(n) not in ("done", "failed")]
+    skipped = len(names) - len(todo)
+    if skipped:
+        log(f"sweep: {skipped} of {len(names)} trial(s) already finished in {out}: skipped")
+    stopped = False
+    if todo:
+        worst = worst_overrides(fixed, trials)
+        worst_cfg = load_config(base, worst)
+        probe = args.probe_report or str(cheap_probe(str(base), worst, worst_cfg, out / "probe"))
+        k, why = choose_parallel(worst_cfg, len(todo), args.parallel, probe)
+        log(why)
+        from trainer.planning.plan import local_machine
+
+        stopped = _run_trials(todo, out, k, local_machine().gpus, log)
+    rows = rank([trial_result(n, t, metric, mode, out) for n, t in zip(names, trials)], metric, mode)
+    import logging
+
+    logging.getLogger("matplotlib.font_manager").setLevel(logging.ERROR)  # "findfont: ..." lines, not ours
+    paths = write_results(rows, space.names, metric, mode, out, extra=("best_epoch", "last"))
+    print(results_markdown(rows, space.names, metric, mode, extra=("best_epoch", "last")), end="")
+    log(f"sweep: results: {paths['md']}, {paths['json']}, {paths['png']}")
+    if stopped:
+        log(f"sweep: interrupted; run the same command again to resume ({out})")
+        return EXIT_INTERRUPTED
+    if any(r["status"].startswith("failed") for r in rows):
+        return EXIT_TRIAL_FAILED
+    return EXIT_OK
+
+
+def run_sweep_command(args: argparse.Namespace) -> int:
+    """``python -m trainer sweep``: :func:`run_sweep`, bad input as one ``error: ...`` line and exit 2."""
+    from catalog import CatalogError
+    from trainer.data.formats.imagefolder import DataError
+    from trainer.planning.plan import PlanError
+
+    try:
+        return run_sweep(args, log=lambda m: print(m, flush=True))
+    except (ConfigError, DataError, PlanError, CatalogError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:  # Ctrl-C before the trials started (their handler covers the rest)
+        print("error: sweep: interrupted before any trial started; run the same command again", file=sys.stderr)
+        return EXIT_INTERRUPTED
