@@ -151,6 +151,7 @@ class TrainingStack(cdk.Stack):
             max_run_s=int(cfg.sagemaker_max_run_hours * 3600),
             max_wait_s=int(cfg.sagemaker_max_wait_hours * 3600),
             default_image_tag=cfg.image_tag,
+            env=cfg.env,
         )
         for name in cfg.sagemaker_instance_types:
             it = catalog.get(name, cat)
