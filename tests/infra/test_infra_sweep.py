@@ -669,3 +669,59 @@ def test_sweep_status_command_prints_the_table_and_writes_the_results(monkeypatc
     assert out.index("| 1 | t001 | 0.03 | 0.7 |") < out.index("| 2 | t000 | 0.1 | 0.5 |")
     assert "jobs sweep roofs-lr: 2 trials" in out
     assert {p.name for p in (tmp_path / "r").iterdir()} == {"results.md", "results.json", "results.png"}
+
+
+def test_a_trials_execution_input_renders_a_tagged_training_job(templates):
+    """The deployed train-g5-xlarge state machine run by moto's Step Functions interpreter with the input
+    ``sweep`` sends for trial t001: the CreateTrainingJob request (validated against botocore's model) carries
+    the trial's hyperparameters, its own checkpoint prefix and the env/run/sweep tags sweep-status searches by."""
+    import time
+
+    from moto import mock_aws
+
+    from tests.infra.test_infra_sagemaker_requests import _install_fake_sagemaker_sync
+
+    p = sweep.plan(moto_env.ENV, "roofs-lr", "train-g5-xlarge", ROOFS, {}, ["lr=[0.1, 0.03]"], [])
+    mp = pytest.MonkeyPatch()
+    try:
+        moto_env.fake_credentials(mp)
+        with mock_aws():
+            moto_env.deploy(templates)
+            sfn = boto3.client("stepfunctions", region_name=moto_env.REGION)
+            arn = next(
+                m["stateMachineArn"]
+                for m in sfn.list_state_machines()["stateMachines"]
+                if m["name"] == f"trainstack-{moto_env.ENV}-train-g5-xlarge"
+            )
+            d = sfn.describe_state_machine(stateMachineArn=arn)
+        recorded: list[dict] = []
+        with mock_aws(config={"stepfunctions": {"execute_state_machine": True}}):
+            sfn = boto3.client("stepfunctions", region_name=moto_env.REGION)
+            _install_fake_sagemaker_sync(mp, recorded)
+            arn = sfn.create_state_machine(name=d["name"], definition=d["definition"], roleArn=d["roleArn"])[
+                "stateMachineArn"
+            ]
+            ex = sfn.start_execution(stateMachineArn=arn, input=json.dumps(sweep.execution_input(p, 1, "3f2c1ab")))[
+                "executionArn"
+            ]
+            deadline = time.monotonic() + 60
+            while (desc := sfn.describe_execution(executionArn=ex))["status"] == "RUNNING":
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        assert desc["status"] == "SUCCEEDED", desc.get("cause")
+    finally:
+        mp.undo()
+    (req,) = recorded
+    _valid(req, "CreateTrainingJob")
+    assert req["HyperParameters"] == p.trial_hps[1] and req["HyperParameters"]["lr"] == "0.03"
+    assert req["CheckpointConfig"]["S3Uri"].endswith("/checkpoints/roofs-lr-t001/g5-xlarge/")
+    tags = {t["Key"]: t["Value"] for t in req["Tags"]}
+    assert tags == {
+        "trainstack:prefix": f"trainstack-{moto_env.ENV}",
+        "trainstack:env": moto_env.ENV,
+        "trainstack:run": "roofs-lr-t001",
+        "trainstack:sweep": "roofs-lr",
+        "trainstack:trial": "t001",
+        "trainstack:parameters": "lr",
+        "trainstack:objective": "val_miou max",
+    }
