@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import sys
 from pathlib import Path
 
 import boto3
@@ -725,3 +726,46 @@ def test_a_trials_execution_input_renders_a_tagged_training_job(templates):
         "trainstack:parameters": "lr",
         "trainstack:objective": "val_miou max",
     }
+
+
+def test_every_sweep_call_is_allowed_by_the_deploy_role(templates, monkeypatch, tmp_path):
+    """The calls of sweep (both strategies), sweep-status (both) and teardown's tuning-job stop, as the tests above
+    make them, recorded as IAM actions on their resources and checked against the synthesized GitHub deploy role
+    (tests.infra_helpers.CallRecorder / is_allowed, the way test_infra_iam.py checks teardown); plus the PassRole
+    CreateHyperParameterTuningJob implies for its RoleArn, to sagemaker.amazonaws.com only."""
+    from tests.infra_helpers import CallRecorder, is_allowed, policy_statements
+
+    st = policy_statements(templates["CiStack"], "GithubDeployRoleDefaultPolicy", ACCOUNT, REGION)
+    rec = CallRecorder()
+
+    def recorded_client(name):
+        c = boto3.Session(aws_access_key_id="x", aws_secret_access_key="x", region_name=REGION).client(name)
+        c.meta.events.register("before-parameter-build.*.*", rec._hook)
+        return c
+
+    monkeypatch.setattr(sys.modules[__name__], "_client", recorded_client)
+    test_submit_tuning_reads_the_state_machine_and_creates_one_tuning_job()
+    test_jobs_strategy_starts_k_trials_then_tops_up_on_rerun()
+    test_sweep_status_of_a_tuning_job_ranks_its_trials(tmp_path)
+    test_sweep_status_of_a_jobs_sweep_searches_by_tags_and_keeps_other_envs_out()
+    test_teardown_stops_this_environments_running_tuning_jobs_only()
+    actions = {a for a, _ in rec.calls}
+    assert {
+        "sagemaker:CreateHyperParameterTuningJob",
+        "sagemaker:DescribeHyperParameterTuningJob",
+        "sagemaker:ListTrainingJobsForHyperParameterTuningJob",
+        "sagemaker:Search",
+        "sagemaker:ListHyperParameterTuningJobs",
+        "sagemaker:ListTags",
+        "sagemaker:StopHyperParameterTuningJob",
+        "states:StartExecution",
+        "states:DescribeStateMachine",
+        "states:ListExecutions",
+        "states:DescribeExecution",
+        "ecr:DescribeImages",
+    } <= actions
+    assert rec.denied(st, ACCOUNT, REGION) == []
+    roles = [p["TrainingJobDefinition"]["RoleArn"] for a, p in rec.calls if a.endswith("CreateHyperParameterTuningJob")]
+    assert roles and all(
+        is_allowed(st, "iam:PassRole", r, {"iam:PassedToService": "sagemaker.amazonaws.com"}) for r in roles
+    )
