@@ -9,7 +9,7 @@
       sweep-status a sweep's trials ranked by its metric: results.md/json/png in --out, the table on stdout
       status       instances, executions and training jobs of the environment (or one of them)
       logs TARGET  CloudWatch log tail of an instance (i-...) or a training job
-      stop TARGET  stop one instance, execution or training job
+      stop TARGET  stop one instance, execution, training job or tuning job
       teardown     find (and with --yes remove) everything that still bills: instances, spot requests, volumes,
                    running executions and tuning jobs
                    (--wait: until the instances are terminated and the data volume detached)
@@ -134,7 +134,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("-n", "--lines", type=_positive_int, default=50)
     s.add_argument("--follow", action="store_true")
 
-    s = sub.add_parser("stop", help="stop an instance, execution or job")
+    s = sub.add_parser("stop", help="stop an instance, execution, training job or tuning job")
     s.add_argument("target")
 
     s = sub.add_parser("teardown", help="remove what still bills (dry run without --yes)")
@@ -302,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
         if args.target.startswith("i-"):
             print(f"{instances.stop_instance(aws, args.target)} {args.target}")
         else:
-            print(jobs.stop_run(aws, args.target))
+            print(sweep.stop_tuning_job(aws, args.target) or jobs.stop_run(aws, args.target))
     elif cmd == "teardown":
         found = instances.sweep(aws, outputs, apply=args.yes)
         found["executions"] = jobs.stop_running_executions(aws, outputs, apply=args.yes)

@@ -538,6 +538,29 @@ def stop_tuning_jobs(aws: Aws, apply: bool, sm=None) -> list[str]:
     return found
 
 
+def stop_tuning_job(aws: Aws, name: str, sm=None) -> Optional[str]:
+    """``python -m infra stop NAME`` for a tuning job: stops ``NAME`` when it is a tuning job tagged with this
+    environment (SageMaker then stops its training jobs) and says so; None when no tuning job has that name (the
+    caller then treats it as a training job). Raises CliError for another environment's tuning job."""
+    if not name.startswith(f"trainstack-{aws.env}-") or len(name) > TUNING_NAME_MAX:
+        return None
+    sm = sm or aws.client("sagemaker")
+    try:
+        job = sm.describe_hyper_parameter_tuning_job(HyperParameterTuningJobName=name)
+    except ClientError as e:
+        if e.response.get("Error", {}).get("Code") in ("ResourceNotFound", "ValidationException"):
+            return None
+        raise explain(e, f"describing tuning job {name}") from None
+    try:
+        tags = sm.list_tags(ResourceArn=job["HyperParameterTuningJobArn"]).get("Tags", [])
+        if {"Key": "trainstack:env", "Value": aws.env} not in tags:
+            raise CliError(f"tuning job {name} is not tagged trainstack:env={aws.env}", "pass its own --env")
+        sm.stop_hyper_parameter_tuning_job(HyperParameterTuningJobName=name)
+    except ClientError as e:
+        raise explain(e, f"stopping tuning job {name}") from None
+    return f"stopping tuning job {name} (SageMaker stops its running training jobs)"
+
+
 # ------------------------------------------------------------------------------------------------- status
 def _seconds(start, end) -> Optional[float]:
     if isinstance(start, dt.datetime) and isinstance(end, dt.datetime):
@@ -592,7 +615,7 @@ def job_rows(env: str, name: str, jobs_found: list[dict]) -> tuple[list[dict], l
     """Rows, swept names, metric and mode of a jobs-strategy sweep from its training jobs (``Search`` results'
     ``TrainingJob``): names and objective from the jobs' ``trainstack:parameters``/``:objective`` tags, values from
     their ``HyperParameters``, the metric from ``FinalMetricDataList``; the newest job of each trial."""
-    newest: dict[str, dict] = {}
+    newest: dict[str, tuple[dict, dict]] = {}
     for j in jobs_found:
         t = {x["Key"]: x["Value"] for x in j.get("Tags", [])}
         if t.get("trainstack:env") != env or t.get("trainstack:sweep") != name:

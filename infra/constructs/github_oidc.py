@@ -25,9 +25,9 @@ from infra.config import DLC_REGISTRY_ACCOUNT
 from infra.constructs.nag import ack_findings, env_literals, nag_arn
 
 GITHUB_OIDC_URL = "token.actions.githubusercontent.com"
-#: The SageMaker execution role's name inside CloudFormation's generated role names (``<stack>-<this><hash>-<id>``):
-#: the logical id of TrainingStack._sagemaker_role.
-SAGEMAKER_ROLE_NAME = "TrainingStack-SageMakerRole"
+#: The SageMaker execution role of each environment is ``trainstack-<env>-<this>-<region>``
+#: (TrainingStack._sagemaker_role).
+SAGEMAKER_ROLE_SUFFIX = "sagemaker"
 
 
 class GithubOidcDeployRole(Construct):
@@ -114,7 +114,7 @@ class GithubOidcDeployRole(Construct):
         # (the tuning strategy mirrors its training job); the tuning strategy creates a tuning job, whose Tags need
         # sagemaker:AddTags on it (SageMaker developer guide, "Grant permission to tag SageMaker AI resources on
         # creation"), and passes the SageMaker execution role: iam:PassRole to sagemaker.amazonaws.com only, on
-        # the roles CloudFormation names <env>-TrainingStack-SageMakerRole<hash>-<suffix> (one CiStack per account
+        # the training stacks' roles trainstack-<env>-sagemaker-<region> (one CiStack per account
         # serves every environment, hence trainstack-* rather than one environment's prefix).
         machines = stack.format_arn(
             service="states",
@@ -141,7 +141,7 @@ class GithubOidcDeployRole(Construct):
             )
         )
         sagemaker_roles = stack.format_arn(
-            service="iam", region="", resource="role", resource_name=f"*-{SAGEMAKER_ROLE_NAME}*"
+            service="iam", region="", resource="role", resource_name=f"trainstack-*-{SAGEMAKER_ROLE_SUFFIX}-*"
         )
         self.role.add_to_policy(
             iam.PolicyStatement(
@@ -197,7 +197,7 @@ class GithubOidcDeployRole(Construct):
                 "Resource::" + nag_arn("cloudwatch", "alarm:trainstack-*-gpu-idle-*", account, region),
                 "Resource::" + nag_arn("states", "stateMachine:trainstack-*", account, region),
                 "Resource::" + nag_arn("sagemaker", "hyper-parameter-tuning-job/trainstack-*", account, region),
-                f"Resource::arn:<AWS::Partition>:iam::{acct}:role/*-{SAGEMAKER_ROLE_NAME}*",
+                f"Resource::arn:<AWS::Partition>:iam::{acct}:role/trainstack-*-{SAGEMAKER_ROLE_SUFFIX}-*",
                 f"Resource::arn:<AWS::Partition>:ecr:*:{DLC_REGISTRY_ACCOUNT}:repository/*",
             ],
             "Describe/List calls only accept '*'; terminate/cancel/delete only on resources tagged trainstack:env; "

@@ -32,7 +32,7 @@ from tests.infra.test_infra_sagemaker_requests import check_against_model
 REPO = Path(__file__).resolve().parents[2]
 ROOFS = str(REPO / "configs" / "seed001_roofs_gpu.yaml")  # segmentation: objective val_miou
 ACCOUNT, REGION, ENV = "123456789012", "us-east-1", "dev"
-ROLE = f"arn:aws:iam::{ACCOUNT}:role/dev-TrainingStack-SageMakerRoleABCDEF12-XYZ"
+ROLE = f"arn:aws:iam::{ACCOUNT}:role/trainstack-dev-sagemaker-{REGION}"
 BUCKET = "dev-datastack-bucket83908e77-abc"
 REPO_URI = f"{ACCOUNT}.dkr.ecr.{REGION}.amazonaws.com/trainstack-dev"
 MACHINE_ARN = f"arn:aws:states:{REGION}:{ACCOUNT}:stateMachine:trainstack-dev-train-g5-xlarge"
@@ -504,7 +504,7 @@ def templates(tmp_path_factory):
 
 
 def test_deploy_role_may_run_sweeps(templates):
-    from tests.infra_helpers import is_allowed, policy_statements
+    from tests.infra_helpers import is_allowed, policy_statements, resolve
 
     acct, reg, env = moto_env.ACCOUNT, moto_env.REGION, moto_env.ENV
     st = policy_statements(templates["CiStack"], "GithubDeployRoleDefaultPolicy", acct, reg)
@@ -525,10 +525,17 @@ def test_deploy_role_may_run_sweeps(templates):
     )
     for action in ("Search", "ListHyperParameterTuningJobs", "ListTags"):  # sweep-status, teardown
         assert is_allowed(st, f"sagemaker:{action}", "*"), action
-    role = f"arn:aws:iam::{acct}:role/{env}-TrainingStack-SageMakerRole1A2B3C4D-AbCdEf"
+    role = f"arn:aws:iam::{acct}:role/trainstack-{env}-sagemaker-{reg}"
     assert is_allowed(st, "iam:PassRole", role, {"iam:PassedToService": "sagemaker.amazonaws.com"})
     assert not is_allowed(st, "iam:PassRole", role, {"iam:PassedToService": "ec2.amazonaws.com"})
     assert not is_allowed(st, "iam:PassRole", f"arn:aws:iam::{acct}:role/{env}-TrainingStack-InstanceRole1-X")
+    # the role the training stack really creates (its name is set, not generated)
+    sm_roles = [
+        resolve(r["Properties"].get("RoleName"), acct, reg)
+        for r in templates["TrainingStack"]["Resources"].values()
+        if r["Type"] == "AWS::IAM::Role" and "sagemaker.amazonaws.com" in json.dumps(r["Properties"])
+    ]
+    assert sm_roles == [f"trainstack-{env}-sagemaker-{reg}"]
 
 
 def test_state_machine_tags_training_jobs_with_env_run_and_sweep(templates):
@@ -729,7 +736,7 @@ def test_a_trials_execution_input_renders_a_tagged_training_job(templates):
 
 
 def test_every_sweep_call_is_allowed_by_the_deploy_role(templates, monkeypatch, tmp_path):
-    """The calls of sweep (both strategies), sweep-status (both) and teardown's tuning-job stop, as the tests above
+    """The calls of sweep (both strategies), sweep-status (both), stop and teardown of tuning jobs, as the tests above
     make them, recorded as IAM actions on their resources and checked against the synthesized GitHub deploy role
     (tests.infra_helpers.CallRecorder / is_allowed, the way test_infra_iam.py checks teardown); plus the PassRole
     CreateHyperParameterTuningJob implies for its RoleArn, to sagemaker.amazonaws.com only."""
@@ -749,6 +756,7 @@ def test_every_sweep_call_is_allowed_by_the_deploy_role(templates, monkeypatch, 
     test_sweep_status_of_a_tuning_job_ranks_its_trials(tmp_path)
     test_sweep_status_of_a_jobs_sweep_searches_by_tags_and_keeps_other_envs_out()
     test_teardown_stops_this_environments_running_tuning_jobs_only()
+    test_stop_names_a_tuning_job_of_this_environment()
     actions = {a for a, _ in rec.calls}
     assert {
         "sagemaker:CreateHyperParameterTuningJob",
@@ -769,3 +777,34 @@ def test_every_sweep_call_is_allowed_by_the_deploy_role(templates, monkeypatch, 
     assert roles and all(
         is_allowed(st, "iam:PassRole", r, {"iam:PassedToService": "sagemaker.amazonaws.com"}) for r in roles
     )
+
+
+def test_stop_names_a_tuning_job_of_this_environment():
+    sm = _client("sagemaker")
+    t0 = dt.datetime(2026, 11, 26, 10, 0, tzinfo=dt.UTC)
+    name = "trainstack-dev-roofs-lr"
+    arn = f"arn:aws:sagemaker:{REGION}:{ACCOUNT}:hyper-parameter-tuning-job/{name}"
+    describe = {
+        "HyperParameterTuningJobName": name,
+        "HyperParameterTuningJobArn": arn,
+        "HyperParameterTuningJobConfig": {"Strategy": "Grid", "ResourceLimits": {"MaxParallelTrainingJobs": 2}},
+        "HyperParameterTuningJobStatus": "InProgress",
+        "CreationTime": t0,
+        "TrainingJobStatusCounters": {},
+        "ObjectiveStatusCounters": {},
+    }
+    for env_tag, stopped in (("dev", True), ("dev-x", False)):
+        with Stubber(sm) as st:
+            st.add_response("describe_hyper_parameter_tuning_job", describe, {"HyperParameterTuningJobName": name})
+            st.add_response("list_tags", {"Tags": [{"Key": "trainstack:env", "Value": env_tag}]}, {"ResourceArn": arn})
+            if stopped:
+                st.add_response("stop_hyper_parameter_tuning_job", {}, {"HyperParameterTuningJobName": name})
+                assert "stopping tuning job" in sweep.stop_tuning_job(_aws(), name, sm=sm)
+            else:
+                with pytest.raises(CliError, match="not tagged trainstack:env=dev"):
+                    sweep.stop_tuning_job(_aws(), name, sm=sm)
+            st.assert_no_pending_responses()
+    with Stubber(sm) as st:  # no such tuning job: a training job name, left to jobs.stop_run
+        st.add_client_error("describe_hyper_parameter_tuning_job", "ResourceNotFound", "no such job")
+        assert sweep.stop_tuning_job(_aws(), "trainstack-dev-g5-1a2b3c", sm=sm) is None
+    assert sweep.stop_tuning_job(_aws(), "trainstack-dev-g5-xlarge-1a2b3c4d-long", sm=sm) is None  # > 32: no call
