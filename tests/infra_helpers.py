@@ -184,6 +184,13 @@ def call_resource(action: str, params: dict, account: str, region: str) -> list[
         return [f"arn:aws:cloudwatch:{region}:{account}:alarm:{params['AlarmName']}"]
     if action.startswith("ecr:") and "repositoryName" in params:
         return [f"arn:aws:ecr:{region}:{params.get('registryId') or account}:repository/{params['repositoryName']}"]
+    if action in ("states:StartExecution", "states:DescribeStateMachine", "states:ListExecutions"):
+        return [params["stateMachineArn"]]
+    if action == "states:DescribeExecution":
+        return [params["executionArn"]]
+    if action.startswith("sagemaker:") and "HyperParameterTuningJobName" in params:
+        name = params["HyperParameterTuningJobName"].lower()  # SageMaker ARNs carry the name in lower case
+        return [f"arn:aws:sagemaker:{region}:{account}:hyper-parameter-tuning-job/{name}"]
     if action in ("ecr:GetAuthorizationToken",) or action.split(":")[1].startswith(("Describe", "List")):
         return ["*"]
     return [None]

@@ -26,6 +26,13 @@ PLATFORM_FIELDS = ("data_dir", "checkpoint_dir", "log_dir", "resume", "device")
 _RUN_RE = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9-]{0,39}$")
 
 
+def hp_string(value: Any) -> str:
+    """A config value as a SageMaker hyperparameter string: lists/dicts as JSON, booleans lower-case."""
+    if isinstance(value, (list, dict)):
+        return json.dumps(value)
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def hyperparameters(config_path: Optional[str], overrides: dict[str, str]) -> dict[str, str]:
     """SageMaker hyperparameters (str -> str) from a trainer YAML plus ``--set key=value`` overrides.
 
@@ -63,7 +70,7 @@ def hyperparameters(config_path: Optional[str], overrides: dict[str, str]) -> di
     for k, v in values.items():
         if k in PLATFORM_FIELDS:
             continue
-        hp[k] = json.dumps(v) if isinstance(v, (list, dict)) else (str(v).lower() if isinstance(v, bool) else str(v))
+        hp[k] = hp_string(v)
     if len(hp) > 100:
         raise CliError(f"{len(hp)} hyperparameters; SageMaker accepts at most 100")
     return hp

@@ -4,10 +4,14 @@
       push-image   build images/training/Dockerfile, push to the stack's ECR repository tagged with the commit
       launch TYPE  run a spot instance from the stack's launch template (--on-demand-fallback to fall back)
       submit       start a managed-spot SageMaker run through the stack's state machine
+      sweep        a hyperparameter sweep: managed-spot jobs (at most K running; rerun to top up) or one
+                   SageMaker tuning job (--strategy tuning); --dry-run prints the requests, no AWS call
+      sweep-status a sweep's trials ranked by its metric: results.md/json/png in --out, the table on stdout
       status       instances, executions and training jobs of the environment (or one of them)
       logs TARGET  CloudWatch log tail of an instance (i-...) or a training job
-      stop TARGET  stop one instance, execution or training job
-      teardown     find (and with --yes remove) everything that still bills: instances, spot requests, volumes
+      stop TARGET  stop one instance, execution, training job or tuning job
+      teardown     find (and with --yes remove) everything that still bills: instances, spot requests, volumes,
+                   running executions and tuning jobs
                    (--wait: until the instances are terminated and the data volume detached)
       cost         what is running and what it has cost so far
 
@@ -30,7 +34,7 @@ from typing import Optional
 from botocore.exceptions import BotoCoreError
 
 from catalog import CatalogError
-from infra.cli import costs, image, instances, jobs, logs
+from infra.cli import costs, image, instances, jobs, logs, sweep
 from infra.cli.outputs import load as load_outputs
 from infra.cli.session import NETWORK_ERRORS, CliError, open_session, unreachable
 from infra.config import ENV_RE, ENV_RULE
@@ -94,6 +98,33 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--instance-count", type=_positive_int, default=1)
     s.add_argument("--nproc-per-node", type=int, help="checked against the catalog's GPU count, never sent")
 
+    s = sub.add_parser("sweep", help="a hyperparameter sweep on SageMaker managed spot (infra/cli/sweep.py)")
+    s.add_argument("--name", required=True, help="the sweep: trials run as NAME-t000, NAME-t001, ...")
+    s.add_argument("--machine", default="train-g5-2xlarge", help="state machine train-<type>: one instance per trial")
+    s.add_argument("--config", help="base trainer YAML (validated with every trial here)")
+    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="base override")
+    s.add_argument("--grid", action="append", default=[], metavar="NAME=[V1,V2]", help="values of one field")
+    s.add_argument("--range", action="append", default=[], metavar="NAME=LOW:HIGH[:log][:int]", help="with --random")
+    s.add_argument("--random", type=_positive_int, help="N random trials (tuning: N training jobs)")
+    s.add_argument("--seed", type=int, default=0, help="seed of the random trials (tuning: RandomSeed)")
+    s.add_argument("--metric", help="objective (default: the task's headline metric, e.g. val_top1)")
+    s.add_argument("--strategy", choices=("jobs", "tuning"), default="jobs")
+    s.add_argument("--tuning-strategy", choices=sweep.TUNING_STRATEGIES, help="override Grid/Bayesian/Random")
+    s.add_argument(
+        "--max-parallel", type=_positive_int, default=sweep.DEFAULT_PARALLEL, help="K trials at once (default 2)"
+    )
+    s.add_argument("--image-tag", help="image tag (default: this checkout's commit, as push-image tags it)")
+    s.add_argument("--data", help="s3:// URI of the train channel (default: s3://bucket/datasets/)")
+    s.add_argument("--dry-run", action="store_true", help="print the requests as JSON; no AWS call")
+    s.add_argument("--plan", help="plan.json of `python -m trainer plan --out`: refuse a type it says does not fit")
+    s.add_argument(
+        "--retry-failed", action="store_true", help="jobs: restart failed trials too (they resume from checkpoints)"
+    )
+
+    s = sub.add_parser("sweep-status", help="a sweep's trials, ranked")
+    s.add_argument("--name", required=True)
+    s.add_argument("--out", help="folder for results.md/json/png (default: runs/sweeps/NAME)")
+
     s = sub.add_parser("status", help="what runs in the environment")
     s.add_argument("target", nargs="?", help="an instance id, execution ARN or training job name for its details")
     s.add_argument("--json", action="store_true")
@@ -103,7 +134,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("-n", "--lines", type=_positive_int, default=50)
     s.add_argument("--follow", action="store_true")
 
-    s = sub.add_parser("stop", help="stop an instance, execution or job")
+    s = sub.add_parser("stop", help="stop an instance, execution, training job or tuning job")
     s.add_argument("target")
 
     s = sub.add_parser("teardown", help="remove what still bills (dry run without --yes)")
@@ -142,12 +173,35 @@ def _print_table(rows: list[dict], cols: list[str]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run one command: first the checks that need no AWS call, then the session, the stack outputs, the work."""
+    sweep_plan = None
     if args.command == "submit":
         jobs.check_request(args.run_name, args.config, _kv(args.set), args.data, args.instance_count)
     elif args.command == "launch":
         instances.check_request(args.instance_type, args.job)
-    if args.command in ("launch", "submit") and not args.image_tag:
+    elif args.command == "sweep":  # every trial validated before any AWS call
+        sweep_plan = sweep.plan(
+            args.env,
+            args.name,
+            args.machine,
+            args.config,
+            _kv(args.set),
+            args.grid,
+            args.range,
+            args.random,
+            args.seed,
+            args.metric,
+            args.strategy,
+            args.tuning_strategy,
+            args.max_parallel,
+            args.data,
+        )
+        if args.plan:
+            sweep.check_plan(sweep_plan, args.plan)
+    if args.command in ("launch", "submit", "sweep") and not args.image_tag:
         args.image_tag = image.git_tag(REPO)  # immutable: a restarted or resubmitted job runs the same image
+    if sweep_plan is not None and args.dry_run:
+        print(json.dumps(sweep.dry_run(sweep_plan, args.image_tag), indent=1))
+        return 0
     aws = open_session(args.env, args.region, args.profile)
     # teardown must also clean up after a deploy that rolled back or a stack deleted half-way
     outputs = load_outputs(aws, partial=args.command == "teardown")
@@ -184,6 +238,36 @@ def run(args: argparse.Namespace) -> int:
             args.nproc_per_node,
         )
         print(f"started {arn}")
+    elif cmd == "sweep":
+        p = sweep_plan
+        if p.strategy == "tuning":
+            arn = sweep.submit_tuning(aws, outputs, p, args.image_tag)
+            print(
+                f"started tuning job {arn} ({p.tuning_strategy}, {len(p.trials)} trials, {p.max_parallel} at a "
+                f"time, objective {p.metric} {p.mode})"
+            )
+        else:
+            got = sweep.submit_jobs(aws, outputs, p, args.image_tag, args.retry_failed)
+            for arn in got["started"]:
+                print(f"started {arn}")
+            print(
+                f"sweep {p.name}: {got['running']} running, {got['done']} finished, {got['left']} not started "
+                f"(at most {p.max_parallel} at a time)"
+                + ("; rerun this command to start the next ones as trials finish" if got["left"] else "")
+            )
+        print(sweep.cost_line(p))
+        print(f"results: python -m infra --env {aws.env} sweep-status --name {p.name}")
+    elif cmd == "sweep-status":
+        from trainer.config.sweep import results_markdown, write_results
+
+        got = sweep.gather(aws, args.name)
+        out = Path(args.out or REPO / "runs" / "sweeps" / args.name)
+        try:
+            paths = write_results(got["rows"], got["names"], got["metric"], got["mode"], out)
+        except OSError as e:
+            raise CliError(f"--out {out}: cannot write the results ({e})") from None
+        print(results_markdown(got["rows"], got["names"], got["metric"], got["mode"]), end="")
+        print(f"{got['strategy']} sweep {args.name}: {len(got['rows'])} trials; {paths['md']}, {paths['png']}")
     elif cmd == "status":
         if args.target:
             if args.target.startswith("i-"):
@@ -218,10 +302,11 @@ def run(args: argparse.Namespace) -> int:
         if args.target.startswith("i-"):
             print(f"{instances.stop_instance(aws, args.target)} {args.target}")
         else:
-            print(jobs.stop_run(aws, args.target))
+            print(sweep.stop_tuning_job(aws, args.target) or jobs.stop_run(aws, args.target))
     elif cmd == "teardown":
         found = instances.sweep(aws, outputs, apply=args.yes)
         found["executions"] = jobs.stop_running_executions(aws, outputs, apply=args.yes)
+        found["tuning_jobs"] = sweep.stop_tuning_jobs(aws, apply=args.yes)
         verb = "removed" if args.yes else "would remove (run again with --yes)"
         for key, items in found.items():
             print(f"{verb} {len(items)} {key.replace('_', ' ')}: {' '.join(items) or '-'}")

@@ -5,8 +5,12 @@ subject ``repo:<owner>/<name>:ref:refs/heads/*`` (branches), ``:pull_request`` (
 ``:environment:*``. Permissions: assume the CDK bootstrap roles (``cdk-hnb659fds-*``: deploy, file and image
 publishing, lookup), read stack outputs, push to this project's ECR repositories and pull the AWS Deep Learning
 Containers base image (account 763104351884), and what ``python -m infra teardown`` needs in the destroy
-workflow (terminate, cancel, delete volumes, stop executions, delete idle alarms). tests/test_infra_iam.py
-checks the CLI's calls against this policy.
+workflow (terminate, cancel, delete volumes, stop executions, delete idle alarms), and what ``python -m infra
+sweep``/``sweep-status`` need: start the state machines' executions (jobs strategy), create, describe, list and
+stop ``trainstack-*`` hyperparameter tuning jobs with their tags (``teardown`` lists and stops the running
+ones), pass the training stacks' SageMaker role to
+SageMaker only, and ``sagemaker:Search`` (tagged training jobs). tests/test_infra_iam.py and
+tests/infra/test_infra_sweep.py check the CLI's calls against this policy.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ from infra.config import DLC_REGISTRY_ACCOUNT
 from infra.constructs.nag import ack_findings, env_literals, nag_arn
 
 GITHUB_OIDC_URL = "token.actions.githubusercontent.com"
+#: The SageMaker execution role of each environment is ``trainstack-<env>-<this>-<region>``
+#: (TrainingStack._sagemaker_role).
+SAGEMAKER_ROLE_SUFFIX = "sagemaker"
 
 
 class GithubOidcDeployRole(Construct):
@@ -77,6 +84,9 @@ class GithubOidcDeployRole(Construct):
                     "states:ListStateMachines",
                     "states:ListExecutions",
                     "sagemaker:ListTrainingJobs",
+                    "sagemaker:Search",
+                    "sagemaker:ListHyperParameterTuningJobs",
+                    "sagemaker:ListTags",
                     "cloudwatch:DescribeAlarms",
                 ],
                 resources=["*"],
@@ -97,7 +107,49 @@ class GithubOidcDeployRole(Construct):
             resource_name="trainstack-*",
             arn_format=cdk.ArnFormat.COLON_RESOURCE_NAME,
         )
-        self.role.add_to_policy(iam.PolicyStatement(actions=["states:StopExecution"], resources=[executions]))
+        self.role.add_to_policy(
+            iam.PolicyStatement(actions=["states:StopExecution", "states:DescribeExecution"], resources=[executions])
+        )
+        # sweep (infra/cli/sweep.py): the jobs strategy starts the stacks' state machines and reads their definition
+        # (the tuning strategy mirrors its training job); the tuning strategy creates a tuning job, whose Tags need
+        # sagemaker:AddTags on it (SageMaker developer guide, "Grant permission to tag SageMaker AI resources on
+        # creation"), and passes the SageMaker execution role: iam:PassRole to sagemaker.amazonaws.com only, on
+        # the training stacks' roles trainstack-<env>-sagemaker-<region> (one CiStack per account
+        # serves every environment, hence trainstack-* rather than one environment's prefix).
+        machines = stack.format_arn(
+            service="states",
+            resource="stateMachine",
+            resource_name="trainstack-*",
+            arn_format=cdk.ArnFormat.COLON_RESOURCE_NAME,
+        )
+        self.role.add_to_policy(
+            iam.PolicyStatement(actions=["states:StartExecution", "states:DescribeStateMachine"], resources=[machines])
+        )
+        tuning_jobs = stack.format_arn(
+            service="sagemaker", resource="hyper-parameter-tuning-job", resource_name="trainstack-*"
+        )
+        self.role.add_to_policy(
+            iam.PolicyStatement(
+                actions=[
+                    "sagemaker:CreateHyperParameterTuningJob",
+                    "sagemaker:DescribeHyperParameterTuningJob",
+                    "sagemaker:ListTrainingJobsForHyperParameterTuningJob",
+                    "sagemaker:StopHyperParameterTuningJob",
+                    "sagemaker:AddTags",
+                ],
+                resources=[tuning_jobs],
+            )
+        )
+        sagemaker_roles = stack.format_arn(
+            service="iam", region="", resource="role", resource_name=f"trainstack-*-{SAGEMAKER_ROLE_SUFFIX}-*"
+        )
+        self.role.add_to_policy(
+            iam.PolicyStatement(
+                actions=["iam:PassRole"],
+                resources=[sagemaker_roles],
+                conditions={"StringEquals": {"iam:PassedToService": "sagemaker.amazonaws.com"}},
+            )
+        )
         alarms = stack.format_arn(
             service="cloudwatch",
             resource="alarm",
@@ -143,12 +195,16 @@ class GithubOidcDeployRole(Construct):
                 "Resource::" + nag_arn("ecr", "repository/trainstack-*", account, region),
                 "Resource::" + nag_arn("states", "execution:trainstack-*", account, region),
                 "Resource::" + nag_arn("cloudwatch", "alarm:trainstack-*-gpu-idle-*", account, region),
+                "Resource::" + nag_arn("states", "stateMachine:trainstack-*", account, region),
+                "Resource::" + nag_arn("sagemaker", "hyper-parameter-tuning-job/trainstack-*", account, region),
+                f"Resource::arn:<AWS::Partition>:iam::{acct}:role/trainstack-*-{SAGEMAKER_ROLE_SUFFIX}-*",
                 f"Resource::arn:<AWS::Partition>:ecr:*:{DLC_REGISTRY_ACCOUNT}:repository/*",
             ],
             "Describe/List calls only accept '*'; terminate/cancel/delete only on resources tagged trainstack:env; "
             "the CDK bootstrap roles are the documented way to deploy with CDK; ECR push only to trainstack-* "
             "repositories; ECR pull of the AWS Deep Learning Containers registry's public base images; stop "
-            "executions and delete idle alarms only of trainstack-* names.",
+            "executions and delete idle alarms only of trainstack-* names; sweeps start trainstack-* state machines, "
+            "manage trainstack-* tuning jobs and pass only the training stacks' SageMaker role, to SageMaker only.",
         )
         cdk.CfnOutput(
             stack,

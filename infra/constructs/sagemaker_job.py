@@ -7,7 +7,11 @@ CreateTrainingJob request (SageMaker API reference; Step Functions "Create and m
 Execution input (every key optional but ``run_name``)::
 
     {"run_name": "resnet50-a", "image_tag": "3f2c1ab", "instance_count": 1,
-     "data_s3_uri": "s3://<bucket>/datasets/imagenette/", "hyperparameters": {"epochs": "5"}}
+     "data_s3_uri": "s3://<bucket>/datasets/imagenette/", "hyperparameters": {"epochs": "5"},
+     "sweep": {"sweep": "roofs-lr", "trial": "t003", "parameters": "lr", "objective": "val_top1 max"}}
+
+``sweep`` (``python -m infra sweep`` sends it) becomes the training job's ``trainstack:sweep``/``:trial``/
+``:parameters``/``:objective`` tags (empty outside a sweep), next to ``trainstack:env`` and ``trainstack:run``.
 
 ``run_name`` and the phase key the checkpoint prefix ``s3://<bucket>/checkpoints/<run_name>/<phase>/``: a new
 execution with the same run name resumes each phase from its own checkpoint, and a later phase (seed 001's GPU
@@ -28,88 +32,7 @@ from aws_cdk import aws_stepfunctions as sfn
 from constructs import Construct
 
 from catalog import InstanceType
-from catalog.metrics import metric_definitions
-from infra.config import PHASE_RE
-
-#: SageMaker MetricDefinitions for the trainer's ``key=value`` epoch lines, every task's keys (catalog/metrics.py).
-METRIC_DEFINITIONS = metric_definitions()
-CHECKPOINT_LOCAL_PATH = "/opt/ml/checkpoints"
-
-
-def training_job_state(
-    *,
-    phase: str,
-    instance: InstanceType,
-    prefix: str,
-    image_repository_uri: str,
-    role_arn: str,
-    bucket_name: str,
-    volume_gib: int,
-    max_run_s: int,
-    max_wait_s: int,
-    hyperparameters_path: str = "$.args.hyperparameters",
-) -> dict[str, Any]:
-    """The Amazon States Language of one ``createTrainingJob.sync`` task with managed spot.
-
-    Job name: ``<prefix>-<phase>-<8 random hex>`` (at most 63 characters). Checkpoints:
-    ``s3://<bucket_name>/checkpoints/<run_name>/<phase>/`` <-> ``/opt/ml/checkpoints``, one prefix per phase.
-    Raises ValueError if ``max_wait_s < max_run_s`` (SageMaker requires MaxWaitTimeInSeconds >= MaxRuntimeInSeconds) or the phase
-    name is not 1-16 lower-case letters, digits or '-'.
-    """
-    if max_wait_s < max_run_s:
-        raise ValueError(f"MaxWaitTimeInSeconds ({max_wait_s}) must be >= MaxRuntimeInSeconds ({max_run_s})")
-    if not PHASE_RE.match(phase):
-        raise ValueError(f"phase name {phase!r}: expected 1-16 lower-case letters, digits or '-'")
-    if instance.platform != "sagemaker":
-        raise ValueError(f"{instance.name} is not a SageMaker (ml.*) instance type")
-    return {
-        "Type": "Task",
-        "Resource": "arn:aws:states:::sagemaker:createTrainingJob.sync",
-        "Parameters": {
-            "TrainingJobName.$": f"States.Format('{prefix}-{phase}-{{}}', "
-            "States.ArrayGetItem(States.StringSplit(States.UUID(), '-'), 0))",
-            "AlgorithmSpecification": {
-                "TrainingImage.$": f"States.Format('{image_repository_uri}:{{}}', $.args.image_tag)",
-                "TrainingInputMode": "FastFile",
-                "MetricDefinitions": METRIC_DEFINITIONS,
-            },
-            "RoleArn": role_arn,
-            "InputDataConfig": [
-                {
-                    "ChannelName": "train",
-                    "DataSource": {
-                        "S3DataSource": {
-                            "S3DataType": "S3Prefix",
-                            "S3Uri.$": "$.args.data_s3_uri",
-                            "S3DataDistributionType": "FullyReplicated",
-                        }
-                    },
-                }
-            ],
-            "OutputDataConfig": {"S3OutputPath": f"s3://{bucket_name}/models/"},
-            "ResourceConfig": {
-                "InstanceType": instance.name,
-                "InstanceCount.$": "$.args.instance_count",
-                "VolumeSizeInGB": volume_gib,
-            },
-            "StoppingCondition": {"MaxRuntimeInSeconds": max_run_s, "MaxWaitTimeInSeconds": max_wait_s},
-            "EnableManagedSpotTraining": True,
-            "CheckpointConfig": {
-                "S3Uri.$": f"States.Format('s3://{bucket_name}/checkpoints/{{}}/{phase}/', $.args.run_name)",
-                "LocalPath": CHECKPOINT_LOCAL_PATH,
-            },
-            "HyperParameters.$": hyperparameters_path,
-            "Environment": {"TRAINSTACK_NPROC_PER_NODE": str(instance.processes_per_host)},
-            "Tags": [{"Key": "trainstack:prefix", "Value": prefix}],
-        },
-        "ResultSelector": {
-            "TrainingJobName.$": "$.TrainingJobName",
-            "TrainingJobStatus.$": "$.TrainingJobStatus",
-            "ModelArtifacts.$": "$.ModelArtifacts",
-            "BillableTimeInSeconds.$": "$.BillableTimeInSeconds",
-        },
-        "ResultPath": f"$.jobs.{phase.replace('-', '_')}",
-    }
+from infra.training_job import CHECKPOINT_LOCAL_PATH, METRIC_DEFINITIONS, SWEEP_TAGS, training_job_state  # noqa: F401
 
 
 class SageMakerSpotJobs(Construct):
@@ -135,6 +58,7 @@ class SageMakerSpotJobs(Construct):
         max_run_s: int,
         max_wait_s: int,
         default_image_tag: Optional[str],
+        env: Optional[str] = None,
     ) -> None:
         super().__init__(scope, cid)
         image_default = {"image_tag": default_image_tag} if default_image_tag else {}
@@ -147,6 +71,7 @@ class SageMakerSpotJobs(Construct):
                     "instance_count": 1,
                     "hyperparameters": {},
                     "data_s3_uri": default_data_s3_uri,
+                    "sweep": {k: "" for k in SWEEP_TAGS},
                 },
                 "input.$": "$",
             },
@@ -182,6 +107,7 @@ class SageMakerSpotJobs(Construct):
                     max_run_s=max_run_s,
                     max_wait_s=max_wait_s,
                     hyperparameters_path="$.hp.merged",
+                    env=env,
                 ),
             )
             chain = chain.next(hp).next(merged).next(job)

@@ -15,6 +15,7 @@ from constructs import Construct
 import catalog
 from infra.config import InfraConfig, machine_short
 from infra.constructs import user_data
+from infra.constructs.github_oidc import SAGEMAKER_ROLE_SUFFIX
 from infra.constructs.nag import S3_READ_WRITE_ACTIONS, ack_findings, nag_arn
 from infra.constructs.sagemaker_job import SageMakerSpotJobs, phases_from_context
 from infra.constructs.spot_launch_template import SpotLaunchTemplate
@@ -151,6 +152,7 @@ class TrainingStack(cdk.Stack):
             max_run_s=int(cfg.sagemaker_max_run_hours * 3600),
             max_wait_s=int(cfg.sagemaker_max_wait_hours * 3600),
             default_image_tag=cfg.image_tag,
+            env=cfg.env,
         )
         for name in cfg.sagemaker_instance_types:
             it = catalog.get(name, cat)
@@ -261,10 +263,15 @@ class TrainingStack(cdk.Stack):
         return f"Resource::{bucket_export(self.cfg, 'arn')}/*"
 
     def _sagemaker_role(self) -> iam.Role:
-        """SageMaker execution role: this env's bucket and image, its own logs and metrics."""
+        """SageMaker execution role ``trainstack-<env>-sagemaker-<region>``: this env's bucket and image, its own
+        logs and metrics. Named (not generated) so the operators' ``iam:PassRole`` can be scoped to exactly these
+        roles (infra/constructs/github_oidc.py; a generated name is cut at 64 characters for long environment
+        names); the region keeps the name unique, IAM names being account-wide (at most 11 + 20 + 11 + 14 = 56
+        of IAM's 64 characters)."""
         role = iam.Role(
             self,
             "SageMakerRole",
+            role_name=f"{self.cfg.prefix}-{SAGEMAKER_ROLE_SUFFIX}-{cdk.Aws.REGION}",
             assumed_by=iam.ServicePrincipal("sagemaker.amazonaws.com"),
             description="SageMaker training jobs (managed spot)",
         )
