@@ -137,6 +137,9 @@ class InfraConfig:
     # GitHub Actions OIDC deploy role
     github_repo: Optional[str] = None  # "owner/name": adds CiStack (OIDC provider + deploy role)
     github_oidc_provider_arn: Optional[str] = None  # reuse the account's provider (one per account)
+    # SageMaker managed MLflow: the training roles may log to this tracking server (trainer --tracking mlflow
+    # --tracking-uri <this ARN>)
+    mlflow_tracking_server_arn: Optional[str] = None
 
     @property
     def az(self) -> str:
@@ -177,6 +180,12 @@ def state_machine_names(env: str, sagemaker_types: list[str]) -> set[str]:
 
 #: The environment name rule (``-c env=...``, ``python -m infra --env``): 20 characters keep the bucket name
 #: within 63 and the job names within 63.
+#: A SageMaker managed MLflow tracking server (AWS Service Authorization Reference, "Amazon SageMaker with MLflow":
+#: resource type ``mlflow-tracking-server``, ``arn:${Partition}:sagemaker:${Region}:${Account}:mlflow-tracking-server/
+#: ${MlflowTrackingServerName}``; names are 1-63 letters, digits and hyphens).
+MLFLOW_SERVER_ARN_RE = re.compile(
+    r"^arn:aws[a-z-]*:sagemaker:[a-z]{2}(-[a-z]+)+-[0-9]:[0-9]{12}:mlflow-tracking-server/[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}$"
+)
 ENV_RE = re.compile(r"^[a-z][a-z0-9-]{0,19}$")
 ENV_RULE = "lower-case letters, digits and '-', starting with a letter, at most 20 characters"
 #: Scaling-plan phase names (they go into SageMaker job names and Step Functions state names).
@@ -338,6 +347,8 @@ def _validate(cfg: InfraConfig) -> None:
         r"^arn:aws[\w-]*:iam::[0-9]{12}:oidc-provider/", cfg.github_oidc_provider_arn
     ):
         raise bad("github_oidc_provider_arn", "arn:aws:iam::ACCOUNT:oidc-provider/token.actions.githubusercontent.com")
+    if cfg.mlflow_tracking_server_arn is not None and not MLFLOW_SERVER_ARN_RE.match(cfg.mlflow_tracking_server_arn):
+        raise bad("mlflow_tracking_server_arn", "arn:aws:sagemaker:REGION:ACCOUNT:mlflow-tracking-server/NAME")
 
 
 def from_context(get: Any) -> InfraConfig:

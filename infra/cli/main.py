@@ -106,7 +106,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--grid", action="append", default=[], metavar="NAME=[V1,V2]", help="values of one field")
     s.add_argument("--range", action="append", default=[], metavar="NAME=LOW:HIGH[:log][:int]", help="with --random")
     s.add_argument("--random", type=_positive_int, help="N random trials (tuning: N training jobs)")
-    s.add_argument("--seed", type=int, default=0, help="seed of the random trials (tuning: RandomSeed)")
+    s.add_argument(
+        "--sweep-seed", type=int, default=0, help="seed of the random trials (tuning: RandomSeed); as the local sweep"
+    )
     s.add_argument("--metric", help="objective (default: the task's headline metric, e.g. val_top1)")
     s.add_argument("--strategy", choices=("jobs", "tuning"), default="jobs")
     s.add_argument("--tuning-strategy", choices=sweep.TUNING_STRATEGIES, help="override Grid/Bayesian/Random")
@@ -188,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
             args.grid,
             args.range,
             args.random,
-            args.seed,
+            args.sweep_seed,
             args.metric,
             args.strategy,
             args.tuning_strategy,

@@ -253,6 +253,7 @@ class TrainingStack(cdk.Stack):
             "tagged with this env only, the per-instance idle alarms, and ecr:GetAuthorizationToken / "
             "ec2:DescribeVolumes which only accept '*'.",
         )
+        self._grant_mlflow(role)
         return role
 
     def _nag_arn(self, service: str, resource: str) -> str:
@@ -261,6 +262,22 @@ class TrainingStack(cdk.Stack):
     def _bucket_objects(self) -> str:
         """The data bucket's objects as cdk-nag names them in a finding (an import from the data stack)."""
         return f"Resource::{bucket_export(self.cfg, 'arn')}/*"
+
+    def _grant_mlflow(self, role: iam.Role) -> None:
+        """With context ``mlflow_tracking_server_arn``: ``sagemaker-mlflow:*`` on that tracking server only (the
+        actions MLflow's client calls through the ``sagemaker-mlflow`` plugin: create/log/search runs, experiments,
+        metrics, artifacts; AWS docs, "Set up IAM permissions for MLflow"). Nothing without it."""
+        arn = self.cfg.mlflow_tracking_server_arn
+        if arn is None:
+            return
+        role.add_to_policy(iam.PolicyStatement(actions=["sagemaker-mlflow:*"], resources=[arn]))
+        ack_findings(
+            role,
+            "AwsSolutions-IAM5",
+            ["Action::sagemaker-mlflow:*"],
+            "Every MLflow tracking API (runs, metrics, params, artifacts, experiments) on the one tracking server "
+            "given as context mlflow_tracking_server_arn; the trainer logs there with --tracking mlflow.",
+        )
 
     def _sagemaker_role(self) -> iam.Role:
         """SageMaker execution role ``trainstack-<env>-sagemaker-<region>``: this env's bucket and image, its own
@@ -305,4 +322,5 @@ class TrainingStack(cdk.Stack):
             "Object keys inside this environment's bucket, SageMaker's own log groups, PutMetricData (only '*', "
             "limited by namespace) and ecr:GetAuthorizationToken (only '*').",
         )
+        self._grant_mlflow(role)
         return role

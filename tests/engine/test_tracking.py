@@ -160,3 +160,12 @@ def test_unreachable_mlflow_and_missing_wandb_are_warnings(tiny_digits, tmp_path
     assert lines[1].startswith("WARNING: tracking wandb: start failed (ModuleNotFoundError")
     assert all(x.endswith("training continues without it") for x in lines)
     assert (tmp_path / "logs" / "metrics.jsonl").stat().st_size > 0 and (tmp_path / "ckpt" / "latest").is_file()
+
+
+def test_a_sagemaker_tracking_server_arn_resolves_to_the_plugin_store():
+    """The pinned sagemaker-mlflow plugin is installed and takes ``arn:aws:sagemaker:...`` tracking URIs (what
+    ``infra`` grants the training roles ``sagemaker-mlflow:*`` for); building the store sends nothing."""
+    from mlflow.tracking._tracking_service.utils import _get_store
+
+    store = _get_store("arn:aws:sagemaker:us-east-1:123456789012:mlflow-tracking-server/team")
+    assert type(store).__module__.startswith("sagemaker_mlflow")

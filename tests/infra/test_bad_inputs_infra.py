@@ -289,6 +289,12 @@ CASES = [
     ),
     _cdk({"env": "PR_42"}, "error: context env: got 'PR_42'; expected lower-case letters", "cdk-context-env"),
     _cdk({"ssh_cidr": "bad"}, "error: context ssh_cidr: got 'bad'; expected an IPv4 CIDR", "cdk-context-cidr"),
+    _cdk(
+        {"mlflow_tracking_server_arn": "arn:aws:s3:::bucket"},
+        "error: context mlflow_tracking_server_arn: got 'arn:aws:s3:::bucket'; expected "
+        "arn:aws:sagemaker:REGION:ACCOUNT:mlflow-tracking-server/NAME",
+        "cdk-context-mlflow-arn",
+    ),
     _cdk({"prices": "[1]"}, "error: context prices: got [1]; expected a JSON object", "cdk-context-prices-list"),
     _cdk({"budget_usd": "nan"}, "error: context budget_usd: got 'nan'; expected a finite number", "cdk-context-nan"),
     _cdk(

@@ -23,6 +23,7 @@ FULL = {
     "alarm_email": "ml@example.com",
     "launch_template_types": "p4d.24xlarge,g5.2xlarge,g5.12xlarge,p5.48xlarge",
     "data_volume_removal": "retain",
+    "mlflow_tracking_server_arn": "arn:aws:sagemaker:us-east-1:123456789012:mlflow-tracking-server/team",
 }
 
 
@@ -40,6 +41,29 @@ def _one(template: dict, rtype: str) -> dict:
     found = resources(template, rtype)
     assert len(found) == 1, (rtype, list(found))
     return next(iter(found.values()))
+
+
+def test_mlflow_tracking_server_is_granted_only_when_given(default, full):
+    """Context mlflow_tracking_server_arn: both training roles (EC2 instances, SageMaker jobs) may call
+    ``sagemaker-mlflow:*`` on that server and nothing else; without it no role has any sagemaker-mlflow action."""
+
+    def mlflow_statements(raw: dict) -> dict[str, list]:
+        out = {}
+        for lid, pol in resources(raw["TrainingStack"], "AWS::IAM::Policy").items():
+            sts = [
+                st for st in pol["Properties"]["PolicyDocument"]["Statement"] if "sagemaker-mlflow" in json.dumps(st)
+            ]
+            if sts:
+                out[lid] = sts
+        return out
+
+    assert mlflow_statements(default[2]) == {}
+    found = mlflow_statements(full[2])
+    assert sorted(lid.split("DefaultPolicy")[0] for lid in found) == ["InstanceRole", "SageMakerRole"]
+    for sts in found.values():
+        assert sts == [
+            {"Action": "sagemaker-mlflow:*", "Effect": "Allow", "Resource": FULL["mlflow_tracking_server_arn"]}
+        ]
 
 
 # ---------------------------------------------------------------- data stack
