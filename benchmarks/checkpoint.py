@@ -199,7 +199,7 @@ def main() -> None:
             indent=1,
         )
     )
-    print(f"stall_steps={stall[first]['stall_steps']}")
+    print(f"stall_steps={stall[first]['stall_steps']:.2f}")
 
 
 if __name__ == "__main__":
