@@ -247,8 +247,9 @@ def objective(task: str, metric: Optional[str] = None) -> tuple[str, str]:
 def rank(rows: list[dict], metric: str, mode: str) -> list[dict]:
     """``rows`` (each a trial's result dict) sorted best first by ``row[metric]``; rows without a finite value
     (failed or still running) come last, in their original order. Adds ``rank`` (1-based; ``None`` for those)."""
-    ok = [r for r in rows if isinstance(r.get(metric), (int, float)) and math.isfinite(r[metric])]
-    rest = [r for r in rows if r not in ok]
+    ok, rest = [], []
+    for r in rows:
+        (ok if isinstance(r.get(metric), (int, float)) and math.isfinite(r[metric]) else rest).append(r)
     ok.sort(key=lambda r: r[metric], reverse=(mode == "max"))
     return [{**r, "rank": i + 1} for i, r in enumerate(ok)] + [{**r, "rank": None} for r in rest]
 

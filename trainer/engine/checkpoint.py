@@ -470,8 +470,7 @@ class CheckpointManager:
         self.wait()
         self._abort.clear()
         self._written.clear()
-        if self.writer == "auto" or (self.writer == "process" and self._process is None):
-            self._choose_writer(_tensor_bytes(state))
+        self._choose_writer(_tensor_bytes(state))
         full = self._staging.stage({**state, "progress": dict(progress), "format_version": FORMAT_VERSION})
         self._writer = threading.Thread(
             target=self._write_guarded,
@@ -498,8 +497,8 @@ class CheckpointManager:
 
     def _choose_writer(self, nbytes: int) -> None:
         """Resolve :attr:`writer` for a state of ``nbytes`` tensor bytes (see the class docstring)."""
-        if self.writer in ("thread", "process") and (self.writer == "thread" or self._process is not None):
-            return
+        if self.writer == "thread" or self._process is not None:
+            return  # already resolved
         want = self.writer == "process" or nbytes >= PROCESS_WRITER_MIN_BYTES
         if want and not hasattr(os, "memfd_create"):
             self.notes.append("checkpoint: writer thread, not process: no memfd_create on this OS (Linux only)")

@@ -236,7 +236,7 @@ def run_phase(phase: Phase, plan: Plan, out_dir: Path, interval_s: float = 0.2) 
         "peak_pss_bytes": peak_pss,
         "peak_system_memory_pct": peak_sys,
         "train_samples": sum(int(n) for n in re.findall(r": (\d+) train and \d+ val pairs", stdout)) or None,
-        "epochs": _epoch_rows(d / "logs" / "metrics.jsonl"),
+        "epochs": epoch_rows(d / "logs" / "metrics.jsonl"),
         "dir": str(d),
     }
 
@@ -250,7 +250,9 @@ def _stop(child: subprocess.Popen) -> None:
             return
 
 
-def _epoch_rows(path: Path) -> list:
+def epoch_rows(path: Path) -> list:
+    """The ``kind == "epoch"`` rows of a run's ``metrics.jsonl`` (dicts, in file order); lines cut by a kill are
+    skipped; [] when the file does not exist."""
     rows = []
     for line in path.read_text().splitlines() if path.is_file() else []:
         with contextlib.suppress(ValueError):

@@ -52,6 +52,7 @@ from typing import Any, Optional
 from trainer.config import FIELDS, ConfigError, flag_of, load_config
 from trainer.config.sweep import objective, rank, results_markdown, search_space, trial_name, write_results
 from trainer.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
+from trainer.planning.scale import epoch_rows
 
 #: Fields whose largest swept value is used for the planner's check of K (they set memory and CPU per job).
 RESOURCE_FIELDS = ("batch_size", "eval_batch_size", "image_size", "num_workers", "prefetch_factor")
@@ -222,17 +223,11 @@ def trial_result(name: str, values: dict, metric: str, mode: str, out: Path) -> 
     rows logged), ``status`` (``done`` | ``failed rc=N`` | ``interrupted`` | ``pending``), ``wall_s``."""
     paths = trial_dirs(out, name)
     status = json.loads(paths["status"].read_text()) if paths["status"].exists() else {"status": "pending"}
-    rows = []
-    jsonl = paths["logs"] / "metrics.jsonl"
-    if jsonl.exists():
-        for line in jsonl.read_text().splitlines():
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut by a kill
-            v = r.get(metric)
-            if r.get("kind") == "epoch" and isinstance(v, (int, float)) and math.isfinite(v):
-                rows.append(r)
+    rows = [
+        r
+        for r in epoch_rows(paths["logs"] / "metrics.jsonl")
+        if isinstance(r.get(metric), (int, float)) and math.isfinite(r[metric])
+    ]
     best = None
     if rows:
         best = (max if mode == "max" else min)(rows, key=lambda r: r[metric])
