@@ -1,7 +1,7 @@
 """``python -m trainer export`` on real tiny checkpoints (issue 26 item 2): a 1-epoch digits classifier, a 1-step
 RID U-Net, a 1-epoch video frame transformer on the shared clips, a 1-step DINO. ONNX (ONNX Runtime vs PyTorch:
-max |diff| < 1e-3, top-1 / mask agreement 100 %, batch 1 and 3), TorchScript and safetensors; the metadata, the
-model card; DINO's onnx refusal; the bad-input rows (exit 2, one line)."""
+max |diff| < 1e-3, top-1 / mask / detection agreement 100 %, batch 1 and 3), TorchScript and safetensors; the
+metadata, the model card; the bad-input rows (exit 2, one line)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from test_detection import _cfg as detection_cfg
 from test_predict import _facemask_subset, _fit, digits_run  # noqa: F401 - digits_run is a fixture
 
 from trainer.cli import main
-from trainer.data.transforms import IMAGENET_MEAN, IMAGENET_STD
+from trainer.data.transforms import IMAGENET_MEAN, IMAGENET_STD, pixel_mean_std
 
 pytestmark = pytest.mark.slow
 
@@ -136,24 +136,61 @@ def test_video_exports_onnx_with_top1_agreement(shared_data, tmp_path, capsys):
     assert len(json.loads(meta["classes"])) == 7
 
 
-def test_detection_exports_safetensors_and_refuses_onnx(shared_data, tmp_path, capsys):
-    data, _ = _facemask_subset(shared_data, tmp_path, 2)
+def test_detection_exports_onnx_torchscript_safetensors(shared_data, tmp_path, capsys):
+    """DINO through the reference attention: standard ONNX ops, ONNX Runtime = PyTorch on real facemask images,
+    the same detections as ``predict`` on the same canvas (boxes x original size), dynamic batch; TorchScript;
+    safetensors."""
+    from trainer.predict import load_model, resolve_checkpoint
+    from trainer.tasks.detection.export import match_detections
+
+    data, images = _facemask_subset(shared_data, tmp_path, 2)
     t = _fit(detection_cfg(data, tmp_path, max_steps_per_epoch=1))
+    lines = _export(tmp_path / "ck", "onnx", tmp_path / "onnx", capsys)
+    _check_verify_lines(lines, "detection agreement")
+    assert "verify: on 4 files of" in "\n".join(lines) and "maksssksksss0_png" in "\n".join(lines)
+    path = tmp_path / "onnx" / "model.onnx"
+    model = onnx.load(str(path))
+    assert {n.domain for n in model.graph.node} <= {"", "ai.onnx"} and "GridSample" in {
+        n.op_type for n in model.graph.node
+    }
+    meta = {p.key: p.value for p in model.metadata_props}
+    side = json.loads(meta["input_size"])[0]
+    assert json.loads(meta["input_size"]) == [side, side] and side == 128  # max_size 96 rounded up to 64
+    assert json.loads(meta["num_select"]) == 30 and json.loads(meta["classes"]) == t.label_space["categories"]
+    assert json.loads(meta["class_ids"]) == t.label_space["category_ids"]
+
+    # the served contract gives predict's detections: evaluation resize on the canvas, boxes x original size
+    task, torch_model, _, _ = load_model(resolve_checkpoint(tmp_path / "ck"), torch.device("cpu"), True)
+    files = [str(shared_data / "facemask-coco" / "train2017" / i["file_name"]) for i in images]
+    batch = task.predict_inputs(files)
+    canvas, sizes = task.export_inputs(batch)
+    assert canvas.shape[-2:] == (128, 128) and (canvas[:, :, 64:] == 0).all()  # landscape images: 64 rows
+    rows, cols = torch.arange(128)[None, :, None], torch.arange(128)[None, None, :]
+    mask = (rows >= sizes[:, 0, None, None]) | (cols >= sizes[:, 1, None, None])
+    mean, std = pixel_mean_std()
+    on_canvas = dict(batch, image=(canvas - mean) / std, mask=mask)  # predict's path, padded as the graph pads
+    with torch.no_grad():
+        predicted = task.predict(torch_model.float().eval(), on_canvas)
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    scores, labels, boxes = sess.run(None, {"image": canvas.numpy(), "image_size": sizes.numpy()})
+    wh = batch["orig_size"].flip(1).repeat(1, 2)[:, None].numpy()  # (B, 1, 4) W, H, W, H
+    reference = [np.stack([p[k].numpy() for p in predicted]) for k in ("scores", "labels", "boxes")]
+    assert np.abs(scores - reference[0]).max() < 1e-3
+    matched, total = match_detections(reference, [scores, labels, boxes * wh])
+    assert matched == total == 2 * 30
+    one = sess.run(None, {"image": canvas[:1].numpy(), "image_size": sizes[:1].numpy()})  # dynamic batch
+    assert np.abs(one[0] - scores[:1]).max() < 1e-4
+
+    lines = _export(tmp_path / "ck", "torchscript", tmp_path / "ts", capsys)
+    _check_verify_lines(lines, "detection agreement")
     _export(tmp_path / "ck", "safetensors", tmp_path / "st", capsys)
     from safetensors import safe_open
 
     with safe_open(str(tmp_path / "st" / "model.safetensors"), "pt") as f:
-        meta = f.metadata()
-    assert json.loads(meta["num_select"]) == 30 and json.loads(meta["score_threshold"]) == 0.3
-    assert json.loads(meta["classes"]) == t.label_space["categories"]
-    assert json.loads(meta["class_ids"]) == t.label_space["category_ids"]
-    card = (tmp_path / "st" / "model_card.md").read_text()
-    assert '"num_select": 30' in card
-
-    argv = ["export", "--checkpoint", str(tmp_path / "ck"), "--format", "onnx", "--out", str(tmp_path / "x")]
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("error: --format: onnx export of DINO is not implemented yet") and "safetensors" in err
+        st_meta = f.metadata()
+    assert json.loads(st_meta["num_select"]) == 30 and json.loads(st_meta["score_threshold"]) == 0.3
+    card = (tmp_path / "onnx" / "model_card.md").read_text()
+    assert '"num_select": 30' in card and "detection agreement 100.0 %" in card and "128x128 canvas" in card
 
 
 # --- bad inputs ---------------------------------------------------------------------------------------------

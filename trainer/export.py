@@ -21,7 +21,11 @@ CPU, or the loaded TorchScript module) against PyTorch on real inputs (a few fil
 (top-1 / mask pixels), printed and written into the model card; ONNX is also run at batch 1.
 
 Exit status: 0 done; 2 bad input, one line: missing or invalid checkpoint, a checkpoint of another task than
-``--task``, an output folder that cannot be created, a format the task cannot export (DINO: onnx/torchscript).
+``--task``, an output folder that cannot be created, a format the task cannot export.
+
+DINO's graph (:mod:`trainer.tasks.detection.export`) runs the deformable attention as the PyTorch reference
+(``GridSample``), so it needs no custom-op library at serving time; its input is a fixed square canvas plus each
+image's size on it, and it ends in DINO's top-``num_select`` post-processing.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ def add_export_command(sub) -> None:
     p = sub.add_parser(
         "export",
         help="export a checkpoint as ONNX, TorchScript or safetensors with a model card",
-        description="Export a trained checkpoint of any task (DINO: safetensors only for now) with its serving "
+        description="Export a trained checkpoint of any task with its serving "
         "metadata and a model_card.md; ONNX and TorchScript exports are verified against PyTorch.",
     )
     p.add_argument(
@@ -110,9 +114,10 @@ def _manifest_task(ckpt: Path) -> Optional[str]:
 
 
 def sample_files(task, limit: int = VERIFY_FILES) -> list[str]:
-    """Up to ``limit`` input files of the checkpoint's ``data_dir`` (its ``val``, else ``images``, else itself,
-    searched recursively; the first file of each sub-folder, then the second..., so several classes are
-    covered), of the extensions the task reads; [] when the folder is gone."""
+    """Up to ``limit`` input files of the checkpoint's data, from the first of
+    :meth:`~trainer.tasks.base.Task.export_sample_dirs` that holds any (searched recursively; the first file of
+    each sub-folder, then the second..., so several classes are covered), of the extensions the task reads; []
+    when the folders are gone."""
     from trainer.config import BUILTIN_DIGITS
     from trainer.data.formats.imagefolder import IMAGE_EXTENSIONS
 
@@ -124,7 +129,7 @@ def sample_files(task, limit: int = VERIFY_FILES) -> list[str]:
         from trainer.data.formats.digits import cache_root
 
         root = cache_root() / "digits-v1"  # written by the training run; not rewritten here
-    for d in (root / "val", root / "images", root):
+    for d in task.export_sample_dirs(root):
         if d.is_dir():
             groups: dict[Path, list[str]] = {}  # by folder (class), then round-robin: several classes
             for f in sorted(d.rglob("*")):
@@ -335,7 +340,12 @@ def export(args: argparse.Namespace) -> list[str]:
                     "metadata in metadata_props (JSON strings)"
                 )
             else:
-                with torch.no_grad():
+                import warnings
+
+                with torch.no_grad(), warnings.catch_warnings():
+                    # TracerWarnings on shapes read as Python values (fixed in the trace; the verification below
+                    # runs the traced module on the real inputs)
+                    warnings.simplefilter("ignore", torch.jit.TracerWarning)
                     traced = torch.jit.trace(module, example, check_trace=False)
                 torch.jit.save(traced, str(path), _extra_files={"metadata.json": json.dumps(meta)})
                 how = "torch.jit.trace; metadata as _extra_files['metadata.json']"

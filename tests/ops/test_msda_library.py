@@ -68,3 +68,23 @@ def test_the_entry_point_runs_the_custom_op_and_compiles_without_a_graph_break()
     torch.testing.assert_close(got, want)
     for a, b in zip(leaves, ref_leaves):
         torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_reference_graph_traces_standard_operators_with_the_same_values():
+    """Under ``reference_graph()`` (the exporters' mode) a trace holds grid_sample and no custom op, the values equal
+    the op's, and the custom operator is back once the context ends."""
+    from trainer.ops.msda import reference_graph
+
+    value, shapes, starts, loc, attn, step, flat = _args(dtype=torch.float32, n=2, lq=5)
+    pairs = [(flat[2 * i], flat[2 * i + 1]) for i in range(len(flat) // 2)]
+
+    def attend(v, sl, aw):
+        return ms_deform_attn(v, shapes, starts, sl, aw, step, level_shapes=pairs)
+
+    with reference_graph():
+        traced = torch.jit.trace(attend, (value, loc, attn), check_trace=False)
+    kinds = {n.kind() for n in traced.graph.nodes()}
+    assert "aten::grid_sampler" in kinds and not any(k.startswith("trainstack::") for k in kinds)
+    torch.testing.assert_close(traced(value, loc, attn), ms_deform_attn_op(value, shapes, starts, loc, attn, step, flat))
+    outside = {n.kind() for n in torch.jit.trace(attend, (value, loc, attn), check_trace=False).graph.nodes()}
+    assert "trainstack::ms_deform_attn" in outside

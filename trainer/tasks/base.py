@@ -16,6 +16,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -263,6 +264,11 @@ class Task(ABC):
         """Why ``fmt`` (``onnx`` | ``torchscript`` | ``safetensors``) cannot be exported for this task (one phrase),
         or None when it can. Default: every format."""
         return None
+
+    def export_sample_dirs(self, root: Path) -> list[Path]:
+        """Folders whose files verify an export, most specific first (``root``: the resolved ``data_dir``).
+        Default: its ``val``, ``images``, then ``root`` itself."""
+        return [root / "val", root / "images", root]
 
     def export_module(self, model: nn.Module) -> nn.Module:
         """``model`` (eval mode, float32, CPU) wrapped with the pre/post-processing that belongs in a served graph:

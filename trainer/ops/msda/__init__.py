@@ -5,6 +5,7 @@
 - :class:`MSDeformAttnFunction`, :func:`ms_deform_attn_core_pytorch`: DINO's names, drop-in for its code.
 - :class:`MultiScaleDeformableAttention`: the same op as an ``nn.Module``.
 - :func:`cuda_kernel_stand_in`: shape-only stand-in with the kernels' allocations (GPU-memory prediction).
+- :func:`reference_graph`: the reference as plain operators, for exporters (ONNX, TorchScript).
 """
 
 from trainer.ops.msda.function import (
@@ -14,6 +15,7 @@ from trainer.ops.msda.function import (
     extension_error,
     load_extension,
     ms_deform_attn,
+    reference_graph,
 )
 from trainer.ops.msda.module import MultiScaleDeformableAttention
 from trainer.ops.msda.reference import ms_deform_attn_reference
@@ -30,4 +32,5 @@ __all__ = [
     "ms_deform_attn",
     "ms_deform_attn_core_pytorch",
     "ms_deform_attn_reference",
+    "reference_graph",
 ]

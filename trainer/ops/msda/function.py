@@ -23,6 +23,7 @@ _ext: Optional[object] = None
 _ext_error: Optional[str] = None
 _warned = False
 _kernel_stand_in = False
+_reference_graph = False
 
 
 def load_extension():
@@ -212,6 +213,21 @@ def cuda_kernel_stand_in():
         _kernel_stand_in = before
 
 
+@contextlib.contextmanager
+def reference_graph():
+    """While active, :func:`ms_deform_attn` runs the PyTorch reference (:func:`ms_deform_attn_reference`) as
+    plain ``grid_sample``/``mul``/``sum`` operators instead of the custom operator ``trainstack::ms_deform_attn``,
+    on every device and without the fallback warning: exporters (``torch.onnx.export``, ``torch.jit.trace``) then
+    record a graph of standard operators (ONNX ``GridSample``, opset >= 16) that runs without our extension.
+    Pass ``level_shapes`` so no tensor values are read (the level sizes become constants of the graph)."""
+    global _reference_graph
+    before, _reference_graph = _reference_graph, True
+    try:
+        yield
+    finally:
+        _reference_graph = before
+
+
 def _warn_fallback(reason: str) -> None:
     global _warned
     if not _warned:
@@ -266,6 +282,11 @@ def ms_deform_attn(
         TypeError, ValueError: see :func:`check_inputs` (each message names the argument).
     """
     value, sampling_locations, attention_weights = _promote_mixed(value, sampling_locations, attention_weights)
+    if _reference_graph:  # exporters: sizes may be traced values (torch.jit.trace), so no checks here
+        from trainer.ops.msda.reference import ms_deform_attn_reference
+
+        shapes = level_shapes if level_shapes is not None else spatial_shapes
+        return ms_deform_attn_reference(value, shapes, sampling_locations, attention_weights)
     check_inputs(
         value, spatial_shapes, level_start_index, sampling_locations, attention_weights, im2col_step, level_shapes
     )

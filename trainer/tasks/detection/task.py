@@ -528,32 +528,66 @@ class DetectionTask(Task):
         return records
 
     # .. export (python -m trainer export) ..................................................................
+    export_input_names = ("image", "image_size")
     export_output_names = ("scores", "labels", "boxes")
 
-    def export_unsupported(self, fmt: str) -> Optional[str]:
-        """DINO exports as safetensors only: an ONNX / TorchScript graph of its forward (through the PyTorch
-        reference deformable attention, shapes built from tensor values: level sizes, padding masks, top-k
-        proposals) is not implemented yet."""
-        if fmt == "safetensors":
-            return None
-        return (
-            f"{fmt} export of DINO is not implemented yet (a graph through the PyTorch reference deformable "
-            "attention with data-dependent level shapes is still to be written); use --format safetensors"
-        )
+    def _canvas(self) -> int:
+        from trainer.tasks.detection.export import canvas_side
+
+        return canvas_side(max(self.cfg.eval_size, self.cfg.max_size), self.cfg.pad_to_multiple)
+
+    def export_sample_dirs(self, root: Path) -> list[Path]:
+        """The image folders of the validation, then the training split (``coco_images``)."""
+        return [self.split_paths(self.cfg.val_split)[1], self.split_paths(self.cfg.train_split)[1]]
+
+    def export_module(self, model: nn.Module) -> nn.Module:
+        """:class:`~trainer.tasks.detection.export.DinoExport`: ``(image (B, 3, S, S), image_size (B, 2))`` ->
+        ``(scores, labels, boxes)``, the top ``num_select`` detections, boxes normalised xyxy."""
+        from trainer.tasks.detection.export import DinoExport
+
+        return DinoExport(model, self.cfg.num_select)
+
+    def export_example(self, batch_size: int) -> tuple[torch.Tensor, ...]:
+        """Seeded random pixels on the S x S canvas; image ``i`` occupies the whole canvas (even ``i``) or its top
+        three quarters (odd ``i``), so the padding mask is exercised."""
+        g = torch.Generator().manual_seed(0)
+        s = self._canvas()
+        image = torch.randint(0, 256, (batch_size, 3, s, s), generator=g).float()
+        sizes = torch.tensor([[s if i % 2 == 0 else 3 * s // 4, s] for i in range(batch_size)], dtype=torch.int64)
+        return image, sizes
+
+    def export_inputs(self, batch: dict) -> tuple[torch.Tensor, ...]:
+        """The evaluation-resized images of a :meth:`predict_inputs` batch on the canvas, and their sizes."""
+        from trainer.tasks.base import denormalize
+        from trainer.tasks.detection.export import place_on_canvas
+
+        return place_on_canvas(denormalize(batch["image"]), batch["mask"].cpu(), self._canvas())
+
+    def export_agreement(self, reference: list, exported: list) -> str:
+        """Detections matched: same label and box IoU >= 0.9 (per image, as sets: tied scores may rank apart)."""
+        from trainer.tasks.detection.export import match_detections
+
+        matched, total = match_detections(reference, exported)
+        return f"detection agreement {100.0 * matched / max(total, 1):.1f} % ({matched}/{total})"
 
     def export_metadata(self, label_space: dict) -> dict:
-        """The default facts plus DINO's post-processing: ``num_select`` (top detections kept per image), the score
-        threshold ``predict`` applies by default (0.3), boxes xyxy in pixels of the original image, COCO category
-        ids per class."""
+        """The default facts plus DINO's serving contract: the canvas, ``num_select`` (detections kept per image),
+        the score threshold ``predict`` applies by default (0.3), boxes normalised xyxy, COCO category ids per
+        class (``class_ids``)."""
         cfg = self.cfg
+        s = self._canvas()
         return {
             **super().export_metadata(label_space),
-            "input_size": [cfg.eval_size, cfg.max_size],
-            "preprocess": f"resize shorter side to {cfg.eval_size} (longer side at most {cfg.max_size})",
+            "input_layout": "image: B,3,S,S RGB float32 pixel values in [0, 255], the resized image at the top-left "
+            "(the rest is set to black in the graph); image_size: B,2 int64 (h, w) of the image on the canvas",
+            "input_size": [s, s],
+            "preprocess": f"resize shorter side to {cfg.eval_size} (longer side at most {cfg.max_size}), place at the "
+            f"top-left of the {s}x{s} canvas",
             "num_select": cfg.num_select,
             "score_threshold": 0.3,
-            "postprocess": "sigmoid scores, top num_select over queries x classes, boxes cxcywh -> xyxy in pixels "
-            "of the original image",
+            "postprocess": "in the graph: sigmoid scores, top num_select over queries x classes (sorted); boxes "
+            "(x1, y1, x2, y2) normalised to [0, 1] of the image: multiply by the original (W, H, W, H) for pixels; "
+            "keep scores >= score_threshold; labels index classes / class_ids",
         }
 
 
