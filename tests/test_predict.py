@@ -194,6 +194,10 @@ def _corrupt_checkpoint(tmp: Path, ckpt: Path, pngs: Path) -> list[str]:
     return trainer_cmd("predict", "--checkpoint", "ckpt-x", "--images", str(pngs), "--out", "out")
 
 
+def _track_untracked(tmp: Path, ckpt: Path, pngs: Path) -> list[str]:
+    return trainer_cmd("predict", "--checkpoint", str(ckpt), "--images", str(pngs), "--out", "out", "--track")
+
+
 def _no_output(tmp: Path) -> None:
     assert not (tmp / "out" / "predictions.json").exists()
 
@@ -212,6 +216,7 @@ ROWS = [
     ("images-dir-without-images", _empty_images, 2, "error: --images: imgs holds no image files", _no_output),
     ("out-is-a-file", _out_is_file, 2, "error: --out: out exists and is not a folder", None),
     ("no-image-readable", _all_corrupt, 2, "error: --images: none of the 1 image file(s)", _no_output),
+    ("track-without-tracked-run", _track_untracked, 2, "holds no tracked run (its training ran without", _no_output),
     (
         "one-corrupt-image-among-good",
         _corrupt_among_good,

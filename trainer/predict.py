@@ -200,6 +200,12 @@ def add_predict_command(sub) -> None:
         default=None,
         help="predict only the first N images (by name)",
     )
+    p.add_argument(
+        "--track",
+        action="store_true",
+        help="also upload the drawn PNGs and predictions.json to the checkpoint's tracked runs (the training's "
+        "--tracking sinks, run ids from the checkpoint), under <out folder name>/",
+    )
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -397,9 +403,11 @@ def predict(args: argparse.Namespace) -> str:
         device = resolve_device(args.device, 0)
     except ConfigError as e:
         raise PredictError(f"--device: {str(e).removeprefix('device: ')}") from None
+    run_ids = tracked_runs(ckpt) if getattr(args, "track", False) else {}
     task, model, label_space, which = load_model(ckpt, device, args.ema)
     names = output_names(paths, task.output_suffixes)
     records: list[dict] = []
+    predicted: list[str] = []  # input paths with outputs written
     done = 0
     for start in range(0, len(paths), args.batch_size):
         chunk = paths[start : start + args.batch_size]
@@ -424,6 +432,7 @@ def predict(args: argparse.Namespace) -> str:
             if "top5" in r:
                 print(f"{r['file']}: " + ", ".join(f"{t['label']} {t['score']:.3f}" for t in r["top5"]), flush=True)
         records += new
+        predicted += kept
         done += len(kept)
     if not done:
         raise PredictError(f"--images: none of the {len(paths)} image file(s) in {args.images} could be read")
@@ -437,7 +446,56 @@ def predict(args: argparse.Namespace) -> str:
         if scored or not records
         else f"{len(records)} records"
     )
-    return f"predict: {done} images -> {out} ({what}; {ckpt.name}, {which} weights)"
+    line = f"predict: {done} images -> {out} ({what}; {ckpt.name}, {which} weights)"
+    if run_ids:
+        stems = [Path(names[p]).stem for p in predicted]
+        files = [out / PREDICTIONS_FILE] + [out / f"{stem}{sfx}.png" for stem in stems for sfx in task.output_suffixes]
+        line += "\n" + track_outputs(task.cfg, run_ids, [f for f in files if f.is_file()], out)
+    return line
+
+
+def tracked_runs(ckpt: Path) -> dict:
+    """Tracker name -> run id that the training of checkpoint ``ckpt`` logged to (``state["tracking"]``).
+
+    Raises:
+        PredictError: the checkpoint holds none (its run was not trained with ``--tracking``).
+    """
+    from trainer.engine.checkpoint import CheckpointManager
+    from trainer.errors import CheckpointError
+
+    try:
+        state, _ = CheckpointManager.load(ckpt, 0, map_location="cpu")
+    except CheckpointError as e:
+        raise PredictError(f"--checkpoint: {e}") from None
+    ids = {k: v for k, v in (state.get("tracking") or {}).items() if v}
+    if not ids:
+        raise PredictError(
+            f"--track: {ckpt} holds no tracked run (its training ran without --tracking); drop --track or train "
+            "with --tracking mlflow|wandb"
+        )
+    return ids
+
+
+def track_outputs(cfg, run_ids: dict, files: list[Path], out: Path) -> str:
+    """Upload ``files`` (under ``out``) to the runs ``run_ids`` with the training config's tracking settings
+    (``tracking_uri``, ``tracking_experiment``), each under ``<out folder name>/``; W&B keeps its offline files in
+    ``out/wandb``. A tracker that fails is a ``WARNING`` line (the predictions on disk stay). Returns the summary
+    line."""
+    from trainer.engine.tracking import TrackingSinks, build_trackers
+
+    names = [n for n in (cfg.tracking or []) if n in run_ids] or list(run_ids)
+    trackers = build_trackers(names, cfg.tracking_uri, cfg.tracking_experiment, None, out)
+    sinks = TrackingSinks(
+        trackers, lambda m: print(m, file=sys.stderr, flush=True), continues="the predictions stay on disk; going on"
+    )
+    sinks.attach(run_ids)
+    for f in files:
+        sinks.log_artifact(f, out.parent)
+    done = [f"{t.name} run {sinks.run_ids[t.name]}" for t in sinks.live]
+    sinks.detach()
+    if not done:
+        return "track: nothing uploaded (see the WARNING lines)"
+    return f"track: {len(files)} files under {out.name}/ -> " + ", ".join(done)
 
 
 def run_predict(args: argparse.Namespace) -> int:

@@ -87,6 +87,20 @@ def test_mlflow_metrics_equal_jsonl_and_resume_appends_to_the_same_run(tiny_digi
     assert len(rows2) > len(rows) and max(r["step"] for r in rows2) > max(r["step"] for r in rows)
     assert _mlflow_history(store, run_id) == _expected(rows2)
 
+    # predict --track: the drawn PNGs and predictions.json join the same run, whose status stays FINISHED
+    from trainer.cli import main
+
+    val = sorted((tiny_digits / "val" / "3").glob("*.png"))[:3]
+    imgs = tmp_path / "imgs"
+    imgs.mkdir()
+    for f in val:
+        (imgs / f.name).write_bytes(f.read_bytes())
+    argv = ["predict", "--checkpoint", str(tmp_path / "ckpt"), "--images", str(imgs), "--out", str(tmp_path / "p3")]
+    assert main([*argv, "--device", "cpu", "--track"]) == 0
+    uploaded = sorted(a.path for a in client.list_artifacts(run_id, "p3"))
+    assert uploaded == sorted(["p3/predictions.json", *(f"p3/{f.stem}.png" for f in val)])
+    assert client.get_run(run_id).info.status == "FINISHED" and len(client.search_runs([exp.experiment_id])) == 1
+
 
 def _wandb_records(path: Path) -> list:
     """Records of a W&B ``.wandb`` file: a 7-byte header (``:W&B``, magic, version), then LevelDB-log chunks in

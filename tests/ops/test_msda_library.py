@@ -85,6 +85,8 @@ def test_reference_graph_traces_standard_operators_with_the_same_values():
         traced = torch.jit.trace(attend, (value, loc, attn), check_trace=False)
     kinds = {n.kind() for n in traced.graph.nodes()}
     assert "aten::grid_sampler" in kinds and not any(k.startswith("trainstack::") for k in kinds)
-    torch.testing.assert_close(traced(value, loc, attn), ms_deform_attn_op(value, shapes, starts, loc, attn, step, flat))
+    torch.testing.assert_close(
+        traced(value, loc, attn), ms_deform_attn_op(value, shapes, starts, loc, attn, step, flat)
+    )
     outside = {n.kind() for n in torch.jit.trace(attend, (value, loc, attn), check_trace=False).graph.nodes()}
     assert "trainstack::ms_deform_attn" in outside

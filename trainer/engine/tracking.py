@@ -110,13 +110,23 @@ class Tracker:
         """Set short string tags (task, model, config file, system facts, checkpoint paths)."""
         raise NotImplementedError
 
-    def log_artifact(self, path: Path) -> None:
-        """Upload the file at ``path``."""
+    def log_artifact(self, path: Path, base: Optional[Path] = None) -> None:
+        """Upload the file at ``path``: at the run's artifact root, or with ``base``, under its path relative to
+        ``base`` (``base/predict-out/x.png`` -> ``predict-out/x.png``)."""
         raise NotImplementedError
 
     def finish(self, status: str = "FINISHED") -> None:
         """Close the run."""
         raise NotImplementedError
+
+    def attach(self, run_id: str) -> None:
+        """Open the existing run ``run_id`` to add artifacts to it (``predict --track``), leaving its status as it
+        is where the tracker allows. Default: :meth:`start`."""
+        self.start(run_id)
+
+    def detach(self) -> None:
+        """Let go of a run opened by :meth:`attach`. Default: :meth:`finish`."""
+        self.finish("FINISHED")
 
 
 def _check_reachable(uri: str) -> None:
@@ -149,7 +159,7 @@ class MlflowTracker(Tracker):
         self.client = None
         self.run_id: Optional[str] = None
 
-    def start(self, run_id: Optional[str]) -> str:
+    def _connect(self) -> None:
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
         # MLflow 3.x refuses its file store (file:/path, ./mlruns) unless opted in; a user who names one wants it
@@ -159,6 +169,9 @@ class MlflowTracker(Tracker):
         from mlflow.tracking import MlflowClient
 
         self.client = MlflowClient(tracking_uri=self.uri)
+
+    def start(self, run_id: Optional[str]) -> str:
+        self._connect()
         if run_id:
             self.client.get_run(run_id)  # raises when the run is not in this store
             self.client.update_run(run_id, status="RUNNING")
@@ -190,8 +203,18 @@ class MlflowTracker(Tracker):
 
         self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
-    def log_artifact(self, path: Path) -> None:
-        self.client.log_artifact(self.run_id, str(path))
+    def log_artifact(self, path: Path, base: Optional[Path] = None) -> None:
+        folder = str(Path(path).parent.relative_to(base)) if base is not None else None
+        self.client.log_artifact(self.run_id, str(path), None if folder == "." else folder)
+
+    def attach(self, run_id: str) -> None:
+        """The client on the existing run, its status unchanged (a finished training run stays FINISHED)."""
+        self._connect()
+        self.client.get_run(run_id)  # raises when the run is not in this store
+        self.run_id = run_id
+
+    def detach(self) -> None:
+        """Nothing to close: MLflow's client holds no run open."""
 
     def finish(self, status: str = "FINISHED") -> None:
         self.client.set_terminated(self.run_id, status=status)
@@ -243,8 +266,8 @@ class WandbTracker(Tracker):
         short = [f"{k}={v}" for k, v in tags.items() if k in ("task", "model", "config") and len(f"{k}={v}") <= 64]
         self.run.tags = tuple(sorted(set(self.run.tags or ()) | set(short)))
 
-    def log_artifact(self, path: Path) -> None:
-        self.run.save(str(path), base_path=str(Path(path).parent), policy="now")
+    def log_artifact(self, path: Path, base: Optional[Path] = None) -> None:
+        self.run.save(str(path), base_path=str(base if base is not None else Path(path).parent), policy="now")
 
     def finish(self, status: str = "FINISHED") -> None:
         self.run.finish(exit_code=0 if status == "FINISHED" else 1)
@@ -264,9 +287,10 @@ class TrackingSinks:
     ``WARNING: tracking <name>: <what>; training continues without it`` through ``warn`` and disables that
     sink (a tracker never stops training)."""
 
-    def __init__(self, trackers: list, warn: Callable[[str], None]):
+    def __init__(self, trackers: list, warn: Callable[[str], None], continues: str = "training continues"):
         self.live = list(trackers)
         self.warn = warn
+        self.continues = continues
         self.run_ids: dict = {}
 
     def _each(self, what: str, call: Callable[[Tracker], None]) -> None:
@@ -278,7 +302,7 @@ class TrackingSinks:
                 detail = " ".join(str(e).split())[:300] or type(e).__name__
                 self.warn(
                     f"WARNING: tracking {t.name}: {what} failed ({type(e).__name__}: {detail}); "
-                    "training continues without it"
+                    f"{self.continues} without it"
                 )
 
     def start(self, run_ids: dict) -> None:
@@ -303,9 +327,26 @@ class TrackingSinks:
         """:meth:`Tracker.set_tags` on every live sink."""
         self._each("set_tags", lambda t: t.set_tags(tags))
 
-    def log_artifact(self, path: Path) -> None:
+    def log_artifact(self, path: Path, base: Optional[Path] = None) -> None:
         """:meth:`Tracker.log_artifact` on every live sink."""
-        self._each("log_artifact", lambda t: t.log_artifact(path))
+        self._each("log_artifact", lambda t: t.log_artifact(path, base))
+
+    def attach(self, run_ids: dict) -> None:
+        """:meth:`Tracker.attach` every sink to its run in ``run_ids`` (tracker name -> id); a sink without one
+        is dropped with the warning line."""
+
+        def go(t: Tracker) -> None:
+            if not run_ids.get(t.name):
+                raise LookupError(f"the checkpoint holds no {t.name} run id")
+            t.attach(run_ids[t.name])
+            self.run_ids[t.name] = run_ids[t.name]
+
+        self._each("attach", go)
+
+    def detach(self) -> None:
+        """:meth:`Tracker.detach` on every live sink; the sinks are then closed."""
+        self._each("detach", lambda t: t.detach())
+        self.live = []
 
     def finish(self, status: str = "FINISHED") -> None:
         """:meth:`Tracker.finish` on every live sink; the sinks are then closed."""
