@@ -7,8 +7,8 @@ of a run is this cost / ``log_every_steps`` (a row is tracked only on the steps 
 ``--side-by-side PAIRS``: the same training run without tracking, with ``--tracking mlflow`` (file store) and with
 ``--tracking wandb`` (offline), alternating, ``PAIRS`` rounds; every run trains ``--steps`` steps of the embedded
 digits config (1 process, no loader workers) with a tracked row at every step (``--log-every-steps 1``, the
-worst case) and is scored by the median wall time between consecutive step rows of its ``metrics.jsonl`` (steps 3
-on, so start-up is excluded). Prints each run, then per sink the median over rounds of (tracked / untracked - 1).
+worst case) and is scored by the median wall time between consecutive step rows of its ``metrics.jsonl`` from
+step 2 on (step 1's start-up excluded). Prints each run, then per sink the median over rounds of (tracked / untracked - 1).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ SINKS = {"none": [], "mlflow": ["--tracking", "mlflow"], "wandb": ["--tracking",
 
 
 def step_seconds(steps: int, sink: str, tmp: Path) -> float:
-    """Median seconds between consecutive step rows (steps 3..N) of one digits run with ``sink``."""
+    """Median seconds between consecutive step rows (from step 2 to N) of one digits run with ``sink``."""
     run = tmp / f"{sink}-{time.monotonic_ns()}"
     run.mkdir()
     cmd = [sys.executable, "-m", "trainer", "train", "--config", str(REPO / "configs" / "digits.yaml")]

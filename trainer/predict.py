@@ -403,7 +403,7 @@ def predict(args: argparse.Namespace) -> str:
         device = resolve_device(args.device, 0)
     except ConfigError as e:
         raise PredictError(f"--device: {str(e).removeprefix('device: ')}") from None
-    run_ids = tracked_runs(ckpt) if getattr(args, "track", False) else {}
+    run_ids = tracked_runs(ckpt) if args.track else {}
     task, model, label_space, which = load_model(ckpt, device, args.ema)
     names = output_names(paths, task.output_suffixes)
     records: list[dict] = []

@@ -332,16 +332,9 @@ class TrackingSinks:
         self._each("log_artifact", lambda t: t.log_artifact(path, base))
 
     def attach(self, run_ids: dict) -> None:
-        """:meth:`Tracker.attach` every sink to its run in ``run_ids`` (tracker name -> id); a sink without one
-        is dropped with the warning line."""
-
-        def go(t: Tracker) -> None:
-            if not run_ids.get(t.name):
-                raise LookupError(f"the checkpoint holds no {t.name} run id")
-            t.attach(run_ids[t.name])
-            self.run_ids[t.name] = run_ids[t.name]
-
-        self._each("attach", go)
+        """:meth:`Tracker.attach` every sink to its run in ``run_ids`` (tracker name -> id, one per sink)."""
+        self.run_ids = dict(run_ids)
+        self._each("attach", lambda t: t.attach(run_ids[t.name]))
 
     def detach(self) -> None:
         """:meth:`Tracker.detach` on every live sink; the sinks are then closed."""

@@ -12,9 +12,28 @@ from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
-from torchvision.ops import box_convert
 
-__all__ = ["PostProcess"]
+from trainer.models.dino.utils import cxcywh_to_xyxy
+
+__all__ = ["PostProcess", "top_detections"]
+
+
+def top_detections(logits: Tensor, boxes: Tensor, num_select: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The ``num_select`` best (query, class) pairs per image over all ``Q * C`` (capped at ``Q * C``).
+
+    Args:
+        logits: float (B, Q, C) raw class logits; boxes: float (B, Q, 4) normalised (cx, cy, w, h).
+
+    Returns:
+        (scores float (B, K) sigmoid, sorted descending; labels int64 (B, K) class index in [0, C); boxes float
+        (B, K, 4) (x1, y1, x2, y2) still normalised to [0, 1] of the image). Plain tensor ops, so exporters trace
+        it (``python -m trainer export`` ends DINO's graph with it).
+    """
+    b, q, c = logits.shape
+    scores, flat = logits.sigmoid().reshape(b, q * c).topk(min(int(num_select), q * c), dim=1)
+    query = torch.div(flat, c, rounding_mode="floor")
+    xyxy = torch.gather(cxcywh_to_xyxy(boxes), 1, query.unsqueeze(-1).expand(-1, -1, 4))
+    return scores, flat % c, xyxy
 
 
 class PostProcess(nn.Module):
@@ -51,20 +70,14 @@ class PostProcess(nn.Module):
     def forward(self, outputs: Mapping[str, Tensor], orig_sizes: Tensor | Sequence) -> list[dict[str, Tensor]]:
         logits = outputs["pred_logits"].float()
         boxes = outputs["pred_boxes"].float()
-        bs, num_queries, num_classes = logits.shape
+        bs = logits.shape[0]
         if not isinstance(orig_sizes, Tensor) and len(orig_sizes) and isinstance(orig_sizes[0], Tensor):
             orig_sizes = torch.stack([torch.as_tensor(s).reshape(2) for s in orig_sizes])
         sizes = torch.as_tensor(orig_sizes, dtype=torch.float32, device=logits.device).reshape(-1, 2)
         if sizes.shape[0] != bs:
             raise ValueError(f"PostProcess: {sizes.shape[0]} orig_sizes for a batch of {bs}")
 
-        k = min(self.num_select, num_queries * num_classes)
-        scores, flat_idx = logits.sigmoid().reshape(bs, -1).topk(k, dim=1)  # sorted descending
-        query = torch.div(flat_idx, num_classes, rounding_mode="floor")
-        labels = flat_idx % num_classes
-
-        xyxy = box_convert(boxes, "cxcywh", "xyxy")
-        xyxy = torch.gather(xyxy, 1, query.unsqueeze(-1).expand(-1, -1, 4))
+        scores, labels, xyxy = top_detections(logits, boxes, self.num_select)
         h, w = sizes.unbind(1)
         xyxy = xyxy * torch.stack([w, h, w, h], dim=1)[:, None, :]
 

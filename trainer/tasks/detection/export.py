@@ -51,6 +51,7 @@ class DinoExport(nn.Module):
         self.register_buffer("inv_std", 1.0 / std, persistent=False)
 
     def forward(self, image: Tensor, image_size: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        from trainer.models.dino.postprocess import top_detections
         from trainer.ops.msda import reference_graph
 
         _, _, h, w = image.shape
@@ -60,13 +61,7 @@ class DinoExport(nn.Module):
         x = (image.masked_fill(mask[:, None], 0.0) - self.mean) * self.inv_std  # black padding, as the collate's
         with reference_graph():
             out = self.model(x, mask)
-        logits, boxes = out["pred_logits"].float(), out["pred_boxes"].float()
-        b, q, c = logits.shape
-        scores, flat = logits.sigmoid().reshape(b, q * c).topk(min(self.num_select, q * c), dim=1)
-        query = torch.div(flat, c, rounding_mode="floor")
-        centre, half = boxes[..., :2], boxes[..., 2:] / 2
-        xyxy = torch.cat([centre - half, centre + half], -1)
-        return scores, flat % c, torch.gather(xyxy, 1, query.unsqueeze(-1).expand(-1, -1, 4))
+        return top_detections(out["pred_logits"].float(), out["pred_boxes"].float(), self.num_select)
 
 
 def place_on_canvas(images: Tensor, mask: Tensor, side: int) -> tuple[Tensor, Tensor]:
