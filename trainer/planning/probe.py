@@ -289,7 +289,9 @@ def run_probe(cfg: TrainConfig, opts: ProbeOptions, log: Callable[[str], None] =
 
     best, taken = search_batch(measure, opts.start_batch, opts.max_batch, opts.granularity)
     best_m = next((m for m in reversed(taken) if m.batch == best and m.fits), None)
-    host_rss = proc_kib("/proc/self/status", "VmHWM") * 1024  # before the loader probes (num_workers=0 loads here)
+    # before the loader probes (num_workers=0 loads here); VmHWM is max(recorded peak, current RSS) and the kernel
+    # records the peak lazily, so a later read can be a few pages below an earlier one: keep the largest
+    host_rss = max([proc_kib("/proc/self/status", "VmHWM") * 1024] + [m.rss_hwm_bytes for m in taken])
     data_per_process, data_per_host = (int(b) for b in task.host_data_bytes(data))
     loader_batch = best or opts.start_batch
     loader = []
