@@ -486,7 +486,10 @@ def track_outputs(cfg, run_ids: dict, files: list[Path], out: Path) -> str:
     names = [n for n in (cfg.tracking or []) if n in run_ids] or list(run_ids)
     trackers = build_trackers(names, cfg.tracking_uri, cfg.tracking_experiment, None, out)
     sinks = TrackingSinks(
-        trackers, lambda m: print(m, file=sys.stderr, flush=True), continues="the predictions stay on disk; going on"
+        trackers,
+        lambda m: print(m, file=sys.stderr, flush=True),
+        continues="the predictions stay on disk; going on",
+        background=False,
     )
     sinks.attach(run_ids)
     for f in files:

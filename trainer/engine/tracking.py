@@ -20,8 +20,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import queue
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +36,14 @@ from trainer.config.schema import TRACKERS  # noqa: F401 - the values of the tra
 MLFLOW_PARAM_MAX = 500
 #: Seconds allowed to open a TCP connection to an http(s) tracking server before the sink gives up.
 CONNECT_TIMEOUT_S = 5.0
+#: Items (metric rows, tags, params, artifacts) that may wait for a slow tracker before new rows are dropped from
+#: the trackers (the JSONL and TensorBoard files keep every row).
+MAX_PENDING = 10_000
+#: Seconds :meth:`TrackingSinks.finish` waits for the trackers to take the items still queued.
+FLUSH_TIMEOUT_S = 60.0
+#: Metrics per MLflow ``log_batch`` call (MLflow's REST limit is 1,000).
+MLFLOW_BATCH_METRICS = 1000
+_STOP = object()
 
 
 def numeric_items(values: dict) -> dict:
@@ -105,6 +115,12 @@ class Tracker:
     def log_metrics(self, kind: str, step: int, values: dict) -> None:
         """Log one metric row (``kind``: step or epoch) at optimizer step ``step``."""
         raise NotImplementedError
+
+    def log_rows(self, rows: list) -> None:
+        """Log several metric rows, ``[(kind, step, values, wall_time_s), ...]`` in order (``wall_time_s``: when
+        the row was measured, seconds since the epoch). Default: :meth:`log_metrics` each."""
+        for kind, step, values, _ in rows:
+            self.log_metrics(kind, step, values)
 
     def set_tags(self, tags: dict) -> None:
         """Set short string tags (task, model, config file, system facts, checkpoint paths)."""
@@ -191,12 +207,19 @@ class MlflowTracker(Tracker):
             self.client.log_batch(self.run_id, params=items[i : i + 100])
 
     def log_metrics(self, kind: str, step: int, values: dict) -> None:
+        self.log_rows([(kind, step, values, time.time())])
+
+    def log_rows(self, rows: list) -> None:
+        """All ``rows`` in as few ``log_batch`` calls as MLflow allows (:data:`MLFLOW_BATCH_METRICS` each)."""
         from mlflow.entities import Metric
 
-        ms = int(time.time() * 1000)
-        metrics = [Metric(f"{kind}/{k}", v, ms, step) for k, v in numeric_items(values).items()]
-        if metrics:
-            self.client.log_batch(self.run_id, metrics=metrics)
+        metrics = [
+            Metric(f"{kind}/{k}", v, int(t * 1000), step)
+            for kind, step, values, t in rows
+            for k, v in numeric_items(values).items()
+        ]
+        for i in range(0, len(metrics), MLFLOW_BATCH_METRICS):
+            self.client.log_batch(self.run_id, metrics=metrics[i : i + MLFLOW_BATCH_METRICS])
 
     def set_tags(self, tags: dict) -> None:
         from mlflow.entities import RunTag
@@ -284,14 +307,39 @@ def build_trackers(names: list, uri: Optional[str], experiment: str, run_name: O
 
 class TrackingSinks:
     """The enabled trackers of a run; each call goes to every live sink. The first exception of a sink prints
-    ``WARNING: tracking <name>: <what>; training continues without it`` through ``warn`` and disables that
-    sink (a tracker never stops training)."""
+    ``WARNING: tracking <name>: <what> failed (...); training continues without it`` through ``warn`` and disables
+    that sink (a tracker never stops training).
 
-    def __init__(self, trackers: list, warn: Callable[[str], None], continues: str = "training continues"):
+    Delivery is off the training thread: :meth:`start` and :meth:`attach` run in the caller (they return run ids
+    that the next checkpoint stores), everything after them — params, tags, metric rows, artifacts, and
+    :meth:`finish`/:meth:`detach` — goes in order through a queue to one daemon thread, so a training step pays
+    for a dict copy and a ``Queue.put`` (microseconds: docs/benchmarks.md) whatever the tracking server's latency.
+    The thread hands every run of consecutive metric rows to :meth:`Tracker.log_rows` at once (MLflow: one
+    ``log_batch`` for up to :data:`MLFLOW_BATCH_METRICS` metrics). When more than ``max_pending`` items wait,
+    new rows are dropped from the trackers with one WARNING line (the JSONL keeps them). :meth:`finish` and
+    :meth:`detach` wait up to ``flush_timeout_s`` seconds for the queue to drain, then warn how many items were
+    not delivered and return. ``background=False`` runs every call in the caller (``predict --track``, which
+    reports what was uploaded).
+    """
+
+    def __init__(
+        self,
+        trackers: list,
+        warn: Callable[[str], None],
+        continues: str = "training continues",
+        background: bool = True,
+        max_pending: int = MAX_PENDING,
+        flush_timeout_s: float = FLUSH_TIMEOUT_S,
+    ):
         self.live = list(trackers)
         self.warn = warn
         self.continues = continues
         self.run_ids: dict = {}
+        self.background = background
+        self.flush_timeout_s = flush_timeout_s
+        self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
+        self._thread: Optional[threading.Thread] = None
+        self._dropped = 0
 
     def _each(self, what: str, call: Callable[[Tracker], None]) -> None:
         for t in list(self.live):
@@ -305,6 +353,74 @@ class TrackingSinks:
                     f"{self.continues} without it"
                 )
 
+    # .. the delivery thread ..............................................................................
+    def _deliver(self) -> None:
+        """The daemon thread: take items in order; consecutive metric rows go to each tracker as one batch."""
+        item = self._queue.get()
+        while item is not _STOP:
+            what, payload = item
+            item = None
+            if what != "log_metrics":
+                self._each(what, payload)
+            else:
+                rows = [payload]
+                while item is None:
+                    try:
+                        nxt = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if nxt is not _STOP and nxt[0] == "log_metrics":
+                        rows.append(nxt[1])
+                    else:
+                        item = nxt  # the next non-row item (or the stop), handled after this batch
+                self._each("log_metrics", lambda t, rows=rows: t.log_rows(rows))
+            if item is None:
+                item = self._queue.get()
+
+    def _submit(self, what: str, payload) -> None:
+        if not self.background:
+            self._each(what, payload if what != "log_metrics" else (lambda t: t.log_rows([payload])))
+            return
+        if not self.live:
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._deliver, name="trainstack-tracking", daemon=True)
+            self._thread.start()
+        try:
+            self._queue.put_nowait((what, payload))
+        except queue.Full:
+            self._dropped += 1
+            if self._dropped == 1:
+                self.warn(
+                    f"WARNING: tracking: {self._queue.maxsize} items wait for the trackers; new items are dropped "
+                    "until they catch up (metrics.jsonl keeps every row)"
+                )
+
+    def _close(self, what: str, call: Callable[[Tracker], None]) -> None:
+        """Queue the closing call, wait up to ``flush_timeout_s`` for the thread to deliver everything."""
+        if self._thread is None:
+            self._each(what, call)
+        else:
+            deadline = time.monotonic() + self.flush_timeout_s
+            stop_queued = False
+            try:
+                self._queue.put((what, call), timeout=self.flush_timeout_s)
+                self._queue.put(_STOP, timeout=max(deadline - time.monotonic(), 0.001))
+                stop_queued = True
+            except queue.Full:
+                pass
+            self._thread.join(max(deadline - time.monotonic(), 0.0))
+            if self._thread.is_alive():
+                self.warn(
+                    f"WARNING: tracking: {self._queue.qsize() - stop_queued} items were not delivered within "
+                    f"{self.flush_timeout_s:g} s ({what} included); metrics.jsonl keeps every row"
+                )
+            self._thread = None
+        if self._dropped:
+            self.warn(f"WARNING: tracking: {self._dropped} items were dropped while the trackers lagged behind")
+        self.live = []
+
+    # .. the calls ........................................................................................
     def start(self, run_ids: dict) -> None:
         """Start every sink, continuing the run ids of ``run_ids`` (tracker name -> id, from a checkpoint)."""
 
@@ -317,19 +433,21 @@ class TrackingSinks:
 
     def log_params(self, params: dict) -> None:
         """:meth:`Tracker.log_params` on every live sink."""
-        self._each("log_params", lambda t: t.log_params(params))
+        params = dict(params)
+        self._submit("log_params", lambda t: t.log_params(params))
 
     def log_metrics(self, kind: str, step: int, values: dict) -> None:
-        """:meth:`Tracker.log_metrics` on every live sink."""
-        self._each("log_metrics", lambda t: t.log_metrics(kind, step, values))
+        """:meth:`Tracker.log_metrics` on every live sink (``values`` is copied: the caller may reuse it)."""
+        self._submit("log_metrics", (kind, step, dict(values), time.time()))
 
     def set_tags(self, tags: dict) -> None:
         """:meth:`Tracker.set_tags` on every live sink."""
-        self._each("set_tags", lambda t: t.set_tags(tags))
+        tags = dict(tags)
+        self._submit("set_tags", lambda t: t.set_tags(tags))
 
     def log_artifact(self, path: Path, base: Optional[Path] = None) -> None:
         """:meth:`Tracker.log_artifact` on every live sink."""
-        self._each("log_artifact", lambda t: t.log_artifact(path, base))
+        self._submit("log_artifact", lambda t: t.log_artifact(path, base))
 
     def attach(self, run_ids: dict) -> None:
         """:meth:`Tracker.attach` every sink to its run in ``run_ids`` (tracker name -> id, one per sink)."""
@@ -337,11 +455,9 @@ class TrackingSinks:
         self._each("attach", lambda t: t.attach(run_ids[t.name]))
 
     def detach(self) -> None:
-        """:meth:`Tracker.detach` on every live sink; the sinks are then closed."""
-        self._each("detach", lambda t: t.detach())
-        self.live = []
+        """:meth:`Tracker.detach` on every live sink after everything queued; the sinks are then closed."""
+        self._close("detach", lambda t: t.detach())
 
     def finish(self, status: str = "FINISHED") -> None:
-        """:meth:`Tracker.finish` on every live sink; the sinks are then closed."""
-        self._each("finish", lambda t: t.finish(status))
-        self.live = []
+        """:meth:`Tracker.finish` on every live sink after everything queued; the sinks are then closed."""
+        self._close("finish", lambda t: t.finish(status))
