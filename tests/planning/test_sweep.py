@@ -31,7 +31,7 @@ from trainer.config.sweep import (
 )
 from trainer.errors import ConfigError
 from trainer.planning.plan import max_local_jobs
-from trainer.planning.sweep import trial_result, worst_overrides
+from trainer.planning.sweep import parallel_for_space, resource_overrides, trial_result, worst_overrides
 
 # ---------------------------------------------------------------------------------------------------- the space
 
@@ -238,3 +238,39 @@ def test_parallel_above_what_fits_is_refused_in_one_line(swept, tmp_path):
     assert f"use --parallel {fit} or less" in lines[0] and "Traceback" not in proc.stdout + proc.stderr
     check_error_line(lines[0])
     assert not list((tmp_path / "o").glob("t*/train.log"))  # nothing started
+
+
+def test_a_swept_model_is_checked_per_model_and_the_tightest_sets_k(shared_data, tmp_path, monkeypatch):
+    """A grid over ``model`` checks K once per model (seed 004's incident was 4 jobs of one config; a sweep of a
+    small and a large model must not be sized by the small one). The machine is a CPU host of 16 vCPUs with 32 GiB
+    available (so the vCPU rule does not decide K); the probes are seeded, ``OUT/probe-<i>/probe.json`` as a CPU
+    probe writes them, the second model's process taking 60 % of that RAM."""
+    import dataclasses
+
+    from trainer.planning import plan
+
+    host = dataclasses.replace(plan.local_machine(), vcpus=16, memory_mib=32 * 1024, gpus=0, gpu_memory_mib=0)
+    monkeypatch.setattr(plan, "local_machine", lambda: host)
+    fixed = {"data_dir": str(shared_data / "hymenoptera"), "image_size": 32, "num_workers": 0, "device": "cpu"}
+    trials = [{"model": m, "lr": lr} for m in ("resnet18", "resnet50") for lr in (0.02, 0.005)]
+    configs = resource_overrides({**fixed, "batch_size": 16}, [{**t, "batch_size": b} for t in trials for b in (8, 16)])
+    assert [c["model"] for c in configs] == ["resnet18", "resnet50"] and {c["batch_size"] for c in configs} == {16}
+    assert resource_overrides(fixed, [{"lr": 0.1}, {"lr": 0.2}]) == [fixed]  # nothing of the kind swept: one config
+    out = tmp_path / "out"
+    for i, (model, rss) in enumerate((("resnet18", 300 * 2**20), ("resnet50", int(0.6 * 32 * 2**30))), start=1):
+        cfg = load_config(BASE, {**fixed, "model": model})
+        probe = {"device": "cpu", "device_name": "cpu", "image_size": "32x32", "config": cfg.to_dict()}
+        probe.update(best_batch=16, best_images_per_s=10.0, measurements=[], host_rss_hwm_bytes=rss)
+        (out / f"probe-{i}").mkdir(parents=True)
+        (out / f"probe-{i}" / "probe.json").write_text(json.dumps(probe))
+    (out / "probe").mkdir()  # resnet18 alone is one config: its probe folder is OUT/probe
+    (out / "probe" / "probe.json").write_text((out / "probe-1" / "probe.json").read_text())
+    alone = parallel_for_space(BASE, fixed, trials[:2], 4, None, None, out)
+    assert alone[0] == 4 and "capped by the 4 trial(s) to run" in alone[1]
+    k, why = parallel_for_space(BASE, fixed, trials, 4, None, None, out)
+    assert k == 1, why  # two resnet50 jobs need 120 % of the RAM
+    assert "2 would not fit: host RAM" in why and why.endswith(
+        "(the trials with model=resnet50, the tightest of 2 checked)"
+    )
+    with pytest.raises(ConfigError, match=r"^--parallel 2: 2 trials at a time do not fit this machine"):
+        parallel_for_space(BASE, fixed, trials, 4, 2, None, out)

@@ -12,9 +12,12 @@ Usage::
 * K, trials at a time: the largest K for which :func:`trainer.planning.plan.max_local_jobs` (the checks of
   ``plan --jobs-per-instance K``, on this machine: host RAM available now, vCPUs, GPU memory with CUDA) says K
   jobs fit, capped by the trials left to run. The config checked is the base config with each swept resource
-  field (:data:`RESOURCE_FIELDS`) at its largest value in the space. Host RAM per job comes from one cheap probe
-  of that config (:func:`cheap_probe`: one batch size, one timed step, the config's loader setting; ~10 s on
-  2 vCPUs), written to ``OUT/probe/`` and reused by a re-run; ``--probe-report FILE`` uses an existing one.
+  field (:data:`RESOURCE_FIELDS`) at its largest value in the space, once per combination of the swept values of
+  :data:`CHOICE_RESOURCE_FIELDS` (model, precision, ...), and K is the smallest answer
+  (:func:`parallel_for_space`). Host RAM per job comes from one cheap probe of each such config
+  (:func:`cheap_probe`: one batch size, one timed step, the config's loader setting; ~10 s on 2 vCPUs), written
+  to ``OUT/probe/`` (``OUT/probe-<i>/`` for several) and reused by a re-run; ``--probe-report FILE`` uses an
+  existing one for all.
   ``--parallel K`` above that K is refused (exit 2), so a sweep cannot repeat seed 004's 4-jobs incident.
 * Each trial: ``sys.executable -m trainer train ...`` in its own session (a terminal's Ctrl-C reaches only the
   sweep), output in ``OUT/<trial>/train.log``, ``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` = vCPUs // K (at least 1),
@@ -56,6 +59,9 @@ from trainer.planning.scale import epoch_rows
 
 #: Fields whose largest swept value is used for the planner's check of K (they set memory and CPU per job).
 RESOURCE_FIELDS = ("batch_size", "eval_batch_size", "image_size", "num_workers", "prefetch_factor")
+#: Swept fields with no "largest" value that set a job's memory (weights and activations per model, bytes per
+#: value, memory format, where JPEGs are decoded): K is checked for every combination of their swept values.
+CHOICE_RESOURCE_FIELDS = ("model", "precision", "channels_last", "decode_device")
 
 #: Exit status when a trial failed (the results are still written).
 EXIT_TRIAL_FAILED = 1
@@ -183,6 +189,45 @@ def worst_overrides(fixed: dict, trials: list[dict]) -> dict:
         if vals:
             worst[name] = max(vals)
     return worst
+
+
+def resource_overrides(fixed: dict, trials: list[dict]) -> list[dict]:
+    """The overrides of every config the planner checks K for: :func:`worst_overrides`, once per distinct
+    combination of the :data:`CHOICE_RESOURCE_FIELDS` values among ``trials`` (in their first-seen order; one
+    config when the space sweeps none of them)."""
+    worst = worst_overrides(fixed, trials)
+    combos: list[dict] = []
+    for t in trials:
+        c = {f: t[f] for f in CHOICE_RESOURCE_FIELDS if f in t}
+        if c not in combos:
+            combos.append(c)
+    return [{**worst, **c} for c in combos]
+
+
+def parallel_for_space(
+    base: Path, fixed: dict, trials: list[dict], n_todo: int, requested: Optional[int], probe_report, out: Path
+) -> tuple[int, str]:
+    """K for a space: the smallest :func:`choose_parallel` over the configs of :func:`resource_overrides`, each
+    with its own :func:`cheap_probe` (``OUT/probe/``; with several configs ``OUT/probe-<i>/``, i from 1) unless
+    ``probe_report`` is given (then that one report is used for all). The line names the config that limits K
+    when there are several.
+
+    Raises:
+        ConfigError: ``requested`` does not fit one of the configs, or a probe failed.
+    """
+    configs = resource_overrides(fixed, trials)
+    best: Optional[tuple[int, str]] = None
+    for i, over in enumerate(configs, start=1):
+        cfg = load_config(base, over)
+        folder = out / ("probe" if len(configs) == 1 else f"probe-{i}")
+        probe = probe_report or str(cheap_probe(str(base), over, cfg, folder))
+        k, why = choose_parallel(cfg, n_todo, requested, probe)
+        if len(configs) > 1:
+            which = ", ".join(f"{f}={over[f]}" for f in CHOICE_RESOURCE_FIELDS if f in over)
+            why += f" (the trials with {which}, the tightest of {len(configs)} checked)"
+        if best is None or k < best[0]:
+            best = (k, why)
+    return best
 
 
 def choose_parallel(cfg, n_trials: int, requested: Optional[int], probe_report: Optional[str]) -> tuple[int, str]:
@@ -363,10 +408,7 @@ def run_sweep(args: argparse.Namespace, log: Callable[[str], None] = print) -> i
         log(f"sweep: {skipped} of {len(names)} trial(s) already finished in {out}: skipped")
     stopped = False
     if todo:
-        worst = worst_overrides(fixed, trials)
-        worst_cfg = load_config(base, worst)
-        probe = args.probe_report or str(cheap_probe(str(base), worst, worst_cfg, out / "probe"))
-        k, why = choose_parallel(worst_cfg, len(todo), args.parallel, probe)
+        k, why = parallel_for_space(base, fixed, trials, len(todo), args.parallel, args.probe_report, out)
         log(why)
         from trainer.planning.plan import local_machine
 
