@@ -289,8 +289,8 @@ def export(args: argparse.Namespace) -> list[str]:
     import torch
     import yaml
 
-    from trainer.engine.checkpoint import CheckpointManager, describe_os_error
-    from trainer.predict import PredictError, load_model, resolve_checkpoint
+    from trainer.engine.checkpoint import describe_os_error
+    from trainer.predict import PredictError, load_model, read_state, resolve_checkpoint
 
     try:
         ckpt = resolve_checkpoint(args.checkpoint)
@@ -303,7 +303,8 @@ def export(args: argparse.Namespace) -> list[str]:
         )
     out = prepare_out(args.out)
     try:
-        task, model, label_space, which = load_model(ckpt, torch.device("cpu"), args.weights == "ema")
+        state = read_state(ckpt)
+        task, model, label_space, which = load_model(ckpt, torch.device("cpu"), args.weights == "ema", state)
     except PredictError as e:
         raise ExportError(str(e)) from None
     if args.task and task.name != args.task:
@@ -311,7 +312,6 @@ def export(args: argparse.Namespace) -> list[str]:
     why = task.export_unsupported(args.format)
     if why:
         raise ExportError(f"--format: {why}")
-    state, _ = CheckpointManager.load(ckpt, 0, map_location="cpu")
     manifest = json.loads((ckpt / "manifest.json").read_text())
     meta = task.export_metadata(label_space)
     meta.update(checkpoint=ckpt.name, weights=which, config_fingerprint=str(state.get("fingerprint")))

@@ -331,22 +331,37 @@ def _input_extensions(path: Path) -> Optional[tuple]:
         return None
 
 
-def load_model(path: Path, device, use_ema: bool):
-    """(task, model on ``device`` in eval mode, label space, ``"ema"`` | ``"model"``) of checkpoint ``path``.
+def read_state(path: Path) -> dict:
+    """The training state of checkpoint ``path`` on the CPU (:meth:`CheckpointManager.load`: manifest and
+    SHA-256 checked), read once and handed to :func:`load_model` / :func:`tracked_runs`.
 
     Raises:
-        PredictError: unreadable checkpoint, no config or label space in it, or weights that do not fit.
+        PredictError: unreadable or corrupt checkpoint.
     """
-    from trainer.config import FIELDS, load_config
     from trainer.engine.checkpoint import CheckpointManager
-    from trainer.engine.distributed import DistInfo
-    from trainer.errors import CheckpointError, ConfigError
-    from trainer.tasks import build_task
+    from trainer.errors import CheckpointError
 
     try:
         state, _ = CheckpointManager.load(path, 0, map_location="cpu")
     except CheckpointError as e:
         raise PredictError(f"--checkpoint: {e}") from None
+    return state
+
+
+def load_model(path: Path, device, use_ema: bool, state: Optional[dict] = None):
+    """(task, model on ``device`` in eval mode, label space, ``"ema"`` | ``"model"``) of checkpoint ``path``;
+    ``state``: its :func:`read_state`, when the caller has read it already.
+
+    Raises:
+        PredictError: unreadable checkpoint, no config or label space in it, or weights that do not fit.
+    """
+    from trainer.config import FIELDS, load_config
+    from trainer.engine.distributed import DistInfo
+    from trainer.errors import ConfigError
+    from trainer.tasks import build_task
+
+    if state is None:
+        state = read_state(path)
     saved, label_space = state.get("config"), state.get("label_space")
     if not isinstance(saved, dict) or not saved.get("task"):
         raise PredictError(f"--checkpoint: {path} holds no config (written by an older trainer?)")
@@ -403,8 +418,10 @@ def predict(args: argparse.Namespace) -> str:
         device = resolve_device(args.device, 0)
     except ConfigError as e:
         raise PredictError(f"--device: {str(e).removeprefix('device: ')}") from None
-    run_ids = tracked_runs(ckpt) if args.track else {}
-    task, model, label_space, which = load_model(ckpt, device, args.ema)
+    state = read_state(ckpt)
+    run_ids = tracked_runs(ckpt, state) if args.track else {}
+    task, model, label_space, which = load_model(ckpt, device, args.ema, state)
+    del state
     names = output_names(paths, task.output_suffixes)
     records: list[dict] = []
     predicted: list[str] = []  # input paths with outputs written
@@ -454,19 +471,13 @@ def predict(args: argparse.Namespace) -> str:
     return line
 
 
-def tracked_runs(ckpt: Path) -> dict:
-    """Tracker name -> run id that the training of checkpoint ``ckpt`` logged to (``state["tracking"]``).
+def tracked_runs(ckpt: Path, state: dict) -> dict:
+    """Tracker name -> run id that the training of checkpoint ``ckpt`` (its :func:`read_state` ``state``)
+    logged to (``state["tracking"]``).
 
     Raises:
         PredictError: the checkpoint holds none (its run was not trained with ``--tracking``).
     """
-    from trainer.engine.checkpoint import CheckpointManager
-    from trainer.errors import CheckpointError
-
-    try:
-        state, _ = CheckpointManager.load(ckpt, 0, map_location="cpu")
-    except CheckpointError as e:
-        raise PredictError(f"--checkpoint: {e}") from None
     ids = {k: v for k, v in (state.get("tracking") or {}).items() if v}
     if not ids:
         raise PredictError(
