@@ -6,7 +6,8 @@
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 NPROC  ?= 2
-# pytest-xdist workers for `make test` (whole test files per worker, one intra-op thread each; 0 = in one process)
+# pytest-xdist workers for `make test` (whole test files per worker, heaviest files first: tests/conftest.py;
+# one intra-op thread each; 0 = in one process)
 TEST_WORKERS ?= 2
 SHELL  := /bin/bash
 
@@ -66,7 +67,7 @@ format: setup
 	$(VENV)/bin/ruff format .
 
 test: setup msda ffcv lint
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=60 tests
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=60 tests
 
 # Need a Docker engine (not on the CI machine; CI runs hadolint and the same build script instead).
 image:

@@ -3,6 +3,7 @@ checkout); a test that needs them fails (never skips) when they are missing, as 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -144,3 +145,55 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.multiprocess)
         if stem in GPU_MODULES:
             item.add_marker(pytest.mark.gpu)
+    items[:] = heaviest_files_first(items)
+
+
+#: Seconds per test file (setup + call + teardown of its tests), measured by a whole run with
+#: ``TRAINSTACK_TEST_DURATIONS=tests/durations.json make test``; it orders the files, nothing else.
+DURATIONS_FILE = Path(__file__).parent / "durations.json"
+#: Estimated seconds of a ``slow`` test and of a quick one, for files the durations file does not list.
+SLOW_SECONDS, QUICK_SECONDS = 30.0, 1.0
+
+
+def heaviest_files_first(items: list) -> list:
+    """``items`` with whole test files in decreasing cost (:data:`DURATIONS_FILE`'s seconds, else ``slow`` tests x
+    :data:`SLOW_SECONDS` + the others x :data:`QUICK_SECONDS`), each file's tests in their own order. ``make test``
+    hands files to its pytest-xdist workers in this order (``--dist loadfile --no-loadscope-reorder``): the
+    longest-first rule, so a long file does not start last and run alone while the other worker idles
+    (xdist's own reorder sorts files by test count)."""
+    try:
+        measured = json.loads(DURATIONS_FILE.read_text())
+    except (OSError, ValueError):
+        measured = {}
+    root = Path(__file__).parent.parent
+    estimate: dict = {}
+    for item in items:
+        secs = SLOW_SECONDS if item.get_closest_marker("slow") else QUICK_SECONDS
+        estimate[item.path] = estimate.get(item.path, 0.0) + secs
+
+    def cost(path) -> float:
+        try:
+            return float(measured[str(Path(path).relative_to(root))])
+        except (KeyError, ValueError, TypeError):
+            return estimate[path]
+
+    rank = {path: i for i, path in enumerate(sorted(estimate, key=lambda p: -cost(p)))}
+    return sorted(items, key=lambda item: rank[item.path])
+
+
+_file_seconds: dict = {}
+
+
+def pytest_runtest_logreport(report):
+    """Sum each test file's setup/call/teardown seconds (for ``TRAINSTACK_TEST_DURATIONS``)."""
+    path = report.nodeid.split("::", 1)[0]
+    _file_seconds[path] = _file_seconds.get(path, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    """With ``TRAINSTACK_TEST_DURATIONS=FILE``, write the per-file seconds of this run to FILE (the controller
+    only, under pytest-xdist), longest first."""
+    out = os.environ.get("TRAINSTACK_TEST_DURATIONS")
+    if out and not hasattr(session.config, "workerinput") and _file_seconds:
+        ranked = dict(sorted(((k, round(v, 1)) for k, v in _file_seconds.items()), key=lambda kv: -kv[1]))
+        Path(out).write_text(json.dumps(ranked, indent=1) + "\n")
