@@ -1,7 +1,8 @@
 """Every GPU figure of the project in one command (issue 24): run by ``benchmarks/gpu_suite.sh``.
 
 Steps, each a benchmark script of this folder run as a subprocess under its own time limit (a step that fails or
-runs out of time is reported as such; the others still run):
+runs out of time is reported as such; the others still run; with ``--small --device cpu`` each step runs in a
+fork of this process, which imported torch once, unless ``--fresh-processes``):
 
 1. ``op_tests``: ``tests/ops/test_msda_cuda.py`` (our deformable-attention op against its reference).
 2. ``op_bench``: ``msda.py``: our op vs the PyTorch reference, fp32 and bf16 (its table is kept).
