@@ -30,8 +30,9 @@ EXIT_INTERRUPTED = 75
 #: Seconds between SIGTERM and SIGKILL in these tests (EC2 spot and SageMaker give 120 s).
 GRACE_S = 30
 #: Two epochs of two steps (the loop's features of test_interruption's runs, fewer steps): training is the slow
-#: part on 2 vCPUs; one image per evaluation batch makes the evaluation long enough to be signalled in.
-SHORT = dict(epochs=2, max_steps_per_epoch=2, batch_size=16, lr=0.01, eval_batch_size=1)
+#: part on 2 vCPUs; one image per evaluation batch makes the evaluation long enough to be signalled in (with
+#: ResNet-18, not test_interruption's smaller model, whose evaluation would be a shorter window to signal in).
+SHORT = dict(epochs=2, max_steps_per_epoch=2, batch_size=16, lr=0.01, eval_batch_size=1, model="resnet18")
 
 
 def _odd_digits(tiny_digits, tmp_path_factory):

@@ -30,7 +30,7 @@ from moto import mock_aws
 from tests import moto_env
 
 TINY_HPS = {
-    "model": "resnet18",
+    "model": "shufflenet_v2_x0_5",  # 1.4 M parameters: each phase's steps and checkpoint writes are cheap
     "image_size": "32",
     "epochs": "1",
     "max_steps_per_epoch": "2",
