@@ -277,7 +277,7 @@ def summarize(results: list[dict]) -> tuple[list[tuple[str, str, str]], list[str
                         )
                     )
         elif name == "checkpoint":
-            m = re.search(r"stall_steps=([\d.]+)", text)
+            m = re.search(r"stall_steps=(-?[\d.]+)", text)
             rows.append(("periodic checkpoint cost (steps)", m.group(1) if m else "?", name))
     return rows, tables
 

@@ -52,8 +52,9 @@ def test_the_gpu_suite_runs_through_on_cpu_small(shared_data, tmp_path):
     } <= steps, steps
     ratios = [float(x) for x in re.findall(r"\(ratio ([\d.]+)\)", md)]
     assert len(ratios) == 4 and all(r > 0 for r in ratios), ratios  # classification, segmentation, video x2
-    stall = re.search(r"\| periodic checkpoint cost \(steps\) \| ([\d.]+) \|", md)
-    assert stall and float(stall.group(1)) >= 0
+    # a measured difference of two timed runs: on a loaded CPU it can come out below 0 (noise), never missing
+    stall = re.search(r"\| periodic checkpoint cost \(steps\) \| (-?\d+\.\d+) \|", md)
+    assert stall, md
     # the CPU classification case is measured too (allocated), not only predicted
     assert re.search(r"\| resnet18 \| 64x64 \| 4 \| fp32 \| [\d,]+ \| [\d,]+ \|", md), md
     for name in ("op_bench", "checkpoint", "speed_video_cached"):

@@ -268,7 +268,9 @@ def test_sigterm_torture_resume_is_bit_exact(tiny_digits, tmp_path, reference):
         assert "interrupted: SIGTERM" in log, log[-3000:]
         marker = json.loads((out / "ck" / "interrupted.json").read_text())
         assert marker["reason"] == "SIGTERM" and marker["global_step"] >= step
-        assert marker["global_step"] <= step + 3  # loses at most the steps since the notice
+        # loses at most the steps since the notice: + the steps run while this test reads the step line and
+        # signals (~0.15 s each with ShuffleNetV2 x0.5 on 2 vCPUs; 8 steps ~ the 1.5 s that +3 allowed ResNet-18)
+        assert marker["global_step"] <= step + 8
     p = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     assert "the previous run was interrupted: SIGTERM" in p.stdout
