@@ -8,6 +8,7 @@
 #   STEPS=N        optimizer steps of each real-loop run (default 300, about one facemask epoch at batch 2)
 #   BUDGET=SEC     stop starting steps once this many seconds have passed (default 540)
 #   PY=python3     the interpreter (the image's or .venv/bin/python)
+#   SKIP=a,b       step names not to run (e.g. SKIP=dino_step_compiled,dino_train_compiled when GPU minutes are few)
 # Steps: op build for this GPU (when missing), op tests, op table (ours / upstream / reference, fp32 and bf16, wall
 # and GPU time), DINO-4scale R50 TrainStep at 800 px bf16 (ms/step at batch 2/4/8 and on real facemask batches; the
 # CPU proxy's counts and GPU kernel times), eager then --compile; the real loop on facemask (STEPS steps, batch 2)
@@ -28,6 +29,7 @@ if [[ ! -d $DATA/facemask-coco ]]; then
 fi
 step() {  # step NAME LIMIT CMD...: runs CMD under min(LIMIT, time left), log in $OUT/NAME.log
   local name=$1 t=$2; shift 2
+  if [[ ",${SKIP:-}," == *",$name,"* ]]; then echo "=== $name skipped: SKIP"; return 98; fi
   local left=$((BUDGET - SECONDS))
   if ((left < 20)); then echo "=== $name skipped: budget spent"; return 99; fi
   ((t > left)) && t=$left

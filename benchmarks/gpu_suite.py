@@ -129,6 +129,30 @@ def plan(device: str, small: bool, data: Path, work: Path) -> list[tuple[str, in
             [*py, str(HERE / "checkpoint.py"), "--device", device, "--data", inet, *ckpt],
         ),
     ]
+    if gpu:
+        copies = work / "imagenette-x8"
+        steps += [
+            ("jpeg_copies", 60, [*py, "-c", _COPIES.format(src=inet, out=str(copies), copies=8)]),
+            (
+                "speed_decode_cuda",
+                240,
+                [
+                    *py,
+                    "-m",
+                    "trainer",
+                    "train",
+                    "--data-dir",
+                    str(copies),
+                    *"--model resnet50 --image-size 224 --batch-size 256 --lr 0.1 --epochs 2 --precision bf16-mixed "
+                    "--channels-last --decode-device cuda --num-workers 4 --device cuda --log-every-steps 20 "
+                    "--no-auto-resume".split(),
+                    "--checkpoint-dir",
+                    str(work / "decode" / "ck"),
+                    "--log-dir",
+                    str(work / "decode" / "logs"),
+                ],
+            ),
+        ]
     return steps
 
 
@@ -138,10 +162,27 @@ _CLIPS = (
 )
 
 
+_COPIES = (
+    "import os, pathlib, shutil; src, out = pathlib.Path('{src}'), pathlib.Path('{out}'); n = 0\n"
+    "for split, k in (('train', {copies}), ('val', 1)):\n"
+    "    for f in sorted((src / split).glob('*/*')):\n"
+    "        for i in range(k):\n"
+    "            d = out / split / f.parent.name; d.mkdir(parents=True, exist_ok=True)\n"
+    "            t = d / f'r{{i}}_{{f.name}}'\n"
+    "            if not t.exists():\n"
+    "                try: os.link(f, t)\n"
+    "                except OSError: shutil.copyfile(f, t)\n"
+    "            n += 1\n"
+    "print(n, 'files linked under', out)"
+)
+
+
 def run_step(name: str, limit: int, argv: list[str], out: Path, forked: bool = False) -> dict:
-    """Run one step from the repository root with ``PYTHONPATH`` set; its output goes to ``<out>/<name>.log``.
+    """Run one step from the repository root with the repository first on ``PYTHONPATH`` (what was there, e.g.
+    carried wheels installed with ``pip --target``, stays after it); its output goes to ``<out>/<name>.log``.
     ``forked``: in a fork of this process (see :func:`_run_forked`) instead of a fresh interpreter."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != ROOT]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), *extra]), PYTHONUNBUFFERED="1")
     t0 = time.perf_counter()
     if forked:
         rc, text = _run_forked(argv, limit, env, out / f"{name}.out")
@@ -236,6 +277,9 @@ def summarize(results: list[dict]) -> tuple[list[tuple[str, str, str]], list[str
     rows, tables = [], []
     for r in results:
         name, text = r["name"], r["text"]
+        if isinstance(r["rc"], str) and r["rc"].startswith("skipped"):
+            rows.append((name, "not run: the --budget was spent", name))
+            continue
         if r["rc"] != 0:
             last = [ln for ln in text.strip().splitlines() if ln.strip()][-1:] or ["no output"]
             rows.append((name, f"FAILED (rc={r['rc']}): {last[0][:160]}", name))
@@ -276,6 +320,21 @@ def summarize(results: list[dict]) -> tuple[list[tuple[str, str, str]], list[str
                             name,
                         )
                     )
+        elif name == "speed_decode_cuda":
+            rates = [float(m) for m in re.findall(r"epoch=\d+ .*?images_per_s=([\d.]+)", text)]
+            in_memory = [v for f, v, _ in rows if f.startswith("classification resnet50 224 px batch 256 bf16")]
+            rate = rates[-1] if rates else None
+            ratio = ""
+            if rate and in_memory:
+                ratio = f" ({rate / float(in_memory[0].split(' / ')[0].replace(',', '')):.3f} of the in-memory trainer)"
+            rows.append(
+                (
+                    "classification resnet50 224 px batch 256 bf16 from JPEGs, decode_device cuda, 4 loader workers: "
+                    "images/s (last epoch)",
+                    f"{rate:,.1f}{ratio}" if rate else "?",
+                    name,
+                )
+            )
         elif name == "checkpoint":
             m = re.search(r"stall_steps=(-?[\d.]+)", text)
             rows.append(("periodic checkpoint cost (steps)", m.group(1) if m else "?", name))
@@ -289,6 +348,13 @@ def main() -> int:
     ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data"), help="the shared datasets' folder")
     ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/gpu-suite", help="logs and gpu_suite.md")
     ap.add_argument("--only", help="comma-separated step names (default: all)")
+    ap.add_argument(
+        "--budget",
+        type=float,
+        default=0,
+        help="seconds: a step starts only while this many have not passed, under a limit cut to the time left "
+        "(a lent GPU's minutes are few); 0 = no budget",
+    )
     ap.add_argument(
         "--fresh-processes",
         action="store_true",
@@ -314,7 +380,14 @@ def main() -> int:
     forked = a.small and a.device == "cpu" and not a.fresh_processes
     if forked:
         _preimport()
-    results = [run_step(name, limit, argv, out, forked) for name, limit, argv in steps]
+    results = []
+    for name, limit, argv in steps:
+        left = a.budget - (time.perf_counter() - t0) if a.budget else limit
+        if left < 20:
+            print(f"=== {name}: skipped, the --budget of {a.budget:.0f} s is spent", flush=True)
+            results.append({"name": name, "rc": "skipped (budget)", "secs": 0.0, "text": "budget spent", "argv": argv})
+            continue
+        results.append(run_step(name, int(min(limit, left)), argv, out, forked))
     rows, tables = summarize(results)
     device = "CPU" if a.device == "cpu" else _gpu_name()
     head = (

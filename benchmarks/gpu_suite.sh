@@ -9,9 +9,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$([[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3)}
 if [[ " $* " == *" --device cuda "* ]] || [[ " $* " != *" --device "* ]]; then
-  if ! PYTHONPATH=. "$PY" -c "from trainer.ops import msda; import sys; sys.exit(0 if msda.load_extension() else 1)" 2>/dev/null; then
+  if ! PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" "$PY" -c "from trainer.ops import msda; import sys; sys.exit(0 if msda.load_extension() else 1)" 2>/dev/null; then
     arch=$("$PY" -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
     TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-$arch}" MAX_JOBS=${MAX_JOBS:-16} PYTHON="$PY" bash images/build_msda.sh
   fi
 fi
-exec env PYTHONPATH=. "$PY" benchmarks/gpu_suite.py "$@"
+exec env PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" "$PY" benchmarks/gpu_suite.py "$@"

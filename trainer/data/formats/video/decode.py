@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
-import av
 import torch
 from torchvision.transforms.v2 import functional as F
 
@@ -92,6 +91,14 @@ def _count_packets(container, stream) -> int:
     return sum(1 for p in container.demux(stream) if p.size and not p.is_discard)
 
 
+def _pyav():
+    """The ``av`` module (PyAV), imported when a video file is first opened: clip arrays (``.npz``) and the
+    feature cache train without it."""
+    import av
+
+    return av
+
+
 def probe_video(path: str | Path) -> VideoInfo:
     """Open ``path`` and describe its first video stream (see :class:`VideoInfo`).
 
@@ -103,6 +110,7 @@ def probe_video(path: str | Path) -> VideoInfo:
             header, a still image), has no video stream, has zero frames, or its codec has no decoder in PyAV.
     """
     p = str(path)
+    av = _pyav()
     try:
         with av.open(p, metadata_errors="ignore") as c:
             if c.format.name.endswith("_pipe") or c.format.name == "image2":
@@ -199,6 +207,7 @@ def _decode(p: str, idx: list[int], size: int, threads: int, seek: bool) -> torc
     demuxer index put it."""
     out: list[torch.Tensor] = []
     k = -1
+    av = _pyav()
     try:
         with av.open(p, metadata_errors="ignore") as c:
             if not c.streams.video:
