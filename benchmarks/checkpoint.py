@@ -13,7 +13,10 @@ model's), single process.
   contention from that thread during the next steps. Reported: median step without a checkpoint, median of
   steps that took one, and of the steps right after (the first epoch of each trainer is a warm-up).
   Also the whole epoch with and without periodic checkpoints: (difference) / (number of checkpoints) is
-  the full cost of one checkpoint including the background thread's competition for the CPU.
+  the full cost of one checkpoint including the background thread's competition for the CPU. The epoch goes
+  on ``--steps`` mod ``--every`` steps after its last checkpoint (``--steps`` a multiple of ``--every`` is
+  refused, exit 2): a run's checkpoint is followed by more steps, and ending the window on one would add its
+  whole background write (serialisation, hashing, fsync) to the figure as if training had waited for it.
 * SIGTERM-to-durable: a real SIGTERM to this process after ``--signal-after`` steps; the time from the
   signal handler setting the flag to the checkpoint being durable (includes finishing the current step).
 
@@ -131,7 +134,7 @@ def measure_stall(args, batches, writer: str = "process", staging=None) -> dict:
 
 def main() -> None:
     ap = in_memory_parser(__doc__, "resnet50", 64, 8, 24)
-    ap.add_argument("--every", type=int, default=6)
+    ap.add_argument("--every", type=int, default=5)
     ap.add_argument("--signal-after", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds of each variant (median reported)")
     ap.add_argument(
@@ -142,6 +145,12 @@ def main() -> None:
         "first is the one of the stall_steps line and of SIGTERM-to-durable",
     )
     args = ap.parse_args()
+    if args.every < 1 or args.steps % args.every == 0:
+        ap.exit(
+            2,
+            f"error: --steps {args.steps} must not be a multiple of --every {args.every}: the measured epoch would "
+            "end on a checkpoint and its time would hold that checkpoint's whole background write\n",
+        )
     batches, _ = in_memory_batches(args.data, args.size, args.batch, args.steps)
     state_bytes = None
 

@@ -58,7 +58,7 @@ def plan(device: str, small: bool, data: Path, work: Path) -> list[tuple[str, in
         cls = f"--data {inet} --model resnet18 --size 64 --batch 4 --steps 2 --rounds 1"
         seg = "--size 64 --batch 2 --steps 2 --rounds 1"
         vid = "--batch 4 --steps 2 --rounds 1 --size 32"
-        ckpt = "--model resnet18 --size 32 --batch 4 --steps 8 --every 4 --signal-after 2 --rounds 1"
+        ckpt = "--model resnet18 --size 32 --batch 4 --steps 10 --every 4 --signal-after 2 --rounds 1"
         frames, px = 8, 32
     else:
         mem_cases = [
@@ -73,7 +73,7 @@ def plan(device: str, small: bool, data: Path, work: Path) -> list[tuple[str, in
         cls = f"--data {inet} --model resnet50 --size 224 --batch 256 --steps 20 --rounds 3 --precisions bf16-mixed,32"
         seg = "--size 1024 --batch 16 --steps 10 --rounds 2 --precisions bf16-mixed"
         vid = "--batch 16 --steps 10 --rounds 2 --precisions bf16-mixed --size 64"
-        ckpt = "--model resnet50 --size 224 --batch 256 --steps 30 --every 10 --signal-after 15 --rounds 2"
+        ckpt = "--model resnet50 --size 224 --batch 256 --steps 39 --every 10 --signal-after 15 --rounds 2"
         frames, px = 32, 64
     mem_cases = [c.split() for c in mem_cases]
     cls, seg, vid, ckpt = cls.split(), seg.split(), vid.split(), ckpt.split()
@@ -306,20 +306,6 @@ def summarize(results: list[dict]) -> tuple[list[tuple[str, str, str]], list[str
                             name,
                         )
                     )
-        elif name.startswith("speed_"):
-            for ln in text.splitlines():
-                if ln.startswith("{"):
-                    d = json.loads(ln)
-                    ips = d["images_per_s"]
-                    rows.append(
-                        (
-                            f"{name[6:]} {d['model']} {d['size']} px batch {d['batch']} {d['precision']}: "
-                            "samples/s (images or clips) trainer / bare loop",
-                            f"{ips['trainer']:,.1f} / {ips['minimal']:,.1f} "
-                            f"(ratio {d['ratio_trainer_over_minimal']:.3f})",
-                            name,
-                        )
-                    )
         elif name == "speed_decode_cuda":
             rates = [float(m) for m in re.findall(r"epoch=\d+ .*?images_per_s=([\d.]+)", text)]
             in_memory = [v for f, v, _ in rows if f.startswith("classification resnet50 224 px batch 256 bf16")]
@@ -335,6 +321,20 @@ def summarize(results: list[dict]) -> tuple[list[tuple[str, str, str]], list[str
                     name,
                 )
             )
+        elif name.startswith("speed_"):
+            for ln in text.splitlines():
+                if ln.startswith("{"):
+                    d = json.loads(ln)
+                    ips = d["images_per_s"]
+                    rows.append(
+                        (
+                            f"{name[6:]} {d['model']} {d['size']} px batch {d['batch']} {d['precision']}: "
+                            "samples/s (images or clips) trainer / bare loop",
+                            f"{ips['trainer']:,.1f} / {ips['minimal']:,.1f} "
+                            f"(ratio {d['ratio_trainer_over_minimal']:.3f})",
+                            name,
+                        )
+                    )
         elif name == "checkpoint":
             m = re.search(r"stall_steps=(-?[\d.]+)", text)
             rows.append(("periodic checkpoint cost (steps)", m.group(1) if m else "?", name))

@@ -164,3 +164,43 @@ def test_nvjpeg_batch_close_to_the_cpu_decode(shared_data):
     diff = (got.cpu().int() - want.int()).abs()
     # nvJPEG's IDCT/upsampling differ from libjpeg-turbo's by a few levels; the crops must be the same.
     assert diff.float().mean() < 2.0 and (diff > 16).float().mean() < 0.01, (diff.float().mean(), diff.max())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_nvjpeg_never_writes_into_memory_the_training_stream_still_reads(shared_data):
+    """The allocator race of torchvision's nvJPEG decoder (outputs allocated on the current stream, written from
+    a private one): tensors with known values are freed while reductions that read them wait behind a long
+    kernel on the training stream; a decode then runs. Every reduction must still see its own values, and the
+    decoded images must equal a decode done with the GPU idle."""
+    from trainer.data.formats.imagefolder import _decode_jpegs
+
+    files = sorted((shared_data / "imagenette-subset" / "train").glob("*/*"))[:64]
+    data = [torch.frombuffer(bytearray(f.read_bytes()), dtype=torch.uint8) for f in files]
+    dev = torch.device("cuda")
+    reference, failed = _decode_jpegs(data, [str(f) for f in files], dev)
+    torch.cuda.synchronize()
+    assert failed == []
+    reference = [r.cpu() for r in reference]
+    for trial in range(10):
+        blocks = [torch.full((3, 224, 224), float(i + trial), device=dev) for i in range(64)]
+        torch.cuda.synchronize()
+        torch.cuda._sleep(50_000_000)  # ~25 ms of GPU time queued before the reductions
+        sums = [b.sum() for b in blocks]
+        del blocks  # freed while the reductions that read them are still queued
+        images, _ = _decode_jpegs(data, [str(f) for f in files], dev)
+        torch.cuda.synchronize()
+        expected = [float(i + trial) * 3 * 224 * 224 for i in range(64)]
+        assert [s.item() for s in sums] == expected, f"trial {trial}: a reduction read memory the decode wrote"
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(images, reference)), f"trial {trial}"
+
+
+def test_decode_jpegs_on_cpu_takes_no_stream(shared_data):
+    """On the CPU the decode runs as it is (no CUDA stream is made or asked for)."""
+    from trainer.data.formats import imagefolder
+
+    files = sorted((shared_data / "imagenette-subset" / "val").glob("*/*"))[:4]
+    data = [torch.frombuffer(bytearray(f.read_bytes()), dtype=torch.uint8) for f in files]
+    images, failed = imagefolder._decode_jpegs(data, [str(f) for f in files], CPU)
+    assert failed == [] and len(images) == 4 and all(i.dtype == torch.uint8 and i.shape[0] == 3 for i in images)
+    assert imagefolder._DECODE_STREAMS == {}

@@ -551,9 +551,39 @@ def jpeg_list(batch: dict) -> list[torch.Tensor]:
     return list(torch.split(batch["jpeg"], sizes)) if sizes else []
 
 
+_DECODE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
 def _decode_jpegs(data: list, paths: list, device: torch.device) -> tuple[list, list]:
     """``(images, failed)``: uint8 (3, H, W) on ``device`` per input (None where it failed) and the
-    :class:`BadSample` of each failure.
+    :class:`BadSample` of each failure (see :func:`_decode_jpegs_here`).
+
+    On CUDA the decode runs with a stream of its own current (one per device), and the caller's stream then
+    waits for it, so the training stream is never synchronised with the host. torchvision's nvJPEG decoder
+    allocates its outputs on the *current* stream but writes them from a private stream that does not wait
+    for it; with the training stream current, the caching allocator hands it blocks that queued training
+    kernels have yet to read, and the decode overwrites them (pytorch/vision PR 9606). On the side stream the
+    outputs come from that stream's own blocks, each marked as used by the caller's stream
+    (``record_stream``), so none is handed out again before the training kernels that read it have run.
+    """
+    if not data or device.type != "cuda":
+        return _decode_jpegs_here(data, paths, device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    main = torch.cuda.current_stream(index)
+    side = _DECODE_STREAMS.get(index)
+    if side is None:
+        side = _DECODE_STREAMS[index] = torch.cuda.Stream(index)
+    with torch.cuda.stream(side):
+        images, failed = _decode_jpegs_here(data, paths, device)
+    main.wait_stream(side)
+    for img in images:
+        if img is not None:
+            img.record_stream(main)
+    return images, failed
+
+
+def _decode_jpegs_here(data: list, paths: list, device: torch.device) -> tuple[list, list]:
+    """:func:`_decode_jpegs` on the current stream.
 
     One batched ``torchvision.io.decode_jpeg(list, mode=RGB, device=device)`` call (on CUDA torchvision decodes
     the list as one nvJPEG batch); if it raises, each file again alone, then on the CPU
