@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -103,3 +104,151 @@ def test_task_registry_and_config_are_importable_without_torch(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "classification" in out.stdout
+
+
+# --- the import graph: no circles, no import from a lower layer up --------------------------------------------
+#: The layers of trainer/, lowest first (docs/architecture.md, ../shared/DESIGN.md: data flows down). A module
+#: belongs to the layer of its longest listed prefix; it may import its own layer and the layers below it.
+LAYERS = (
+    ("trainer", "trainer.errors", "trainer.failures", "trainer.argtypes", "trainer.registry"),
+    ("trainer.config",),
+    ("trainer.ops",),
+    ("trainer.data", "trainer.models"),
+    ("trainer.engine.distributed", "trainer.engine.evaluation", "trainer.engine.precision"),
+    ("trainer.tasks",),
+    ("trainer.engine",),
+    ("trainer.planning", "trainer.predict", "trainer.export", "trainer.check_install"),
+    ("trainer.cli", "trainer.__main__", "trainer.sagemaker", "trainer.launch"),
+)
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _runtime_imports(tree: ast.AST):
+    """Import nodes that can run: every import statement but those under ``if TYPE_CHECKING:``."""
+    skip = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) and id(n) not in skip]
+
+
+def import_graph(*tops: str) -> dict[str, dict[str, int]]:
+    """module -> {imported module of the same tree: line}, from every runtime import (also inside functions).
+    ``from a.b import c`` is an edge to ``a.b.c`` when that is a module, else to ``a.b``; an import of a module's
+    own ancestor package is left out (importing ``a.b.c`` always runs ``a`` and ``a.b`` first)."""
+    files = {_module_name(f): f for f in _py(*tops)}
+
+    def resolve(name: str):
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for mod, f in files.items():
+        package = mod if f.name == "__init__.py" else mod.rpartition(".")[0]
+        edges: dict[str, int] = {}
+        for node in _runtime_imports(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, ast.Import):
+                targets = [resolve(a.name) for a in node.names]
+            else:
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join(up + ([node.module] if node.module else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else resolve(base) for a in node.names]
+            for t in targets:
+                if t and t != mod and not mod.startswith(t + "."):
+                    edges.setdefault(t, node.lineno)
+        graph[mod] = edges
+    return graph
+
+
+def import_circles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index, low, on_stack, stack, out, counter = {}, {}, set(), [], [], [0]
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(graph[root]))]
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = counter[0]
+                    counter[0] += 1
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(graph[w])))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+    return out
+
+
+def layer_of(module: str) -> int:
+    best, layer = "", -1
+    for i, prefixes in enumerate(LAYERS):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and len(p) > len(best):
+                best, layer = p, i
+    return layer
+
+
+def test_the_import_graph_finds_a_planted_circle_and_an_upward_import(tmp_path, monkeypatch):
+    """The checks below can fail: a circle through a function-level import and an import from a lower layer up
+    are both found in a planted tree (and a TYPE_CHECKING-only import is not an edge)."""
+    pkg = tmp_path / "trainer"
+    (pkg / "config").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "config" / "__init__.py").write_text("")
+    (pkg / "config" / "a.py").write_text("def f():\n    from trainer.config import b\n")
+    (pkg / "config" / "b.py").write_text("import trainer.config.a\nfrom trainer import cli\n")
+    (pkg / "config" / "c.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import trainer.cli\n"
+    )
+    (pkg / "cli.py").write_text("from trainer.config import c\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    graph = import_graph("trainer")
+    assert import_circles(graph) == [["trainer.config.a", "trainer.config.b"]]
+    assert graph["trainer.config.c"] == {}
+    assert [(m, t) for m, e in graph.items() for t in e if layer_of(t) > layer_of(m)] == [
+        ("trainer.config.b", "trainer.cli")
+    ]
+
+
+def test_no_import_circle_in_trainer_or_infra():
+    assert import_circles(import_graph("trainer", "infra", "catalog")) == []
+
+
+def test_no_trainer_module_imports_from_a_layer_above_its_own():
+    graph = import_graph("trainer")
+    assert all(layer_of(m) >= 0 for m in graph), [m for m in graph if layer_of(m) < 0]
+    up = [
+        f"{m} (layer {layer_of(m)}) imports {t} (layer {layer_of(t)}) at line {line}"
+        for m, edges in sorted(graph.items())
+        for t, line in edges.items()
+        if layer_of(t) > layer_of(m)
+    ]
+    assert up == []

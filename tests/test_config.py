@@ -337,11 +337,11 @@ def test_no_field_is_named_like_a_section():
 def two_tasks(monkeypatch):
     """A registry of two tasks, the second never imported (the config only reads the names): a registered
     task name is accepted, an unregistered one (here segmentation, taken out) is refused."""
-    import trainer.tasks
+    import trainer.registry
 
-    monkeypatch.setitem(trainer.tasks._REGISTRY, "detection", "nowhere.detection:DetectionTask")
-    monkeypatch.delitem(trainer.tasks._REGISTRY, "segmentation")
-    monkeypatch.delitem(trainer.tasks._REGISTRY, "video")
+    monkeypatch.setitem(trainer.registry._REGISTRY, "detection", "nowhere.detection:DetectionTask")
+    monkeypatch.delitem(trainer.registry._REGISTRY, "segmentation")
+    monkeypatch.delitem(trainer.registry._REGISTRY, "video")
     return trainer.tasks.task_names()
 
 

@@ -34,27 +34,6 @@ from trainer.config import (
 from trainer.errors import EXIT_USAGE
 
 
-def bounded_number(cast, low=None, high=None, why: str = ""):
-    """An argparse ``type``: ``cast`` (``int`` or ``float``) of the text, checked against ``low`` / ``high``.
-
-    Errors (argparse prints them as one usage line): ``invalid integer|number: 'x'``, ``must be >= LOW<why>, got
-    V`` (only ``low``) or ``must be in [LOW, HIGH], got V``. Raises ``argparse.ArgumentTypeError``."""
-    kind = "integer" if cast is int else "number"
-
-    def parse(text: str):
-        try:
-            value = cast(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid {kind}: {text!r}") from None
-        if high is not None and not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"must be in [{low:g}, {high:g}], got {value}")
-        if low is not None and value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}{why}, got {value}")
-        return value
-
-    return parse
-
-
 class UsageParser(argparse.ArgumentParser):
     """An ArgumentParser whose usage errors are one line, ``error: <command>: <what>; <see --help>``, exit 2
     (argparse's own status), instead of the sub-command's usage block (115 lines for ``train``) before the line
@@ -263,8 +242,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
             return fail(EXIT_USAGE, str(e))
         from trainer.engine.run import run
+        from trainer.sagemaker.job import apply_defaults
 
-        return run(cfg)
+        cfg, notes = apply_defaults(cfg)  # in a SageMaker job: its checkpoint folder and periodic checkpoints
+        return run(cfg, notes=notes)
     if args.command in ("probe", "plan"):
         from trainer.planning.cli import run_command
 

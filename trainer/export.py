@@ -37,7 +37,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from trainer.cli import bounded_number
+from trainer.argtypes import bounded_number
 from trainer.errors import EXIT_USAGE
 
 FORMATS = ("onnx", "torchscript", "safetensors")

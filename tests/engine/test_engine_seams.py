@@ -11,7 +11,7 @@ import torch
 import torch.distributed as tdist
 import torch.multiprocessing as mp
 
-from trainer import tasks
+from trainer import registry
 from trainer.config import ConfigError, load_config
 from trainer.engine.distributed import DistInfo
 from trainer.engine.evaluation import GatherEvaluator, SumEvaluator, better, reached
@@ -22,7 +22,7 @@ CPU = DistInfo(0, 0, 1, torch.device("cpu"))
 
 @pytest.fixture
 def regression(monkeypatch):
-    monkeypatch.setitem(tasks._REGISTRY, "regression", "fake_task:RegressionTask")
+    monkeypatch.setitem(registry._REGISTRY, "regression", "fake_task:RegressionTask")
 
 
 def _cfg(tmp_path, **kw):

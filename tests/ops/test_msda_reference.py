@@ -10,6 +10,7 @@ import torch
 from msda_cases import make_inputs, naive_msda
 
 from trainer.ops import msda
+from trainer.ops.msda import extension as msda_extension
 from trainer.ops.msda import function as msda_function
 
 
@@ -197,8 +198,8 @@ def test_device_mismatch_is_named():
 
 
 def test_function_without_extension_raises_clearly(monkeypatch):
-    monkeypatch.setattr(msda_function, "_ext", None)
-    monkeypatch.setattr(msda_function, "_ext_error", "CUDA extension not built (test)")
+    monkeypatch.setattr(msda_extension, "_ext", None)
+    monkeypatch.setattr(msda_extension, "_ext_error", "CUDA extension not built (test)")
     value, shapes, starts, loc, attn = make_inputs()
     with pytest.raises(RuntimeError, match="MSDeformAttnFunction: CUDA extension not built"):
         msda.MSDeformAttnFunction.apply(value, shapes, starts, loc, attn, 64)

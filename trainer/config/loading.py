@@ -238,7 +238,7 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[dict] = N
         written[name] = (str(key), "command line")
     task = values.get("task", FIELDS["task"].default)
     for name, value in values.items():
-        why = isinstance(task, str) and task_section_conflict(name, value, task)
+        why = isinstance(task, str) and task_section_conflict(FIELDS[name], value, task)
         if why:
             key, where = written[name]
             raise ConfigError(f"{key} ({where}): {why}")

@@ -67,8 +67,8 @@ Choices = Union[tuple, Callable[[], tuple]]
 
 
 def task_names() -> tuple[str, ...]:
-    """Registered task names (:func:`trainer.tasks.task_names`); imported lazily, the registry is pure Python."""
-    from trainer.tasks import task_names as registered
+    """Registered task names (:func:`trainer.registry.task_names`)."""
+    from trainer.registry import task_names as registered
 
     return registered()
 

@@ -13,16 +13,16 @@ if TYPE_CHECKING:
     from trainer.config.fields import TrainConfig
 
 
-def task_section_conflict(name: str, value: object, task: str) -> Optional[str]:
-    """Why field ``name`` may not have ``value`` under ``task`` (one phrase), or None if it may.
+def task_section_conflict(f: dataclasses.Field, value: object, task: str) -> Optional[str]:
+    """Why config field ``f`` (a :class:`~trainer.config.TrainConfig` dataclass field) may not have ``value``
+    under ``task`` (one phrase), or None if it may.
 
     A field of a task section (a section named like a registered task) may differ from its default only
     while ``task`` is that task. Returns None when ``task`` itself is not registered (its own check reports it).
     """
-    from trainer.config.fields import FIELDS
     from trainer.config.schema import task_names
 
-    f = FIELDS[name]
+    name = f.name
     section = section_of(f)
     default = f.default_factory() if f.default is dataclasses.MISSING else f.default
     if section == task or not is_task_section(section) or task not in task_names() or value == default:
@@ -45,7 +45,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         if choices and value not in choices:
             raise ConfigError(f"{f.name}: got {value!r}; allowed: {', '.join(map(str, choices))}")
     for f in dataclasses.fields(cfg):
-        why = task_section_conflict(f.name, getattr(cfg, f.name), cfg.task)
+        why = task_section_conflict(f, getattr(cfg, f.name), cfg.task)
         if why:
             raise ConfigError(f"{f.name}: got {getattr(cfg, f.name)!r}; {why}")
     if cfg.decode_device == "cuda" and (cfg.use_ffcv or cfg.task != "classification"):

@@ -37,7 +37,6 @@ turns it back into the ``OSError`` behind it (:func:`explain_write_failure`).
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import math
 import os
@@ -54,10 +53,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from trainer.errors import (
-    CheckpointError,  # noqa: F401 - re-exported
-    error_detail,
+from trainer.engine.durable import (  # noqa: F401 - re-exported: the durable file primitives' old home
+    _tensor_bytes,
+    atomic_torch_save,
+    atomic_write_bytes,
+    describe_os_error,
+    explain_write_failure,
+    fsync_dir,
+    sha256_file,
 )
+from trainer.errors import CheckpointError, error_detail  # noqa: F401 - CheckpointError re-exported
 
 FORMAT_VERSION = 1
 #: Written next to the checkpoints when a run stops on request (JSON: reason, checkpoint, global_step); a
@@ -72,8 +77,6 @@ WRITERS = ("auto", "thread", "process")
 #: is ~300 MiB, ResNet-18 85 MiB: below it a thread writes in well
 #: under a step, and a process would only add its start-up, ~2 s of CPU to import torch).
 PROCESS_WRITER_MIN_BYTES = 128 << 20
-#: Bytes :func:`explain_write_failure` tries to append to find the OS error behind a failed torch.save.
-_PROBE_BYTES = 1 << 20
 
 
 class _Aborted(Exception):
@@ -88,110 +91,6 @@ def checkpoint_name(progress: dict) -> str:
 def _order(name: str) -> tuple[int, int]:
     m = _NAME.match(name)
     return (int(m.group(1)), 0 if m.group(2) else 1) if m else (-1, -1)
-
-
-# --- durable file primitives ----------------------------------------------------------------------------
-def fsync_dir(path: Path) -> None:
-    """fsync a directory so that renames inside it survive a power loss (no-op where unsupported)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via temp file + fsync + rename (readers see the old or the new file)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-
-
-def atomic_torch_save(obj: Any, path: Path) -> dict:
-    """``torch.save`` straight to a temporary file, fsync, rename; returns ``{"bytes", "sha256"}``.
-
-    Saving to a path lets torch's C++ writer stream the tensors to disk; saving into ``io.BytesIO`` first
-    held the GIL for the whole copy and stalled the training thread while a checkpoint was written.
-
-    Raises:
-        OSError: the write failed (also when torch reports it as a ``RuntimeError``: see
-            :func:`explain_write_failure`). The temporary file is removed.
-    """
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        try:
-            torch.save(obj, tmp)
-        except RuntimeError as e:
-            cause = explain_write_failure(tmp, _tensor_bytes(obj))
-            if cause is None:
-                raise
-            raise cause from e
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        meta = {"bytes": tmp.stat().st_size, "sha256": sha256_file(tmp)}
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-    return meta
-
-
-def explain_write_failure(path: Path, needed: int) -> Optional[OSError]:
-    """The ``OSError`` behind a write to ``path`` that torch's C++ writer reported only as a ``RuntimeError``.
-
-    Appends up to 1 MiB to ``path`` (which the caller deletes afterwards) and fsyncs it: a full disk, a file
-    size limit (``RLIMIT_FSIZE``, with SIGXFSZ ignored), a quota or an I/O error fail again there with their
-    errno. If that write succeeds, ``statvfs`` is asked whether ``needed`` bytes would still fit (ENOSPC if
-    not). Returns None when neither finds a cause (the ``RuntimeError`` was not about the disk).
-    """
-    try:
-        with open(path, "ab") as f:
-            f.write(bytes(min(_PROBE_BYTES, max(needed, 1))))
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as e:
-        return OSError(e.errno, e.strerror, str(path))
-    try:
-        st = os.statvfs(Path(path).parent)
-    except OSError:
-        return None
-    if st.f_bavail * st.f_frsize < needed:
-        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-    return None
-
-
-def _tensor_bytes(obj: Any) -> int:
-    """Bytes of all tensor data in a state tree (what :func:`torch.save` has to write, at least)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(_tensor_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in obj)
-    return 0
-
-
-def describe_os_error(e: BaseException) -> str:
-    """``"No space left on device (ENOSPC)"`` for an ``OSError``, ``"Type: message"`` for anything else."""
-    if isinstance(e, OSError) and e.errno:
-        return f"{e.strerror or os.strerror(e.errno)} ({errno.errorcode.get(e.errno, e.errno)})"
-    return error_detail(e, 300)
 
 
 class StagingBuffers:
@@ -305,15 +204,6 @@ class StagingBuffers:
         """Block until the device-to-host copies of the last :meth:`stage` are complete (no-op on CPU)."""
         if self._event is not None:
             self._event.synchronize()
-
-
-def sha256_file(path: Path) -> str:
-    """Hex SHA-256 of a file, read in 4 MiB chunks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # --- RNG state --------------------------------------------------------------------------------------------

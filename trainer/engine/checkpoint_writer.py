@@ -7,7 +7,7 @@ shared mode stages every tensor into one flat shared-memory buffer (:func:`share
 once (a file descriptor over a Unix socket), and again only when the state's layout changes. Per
 checkpoint the pipe carries only the tree's skeleton: every tensor replaced by ``(byte offset, dtype, shape)``.
 The writer clones each slot into its own tensor (so ``state.pt`` has one storage per tensor, byte for byte the
-format the thread writer produces) and calls the same :func:`~trainer.engine.checkpoint.atomic_torch_save`.
+format the thread writer produces) and calls the same :func:`~trainer.engine.durable.atomic_torch_save`.
 
 This is the "writer process on shared memory" alternative of issue 24 item 1. ``torch.distributed.checkpoint``'s
 ``async_save`` with process-based staging is the library way, but it writes DCP's sharded ``.distcp`` format, not
@@ -84,7 +84,7 @@ def _serve(sock_fd: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(1)
-    from trainer.engine.checkpoint import atomic_torch_save
+    from trainer.engine.durable import atomic_torch_save
 
     sock = socket.socket(fileno=sock_fd)
     conn = Connection(os.dup(sock_fd))
@@ -149,7 +149,7 @@ class WriterProcess:
 
     def save_state(self, tree: Any, flat: torch.Tensor, fd: int, path: Path) -> dict:
         """Write ``tree`` (tensors: views of the shared ``flat`` buffer, whose file is ``fd``) to ``path`` in the
-        writer process, as :func:`~trainer.engine.checkpoint.atomic_torch_save` would; returns ``{"bytes",
+        writer process, as :func:`~trainer.engine.durable.atomic_torch_save` would; returns ``{"bytes",
         "sha256"}``. Blocks the calling (writer) thread until the file is durable."""
         with self._lock:
             if self._proc is None or self._proc.poll() is not None:

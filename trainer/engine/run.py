@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import signal
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
 
@@ -13,7 +14,6 @@ from trainer.config import TrainConfig
 from trainer.engine import distributed as dist
 from trainer.engine.interruption import SignalHandlers, SpotNoticePoller, StopFlag
 from trainer.errors import EXIT_ABORTED, EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_OK, exit_code
-from trainer.sagemaker import job as sagemaker
 
 
 def _summary(trainer, last: dict, plot: Optional[Path]) -> None:
@@ -51,8 +51,11 @@ def _aborted(checkpoint_dir: str, is_main: bool, trainer=None) -> int:
     return EXIT_ABORTED
 
 
-def run(cfg: TrainConfig) -> int:
+def run(cfg: TrainConfig, notes: Sequence[str] = ()) -> int:
     """Train with ``cfg`` in this process (one rank of torchrun, or alone).
+
+    ``notes``: lines printed by rank 0 before training (e.g. the SageMaker defaults the caller applied: the
+    engine knows no cloud; ``python -m trainer train`` applies :func:`trainer.sagemaker.job.apply_defaults`).
 
     Returns an exit code (:mod:`trainer.errors`): 0 done; 2 config, data or checkpoint error (ConfigError,
     DataError, CheckpointError, raised anywhere from process-group set-up to the last step); 3 non-finite loss;
@@ -68,7 +71,6 @@ def run(cfg: TrainConfig) -> int:
     failure: Optional[tuple[int, str]] = None
     try:
         info = dist.init(cfg.device)
-        cfg, notes = sagemaker.apply_defaults(cfg)
         handlers = SignalHandlers(stop)
         if info.is_main:
             for n in notes:

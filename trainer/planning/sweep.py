@@ -84,7 +84,7 @@ def add_sweep_command(sub, add_train_flags: Callable[[argparse.ArgumentParser], 
     g.add_argument(
         "--range", action="append", default=[], metavar="NAME=LOW:HIGH[:log][:int]", help="Sampled with --random."
     )
-    from trainer.cli import bounded_number
+    from trainer.argtypes import bounded_number
 
     g.add_argument("--random", type=bounded_number(int, 1), default=None, metavar="N", help="N random trials.")
     g.add_argument("--sweep-seed", type=int, default=0, metavar="S", help="Seed of the random draws (default 0).")

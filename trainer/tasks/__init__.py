@@ -1,51 +1,17 @@
-"""The task registry: the one place that maps a task name (config field ``task``) to its plug-in.
+"""The tasks: one plug-in package each (classification, detection, segmentation, video) behind
+:class:`trainer.tasks.base.Task`, and :func:`build_task`, the one constructor call the engine and planning make.
 
-Pure Python (no torch import), so the config schema and ``infra/`` can list and validate task names; the task's
-module is imported only by :func:`task_class` / :func:`build_task`. A new task adds one line here (or calls
-:func:`register_task` from a plug-in package) and subclasses :class:`trainer.tasks.base.Task`; the engine needs no
-change.
+The name -> plug-in registry itself lives below the config in :mod:`trainer.registry` (pure Python, so the config
+schema and ``infra/`` can list and validate task names without importing a task); its functions are re-exported
+here. A new task adds one line there (or calls :func:`register_task` from a plug-in package) and subclasses
+:class:`trainer.tasks.base.Task`; the engine needs no change.
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
-#: task name -> "module:Class" (imported lazily)
-_REGISTRY: dict[str, str] = {
-    "classification": "trainer.tasks.classification.task:ClassificationTask",
-    "detection": "trainer.tasks.detection.task:DetectionTask",
-    "segmentation": "trainer.tasks.segmentation.task:SegmentationTask",
-    "video": "trainer.tasks.video.task:VideoTask",
-}
-
-
-def register_task(name: str, target: str) -> None:
-    """Register task ``name`` as ``"package.module:Class"`` (a :class:`trainer.tasks.base.Task` subclass).
-
-    Raises:
-        ValueError: ``name`` is already registered for another class, or ``target`` is not ``module:Class``.
-    """
-    if ":" not in target:
-        raise ValueError(f"register_task({name!r}): target must be 'module:Class', got {target!r}")
-    if _REGISTRY.get(name, target) != target:
-        raise ValueError(f"register_task({name!r}): already registered as {_REGISTRY[name]}")
-    _REGISTRY[name] = target
-
-
-def task_names() -> tuple[str, ...]:
-    """Registered task names, sorted (the values the config field ``task`` accepts)."""
-    return tuple(sorted(_REGISTRY))
-
-
-def task_class(name: str) -> type:
-    """Import and return the Task subclass registered as ``name``.
-
-    Raises:
-        KeyError: ``name`` is not registered (the config validates ``task`` first, so users never see this).
-    """
-    module, _, attr = _REGISTRY[name].partition(":")
-    return getattr(importlib.import_module(module), attr)
+from trainer.registry import register_task, task_class, task_names
 
 
 def build_task(cfg: Any, dist: Any) -> Any:

@@ -18,31 +18,12 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.autograd.function import once_differentiable
 
+from trainer.ops.msda.extension import extension_error, load_extension  # noqa: F401 - extension_error re-exported
+
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-_ext: Optional[object] = None
-_ext_error: Optional[str] = None
 _warned = False
 _kernel_stand_in = False
 _reference_graph = False
-
-
-def load_extension():
-    """The compiled ``_C`` module, or None (reason in :func:`extension_error`)."""
-    global _ext, _ext_error
-    if _ext is None and _ext_error is None:
-        try:
-            from trainer.ops.msda import _C
-
-            _ext = _C
-        except ImportError as e:
-            _ext_error = f"CUDA extension not built or not loadable ({e}); build it with images/build_msda.sh"
-    return _ext
-
-
-def extension_error() -> Optional[str]:
-    """Why the extension is unavailable, or None when it loaded."""
-    load_extension()
-    return _ext_error
 
 
 def _shape_error(name: str, expected: str, got) -> ValueError:
@@ -155,7 +136,7 @@ class MSDeformAttnFunction(torch.autograd.Function):
     def forward(ctx, value, spatial_shapes, level_start_index, sampling_locations, attention_weights, im2col_step):
         ext = load_extension()
         if ext is None:
-            raise RuntimeError(f"MSDeformAttnFunction: {_ext_error}")
+            raise RuntimeError(f"MSDeformAttnFunction: {extension_error()}")
         ctx.im2col_step = int(im2col_step)
         ctx.save_for_backward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
         return ext.forward(
@@ -293,7 +274,7 @@ def ms_deform_attn(
     if _kernel_stand_in and is_fake(value):
         return _KernelStandIn.apply(value, sampling_locations, attention_weights)
     if not value.is_cuda or load_extension() is None:
-        _warn_fallback(f"tensors on {value.device}" if not value.is_cuda else _ext_error)
+        _warn_fallback(f"tensors on {value.device}" if not value.is_cuda else extension_error())
     from trainer.ops.msda.library import ms_deform_attn_op
 
     flat = [int(x) for hw in level_shapes for x in hw] if level_shapes is not None else []

@@ -18,12 +18,11 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from trainer.ops.msda.extension import load_extension
 from trainer.ops.msda.reference import ms_deform_attn_reference, ms_deform_attn_reference_backward
 
 
 def _extension():
-    from trainer.ops.msda.function import load_extension
-
     return load_extension()
 
 

@@ -301,7 +301,7 @@ class ClassificationTask(Task):
     def predict_inputs(self, paths: list[str], *, first_index: int = 0) -> dict:
         """Decode, evaluation transform (resize + centre crop at ``image_size``), :meth:`eval_batch`; plus
         ``"paths"``, ``"bad"`` and ``"originals"`` (the decoded uint8 (3, H, W) images, drawn on)."""
-        from trainer.predict import read_images
+        from trainer.tasks.prediction import read_images
 
         transform = val_transform(self.cfg.image_size, self.cfg.val_resize_ratio)
         kept, originals, bad = read_images(paths)
@@ -323,7 +323,7 @@ class ClassificationTask(Task):
         """Records ``{"file", "top5": [{"label": class name, "score": softmax probability}, ...]}`` (top-k for
         fewer than 5 classes); each input drawn with a frame captioned with the top-1 class and its score.
         ``score_threshold`` does not apply (every image gets its top 5)."""
-        from trainer.predict import render_top_k
+        from trainer.tasks.prediction import render_top_k
 
         return render_top_k(paths, batch["originals"], outputs, label_space, out_dir, out_names)
 

@@ -460,7 +460,7 @@ class DetectionTask(Task):
         from torchvision import tv_tensors
 
         from trainer.data.formats.coco import collate_detection, eval_transform
-        from trainer.predict import read_images
+        from trainer.tasks.prediction import read_images
 
         transform = eval_transform(self.cfg.eval_size, self.cfg.max_size)
         kept, originals, bad = read_images(paths)
@@ -493,7 +493,7 @@ class DetectionTask(Task):
         ``{"file", "image_id" (the input's position), "category_id" (the annotations' JSON id), "category",
         "bbox" [x, y, w, h] in pixels of the file (clipped to it), "score"}``; each input drawn with those boxes,
         captioned ``"<category> 0.87"``, one colour per category."""
-        from trainer.predict import color_of, draw_labelled_boxes, save_png
+        from trainer.tasks.prediction import color_of, draw_labelled_boxes, save_png
 
         names = list(label_space.get("categories") or [])
         ids = list(label_space.get("category_ids") or range(len(names)))

@@ -251,7 +251,7 @@ class SegmentationTask(Task):
 
         from trainer.data.formats.segmentation import EvalTransform, SegmentationCollate
         from trainer.models.segmentation import required_divisor
-        from trainer.predict import read_images
+        from trainer.tasks.prediction import read_images
 
         kept, originals, bad = read_images(paths)
         transform = EvalTransform(self.cfg.image_size if self.cfg.eval_resize else 0)
@@ -284,7 +284,7 @@ class SegmentationTask(Task):
         from torch.nn import functional as F
         from torchvision.utils import draw_segmentation_masks
 
-        from trainer.predict import color_of, save_png
+        from trainer.tasks.prediction import color_of, save_png
 
         names = list(label_space.get("classes") or self.cfg.classes)
         colours = [f"#{''.join(f'{int(v):02x}' for v in c.split(','))}" for c in self.cfg.palette] or [

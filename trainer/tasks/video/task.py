@@ -295,7 +295,7 @@ class VideoTask(Task):
     ) -> list[dict]:
         """Records ``{"file", "top5": [{"label", "score"}, ...]}`` (softmax probabilities, top-k for fewer than 5
         classes); each clip's middle frame captioned with the top-1 class written as a PNG."""
-        from trainer.predict import render_top_k
+        from trainer.tasks.prediction import render_top_k
 
         return render_top_k(paths, batch["frames"], outputs, label_space, out_dir, out_names)
 
