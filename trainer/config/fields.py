@@ -258,6 +258,13 @@ class TrainConfig:
         "padded sizes repeat from batch to batch (torch.compile, cuDNN autotuning) and the stride-64 level has no "
         "partial pixel.",
     )
+    canvases: str = _det(
+        "",
+        "Fixed padded batch shapes (docs/detection.md): empty = each batch padded to its own largest image "
+        "(rounded up to pad_to_multiple); auto = at most 4 training and 2 evaluation canvases chosen from the "
+        "training set's sizes through the transform; or HxW,HxW,... (multiples of pad_to_multiple, one at least "
+        "max_size on both sides). YAML may also give [[H, W], ...].",
+    )
     num_queries: int = _det(900, "DINO queries (anchors from the top encoder proposals).")
     num_select: int = _det(300, "Detections kept per image after post-processing (top-k over query x class).")
     dn_number: int = _det(100, "Contrastive denoising queries (0 = no denoising).")

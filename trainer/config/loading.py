@@ -30,6 +30,10 @@ def _coerce(name: str, value: Any, source: str, key: Optional[str] = None) -> An
         if name == "precision":
             v = str(value).strip().lower()
             return PRECISION_ALIASES.get(v, v)
+        if name == "canvases" and isinstance(value, (list, tuple)):  # YAML [[H, W], ...] -> "HxW,HxW"
+            if not all(isinstance(c, (list, tuple)) and len(c) == 2 for c in value):
+                raise ValueError("expected a list of [H, W] pairs, auto, or HxW,HxW,...")
+            return ",".join(f"{c[0]}x{c[1]}" for c in value)
         if f.default is dataclasses.MISSING:  # list fields (default_factory)
             return _list(value)
         if "Optional" in typ or default is None:

@@ -94,7 +94,8 @@ def build_split_loaders(cfg, info, data, micro_batch: int, eval_batch: int) -> S
         pin_memory=cfg.pin_memory and info.device.type == "cuda",
     )
     train = build_loader(data.train, BatchSampler(train_order, micro_batch, drop_last=True), data.collate, **kw)
-    val = build_loader(data.val, BatchSampler(val_order, eval_batch, drop_last=False), data.collate, **kw)
+    val_collate = data.val_collate or data.collate
+    val = build_loader(data.val, BatchSampler(val_order, eval_batch, drop_last=False), val_collate, **kw)
     return SplitLoaders(train, val, train_order, val_order)
 
 

@@ -59,6 +59,8 @@ class TaskData:
     #: val files (or pairs) named and left out before training (unreadable images, invalid masks); every epoch's
     #: ``val_bad_files`` counts them beside the files that fail during evaluation.
     val_left_out: int = 0
+    #: the evaluation batches' collate when it differs from ``collate`` (e.g. detection's evaluation canvases)
+    val_collate: Optional[Callable[[list], dict]] = None
 
 
 @dataclass

@@ -65,6 +65,7 @@ from torchvision import tv_tensors
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
+from trainer.data.formats.canvases import fit_canvas
 from trainer.data.formats.imagefolder import check_files, decode_file
 from trainer.data.samples import BadSample, decode_or_replace, describe_error, seeded_for_sample
 from trainer.errors import DataError
@@ -492,6 +493,16 @@ class CocoDetectionDataset(Dataset):
             "orig_size": (h, w),
         }
 
+    def transformed_size(self, epoch: int, index: int) -> tuple[int, int]:
+        """(h, w) in pixels of image ``index`` after epoch ``epoch``'s transform, without decoding it: the same
+        transform, with the same seeded draws, run on the image's boxes alone (v2 transforms take the size from
+        their ``canvas_size``). Equal to ``self[(epoch, index)][0].shape[-2:]`` for a readable file."""
+        target = self.raw_target(index)
+        with seeded_for_sample(self.seed, epoch, index):
+            labels = target["labels"].as_subclass(tv_tensors.TVTensor)  # not a pure tensor: not taken for an image
+            out = self.transform_for_epoch(epoch)({"boxes": target["boxes"], "labels": labels})
+        return tuple(int(x) for x in out["boxes"].canvas_size)
+
     def __getitem__(self, key):
         epoch, index = key if isinstance(key, tuple) else (0, key)
         if not self.replace_bad:
@@ -663,11 +674,13 @@ def _xyxy_to_cxcywh_normalised(boxes: torch.Tensor, h: int, w: int) -> torch.Ten
     return out / torch.tensor([w, h, w, h], dtype=torch.float32)
 
 
-def collate_detection(items: list, pad_to_multiple: int = 1) -> dict:
+def collate_detection(items: list, pad_to_multiple: int = 1, canvases: Sequence[tuple[int, int]] = ()) -> dict:
     """Pad a list of :class:`CocoDetectionDataset` items into one batch (DETR's NestedTensor convention).
 
     ``pad_to_multiple``: Hmax and Wmax are rounded up to a multiple of it (1: the exact largest size); bind it
-    with ``functools.partial`` for a DataLoader.
+    with ``functools.partial`` for a DataLoader. ``canvases``: (H, W) pairs; when given, (Hmax, Wmax) is instead
+    the smallest-area canvas that holds the batch (:func:`~trainer.data.formats.canvases.fit_canvas`), so a run
+    sees only those shapes (a batch no canvas holds keeps its own padded size).
 
     Returns::
 
@@ -695,6 +708,8 @@ def collate_detection(items: list, pad_to_multiple: int = 1) -> dict:
         raise ValueError(f"collate_detection: pad_to_multiple must be >= 1, got {pad_to_multiple}")
     hmax = -(-max(int(g[0].shape[-2]) for g in good) // pad_to_multiple) * pad_to_multiple
     wmax = -(-max(int(g[0].shape[-1]) for g in good) // pad_to_multiple) * pad_to_multiple
+    if canvases:
+        hmax, wmax = fit_canvas(hmax, wmax, canvases) or (hmax, wmax)
     images = torch.zeros((len(good), 3, hmax, wmax), dtype=torch.uint8)
     mask = torch.ones((len(good), hmax, wmax), dtype=torch.bool)
     targets = []

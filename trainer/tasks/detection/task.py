@@ -122,6 +122,7 @@ class DetectionTask(Task):
                 "(GroupNorm(32, hidden_dim) in DINO's input projection)"
             )
         self._check_encoder_tokens()
+        self.canvas_setting()
         if cfg.dn_number < 0 or not 0 <= cfg.dn_label_noise_ratio <= 1 or cfg.dn_box_noise_scale < 0:
             raise ConfigError(
                 "dn_number must be >= 0, dn_label_noise_ratio in [0, 1], dn_box_noise_scale >= 0; got "
@@ -146,6 +147,80 @@ class DetectionTask(Task):
             raise ConfigError(
                 f"target_value: got {cfg.target_value}; {metric} is a percentage: give a value in (0, 100]"
             )
+
+    def canvas_setting(self) -> list | str:
+        """The ``canvases`` field parsed (:func:`~trainer.data.formats.canvases.parse_canvases`): ``[]``,
+        ``"auto"`` or the (H, W) canvases.
+
+        Raises:
+            ConfigError: naming ``canvases`` and what is expected.
+        """
+        from trainer.data.formats.canvases import parse_canvases
+
+        try:
+            return parse_canvases(self.cfg.canvases, self.cfg.pad_to_multiple)
+        except ValueError as e:
+            raise ConfigError(f"canvases: got {self.cfg.canvases!r}; {e}") from None
+
+    def _canvases(self, train_ds, val_ds, train_recipe: tuple) -> tuple[list, list, list[str]]:
+        """(training canvases, evaluation canvases, report lines); ``[]`` when ``canvases`` is off.
+
+        ``auto``: the cover (the largest batch the transforms can make from this training set,
+        :func:`~trainer.data.formats.canvases.train_size_bound`; evaluation: its largest sizes) plus the canvases
+        that cover epoch 0's and epoch 1's micro-batches (the training order of one process) and the evaluation
+        batches with the least padded area (:func:`~trainer.data.formats.canvases.pick_canvases`). A list must
+        hold both covers. ``train_recipe``: (scales, crop_size, crop_prob) of the training transform.
+
+        Raises:
+            ConfigError: a list none of whose canvases holds the cover (naming the size it needs).
+        """
+        from trainer.data.formats import canvases as cv
+        from trainer.data.sampler import EpochSampler
+
+        cfg = self.cfg
+        setting = self.canvas_setting()
+        if not setting:
+            return [], [], []
+        m, micro = cfg.pad_to_multiple, cfg.micro_batch_size(self.dist.world_size)
+        eval_batch = cfg.eval_batch_size or 2 * micro
+        scales, crop, crop_prob = train_recipe
+        bound = cv.train_size_bound(train_ds.split.sizes, scales, cfg.max_size, crop, crop_prob)
+        val_batches = cv.batch_sizes(lambda i: val_ds.transformed_size(0, i), range(len(val_ds)), eval_batch)
+        covers = [
+            (cv.round_up(bound[0], m), cv.round_up(bound[1], m)),
+            (cv.round_up(max(h for h, _ in val_batches), m), cv.round_up(max(w for _, w in val_batches), m)),
+        ]
+        if setting == "auto":
+            train_batches = []
+            for epoch in (0, 1):
+                order = EpochSampler(len(train_ds), shuffle=True, seed=cfg.seed)
+                order.set_epoch(epoch)
+                train_batches += cv.batch_sizes(
+                    lambda i, e=epoch: train_ds.transformed_size(e, i), [i for _, i in order], micro
+                )
+            train_c = cv.pick_canvases(train_batches, covers[0], cv.MAX_CANVASES, m)
+            eval_c = cv.pick_canvases(val_batches, covers[1], cv.MAX_EVAL_CANVASES, m)
+        else:
+            for (h, w), what in zip(covers, ("training", "evaluation")):
+                if cv.fit_canvas(h, w, setting) is None:
+                    raise ConfigError(
+                        f"canvases: got {cfg.canvases!r}; no canvas holds every {what} batch this data and "
+                        f"recipe can make: add one of at least {h}x{w}"
+                    )
+            train_c = setting
+            eval_c = sorted(
+                {cv.fit_canvas(cv.round_up(h, m), cv.round_up(w, m), setting) for h, w in val_batches},
+                key=lambda c: (c[0] * c[1], c),
+            )
+        fmt = ", ".join
+        return (
+            train_c,
+            eval_c,
+            [
+                f"data: canvases ({cfg.canvases}): training {fmt(f'{h}x{w}' for h, w in train_c)}; evaluation "
+                f"{fmt(f'{h}x{w}' for h, w in eval_c)}"
+            ],
+        )
 
     def _check_encoder_tokens(self) -> None:
         """Two-stage query selection takes the top ``num_queries`` of the encoder's tokens, so the smallest image
@@ -303,14 +378,19 @@ class DetectionTask(Task):
         val_ds = CocoDetectionDataset(
             val, eval_transform_for_epoch(cfg.eval_size, cfg.max_size), seed=cfg.seed, replace_bad=False
         )
+        train_canvases, eval_canvases, canvas_report = self._canvases(train_ds, val_ds, (scales, crop, cfg.crop_prob))
+        report += canvas_report
         return TaskData(
             train_ds,
             val_ds,
-            functools.partial(collate_detection, pad_to_multiple=cfg.pad_to_multiple),
+            functools.partial(collate_detection, pad_to_multiple=cfg.pad_to_multiple, canvases=train_canvases),
             self.num_classes,
             report,
             label_space={"categories": list(train.categories), "category_ids": list(train.label_to_category_id)},
             val_left_out=n_val - len(val.paths),
+            val_collate=functools.partial(
+                collate_detection, pad_to_multiple=cfg.pad_to_multiple, canvases=eval_canvases
+            ),
         )
 
     # .. model and step .....................................................................................
@@ -410,7 +490,18 @@ class DetectionTask(Task):
     def input_size(self, train: bool = True) -> tuple[int, int]:
         """(H, W) of the largest batch: shorter side ``max_scale`` (training) or ``eval_size`` (evaluation), longer
         side ``max_size`` (a landscape image at the resize cap; DINO's recipe gives 800 x 1333), each rounded up to
-        ``pad_to_multiple`` as the collate pads it (832 x 1344 at the default 64)."""
+        ``pad_to_multiple`` as the collate pads it (832 x 1344 at the default 64). With ``canvases`` on: the largest
+        canvas; for ``auto``, which is chosen from the data, the largest any data could need: ``max_size`` on both
+        sides (1344 x 1344)."""
+        setting = self.canvas_setting()
+        if setting:
+            from trainer.data.formats.canvases import cover_canvas
+
+            return (
+                max(setting, key=lambda c: c[0] * c[1])
+                if setting != "auto"
+                else cover_canvas(self.cfg.max_size, self.cfg.pad_to_multiple)
+            )
         short = self.cfg.max_scale if train else self.cfg.eval_size
         m = self.cfg.pad_to_multiple
         return -(-short // m) * m, -(-max(short, self.cfg.max_size) // m) * m
