@@ -9,7 +9,7 @@ import torch
 
 from trainer.config import ConfigError, load_config
 from trainer.data.formats import canvases as cv
-from trainer.data.formats.coco import collate_detection
+from trainer.data.formats.coco_dataset import collate_detection
 from trainer.data.sampler import EpochSampler
 from trainer.engine.distributed import DistInfo
 from trainer.tasks import build_task

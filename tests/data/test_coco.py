@@ -16,18 +16,16 @@ from PIL import Image
 from torch.utils.data import BatchSampler
 from torchvision import tv_tensors
 
-from trainer.data.formats.coco import (
-    BadSample,
+from trainer.data.formats.coco import DataError, check_coco_files, scan_coco
+from trainer.data.formats.coco_dataset import (
     CocoDetectionDataset,
-    DataError,
-    check_coco_files,
     collate_detection,
     eval_transform_for_epoch,
-    scan_coco,
     train_transform_for_epoch,
 )
 from trainer.data.loading import build_loader
 from trainer.data.sampler import EpochSampler
+from trainer.data.samples import BadSample
 
 #: Small sizes for CPU tests (DINO's are 480..800 / 1333 / 400..600 / 384..600 / 800).
 SMALL = dict(train_scales=(160, 192), max_size=256, crop_resize_scales=(128, 160), crop_size=(96, 160))

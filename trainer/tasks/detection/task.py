@@ -1,4 +1,4 @@
-"""Object detection: DINO-4scale (trainer/models/dino) on COCO-format data (trainer/data/formats/coco.py), scored
+"""Object detection: DINO-4scale (trainer/models/dino) on COCO-format data (trainer/data/formats/coco.py, coco_dataset.py), scored
 by COCO box mAP gathered across ranks (:mod:`.evaluator`).
 
 The model sees the whole batch: in training the targets go into DINO's forward (contrastive denoising builds its
@@ -314,12 +314,11 @@ class DetectionTask(Task):
             ConfigError: ``num_queries`` below the most boxes in one training image (the matcher would fail
                 mid-training on that image).
         """
-        from trainer.data.formats.coco import (
+        from trainer.data.formats.coco import check_coco_files, scan_coco
+        from trainer.data.formats.coco_dataset import (
             CocoDetectionDataset,
-            check_coco_files,
             collate_detection,
             eval_transform_for_epoch,
-            scan_coco,
             train_transform_for_epoch,
         )
 
@@ -545,12 +544,12 @@ class DetectionTask(Task):
     # .. prediction (python -m trainer predict) .............................................................
     def predict_inputs(self, paths: list[str], *, first_index: int = 0) -> dict:
         """Decode, evaluation resize (shorter side ``eval_size``, longer at most ``max_size``), pad and collate
-        (:func:`~trainer.data.formats.coco.collate_detection`, no boxes), :meth:`eval_batch`: ``orig_size`` holds
+        (:func:`~trainer.data.formats.coco_dataset.collate_detection`, no boxes), :meth:`eval_batch`: ``orig_size`` holds
         each file's (H, W), so :meth:`predict` gives boxes in its pixels; ``image_ids`` = ``first_index + i``
         (the input's position). Plus ``"paths"``, ``"bad"`` and ``"originals"`` (decoded uint8 (3, H, W))."""
         from torchvision import tv_tensors
 
-        from trainer.data.formats.coco import collate_detection, eval_transform
+        from trainer.data.formats.coco_dataset import collate_detection, eval_transform
         from trainer.tasks.prediction import read_images
 
         transform = eval_transform(self.cfg.eval_size, self.cfg.max_size)
