@@ -4,7 +4,7 @@ The space tests are pure Python. The sweep tests run one real 2-trial sweep of `
 shared hymenoptera photos (1 epoch of 2 steps at 32 px, no loader workers): first stopped by SIGTERM during its
 first trial (exit 75, partial table), then run again to the end, then once more (nothing retrained); a
 different space against the same folder and a ``--parallel`` above what the planner allows are exit 2. K is
-asserted against :func:`trainer.planning.plan.max_local_jobs` called directly.
+asserted against :func:`trainer.planning.local.max_local_jobs` called directly.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from trainer.config.sweep import (
     trial_name,
 )
 from trainer.errors import ConfigError
-from trainer.planning.plan import max_local_jobs
+from trainer.planning.local import max_local_jobs
 from trainer.planning.sweep import parallel_for_space, resource_overrides, trial_result, worst_overrides
 
 # ---------------------------------------------------------------------------------------------------- the space
@@ -247,10 +247,10 @@ def test_a_swept_model_is_checked_per_model_and_the_tightest_sets_k(shared_data,
     probe writes them, the second model's process taking 60 % of that RAM."""
     import dataclasses
 
-    from trainer.planning import plan
+    from trainer.planning import local
 
-    host = dataclasses.replace(plan.local_machine(), vcpus=16, memory_mib=32 * 1024, gpus=0, gpu_memory_mib=0)
-    monkeypatch.setattr(plan, "local_machine", lambda: host)
+    host = dataclasses.replace(local.local_machine(), vcpus=16, memory_mib=32 * 1024, gpus=0, gpu_memory_mib=0)
+    monkeypatch.setattr(local, "local_machine", lambda: host)
     fixed = {"data_dir": str(shared_data / "hymenoptera"), "image_size": 32, "num_workers": 0, "device": "cpu"}
     trials = [{"model": m, "lr": lr} for m in ("resnet18", "resnet50") for lr in (0.02, 0.005)]
     configs = resource_overrides({**fixed, "batch_size": 16}, [{**t, "batch_size": b} for t in trials for b in (8, 16)])

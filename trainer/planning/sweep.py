@@ -9,7 +9,7 @@ Usage::
   because ``--seed`` is the training seed, a config field fixed for every trial like any other ``--FIELD``).
 * Every trial's config (base file + fixed flags + the trial's values + its own ``checkpoint_dir``/``log_dir``
   under ``OUT/<trial>/``) is validated with :func:`trainer.config.load_config` before any trial starts.
-* K, trials at a time: the largest K for which :func:`trainer.planning.plan.max_local_jobs` (the checks of
+* K, trials at a time: the largest K for which :func:`trainer.planning.local.max_local_jobs` (the checks of
   ``plan --jobs-per-instance K``, on this machine: host RAM available now, vCPUs, GPU memory with CUDA) says K
   jobs fit, capped by the trials left to run. The config checked is the base config with each swept resource
   field (:data:`RESOURCE_FIELDS`) at its largest value in the space, once per combination of the swept values of
@@ -236,7 +236,7 @@ def choose_parallel(cfg, n_trials: int, requested: Optional[int], probe_report: 
     Raises:
         ConfigError: ``requested`` is more than the planner's check allows on this machine (names the limit).
     """
-    from trainer.planning.plan import local_machine, max_local_jobs
+    from trainer.planning.local import local_machine, max_local_jobs
 
     machine = local_machine()
     limit = max(1, requested or n_trials)
@@ -250,7 +250,7 @@ def choose_parallel(cfg, n_trials: int, requested: Optional[int], probe_report: 
     if requested is not None and requested > fit:
         raise ConfigError(
             f"--parallel {requested}: {fit + 1} trials at a time do not fit this machine ({here}): {why_not}; "
-            f"use --parallel {fit} or less (trainer.planning.plan.max_local_jobs)"
+            f"use --parallel {fit} or less (trainer.planning.local.max_local_jobs)"
         )
     k = min(fit, n_trials, requested or fit)
     if requested is not None:
@@ -410,7 +410,7 @@ def run_sweep(args: argparse.Namespace, log: Callable[[str], None] = print) -> i
     if todo:
         k, why = parallel_for_space(base, fixed, trials, len(todo), args.parallel, args.probe_report, out)
         log(why)
-        from trainer.planning.plan import local_machine
+        from trainer.planning.local import local_machine
 
         stopped = _run_trials(todo, out, k, local_machine().gpus, log)
     rows = rank([trial_result(n, t, metric, mode, out) for n, t in zip(names, trials)], metric, mode)
