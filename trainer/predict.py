@@ -210,7 +210,9 @@ def add_predict_command(sub) -> None:
 
 def resolve_checkpoint(path: str | Path) -> Path:
     """The checkpoint folder ``path`` names: itself (a folder with ``manifest.json``, or a file in one), else the
-    one a run in checkpoint_dir ``path`` would resume from (:meth:`CheckpointManager.find_resume`).
+    one a run in checkpoint_dir ``path`` would resume from (:meth:`CheckpointManager.find_resume`). Each newer
+    checkpoint passed over on the way (corrupt, incomplete) is named with its reason in a ``warning:`` line on
+    stderr, so a fallback to an older checkpoint is never silent.
 
     Raises:
         PredictError: nothing there, or no valid checkpoint in it.
@@ -234,6 +236,10 @@ def resolve_checkpoint(path: str | Path) -> Path:
             f"--checkpoint: {p} holds no valid checkpoint (ckpt-* folders with a manifest.json)"
             + (f": {skipped}" if skipped else "")
         )
+    for n in notes:
+        if n.startswith("checkpoint: skipping "):
+            name, _, why = n.removeprefix("checkpoint: skipping ").partition(": ")
+            _warn(f"--checkpoint: skipped {name} ({why}); using the older {found.name}")
     return found
 
 
