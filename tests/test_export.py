@@ -224,6 +224,10 @@ def _low_opset(tmp: Path, ckpt: Path) -> list[str]:
     return trainer_cmd("export", "--checkpoint", str(ckpt), "--format", "onnx", "--out", "out", "--opset", "13")
 
 
+def _high_opset(tmp: Path, ckpt: Path) -> list[str]:
+    return trainer_cmd("export", "--checkpoint", str(ckpt), "--format", "onnx", "--out", "out", "--opset", "99")
+
+
 def _no_output(tmp: Path) -> None:
     assert not (tmp / "out").exists() or not any((tmp / "out").iterdir())
 
@@ -236,6 +240,7 @@ ROWS = [
     ("out-cannot-be-created", _out_under_file, "error: --out: cannot create afile/out"),
     ("unsupported-format", _bad_format, "error: export: --format: invalid choice: 'tflite'"),
     ("opset-below-17", _low_opset, "error: export: --opset: must be >= 17"),
+    ("opset-above-highest", _high_opset, "error: --opset: got 99; this exporter writes opsets 17 to 25"),
 ]
 
 

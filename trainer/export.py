@@ -21,7 +21,8 @@ CPU, or the loaded TorchScript module) against PyTorch on real inputs (a few fil
 (top-1 / mask pixels), printed and written into the model card; ONNX is also run at batch 1.
 
 Exit status: 0 done; 2 bad input, one line: missing or invalid checkpoint, a checkpoint of another task than
-``--task``, an output folder that cannot be created, a format the task cannot export.
+``--task``, an output folder that cannot be created, a format the task cannot export, an ``--opset`` above the
+exporter's highest (:func:`highest_opset`).
 
 DINO's graph (:mod:`trainer.tasks.detection.export`) runs the deformable attention as the PyTorch reference
 (``GridSample``), so it needs no custom-op library at serving time; its input is a fixed square canvas plus each
@@ -71,7 +72,8 @@ def add_export_command(sub) -> None:
         type=bounded_number(int, 17, why=" (grid_sample, LayerNormalization)"),
         default=18,
         metavar="N",
-        help="ONNX opset, >= 17 (default 18, the exporter's own; 17 is converted down where onnx's converter can)",
+        help="ONNX opset, 17 to the exporter's highest (25 with onnxscript 0.7; default 18, the exporter's own; "
+        "others are converted where onnxscript's converter can, else 18 is written with a warning)",
     )
     p.add_argument(
         "--weights",
@@ -166,6 +168,20 @@ def compare(task, reference: list, exported: list) -> list[str]:
             lines.append(f"max |diff| {name}: {float(np.abs(a.astype(np.float64) - b).max()):.3g}")
     lines.append(task.export_agreement(reference, exported))
     return lines
+
+
+def highest_opset() -> int:
+    """The highest ONNX opset :func:`export_onnx` can write: the exporter writes opset 18 and converts to
+    another with onnxscript's version converter, whose range ends at
+    ``onnxscript.version_converter._version_converter.SUPPORTED_MAX_ONNX_OPSET`` (25 in onnxscript 0.7.2); asked
+    for more, ``torch.onnx.export`` keeps 18 without a word, so ``export`` refuses it. 18 when that constant is
+    not where onnxscript 0.7 keeps it."""
+    try:
+        from onnxscript.version_converter import _version_converter
+
+        return int(_version_converter.SUPPORTED_MAX_ONNX_OPSET)
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return 18
 
 
 def _metadata_strings(meta: dict) -> dict[str, str]:
@@ -292,6 +308,11 @@ def export(args: argparse.Namespace) -> list[str]:
     from trainer.engine.checkpoint import describe_os_error
     from trainer.predict import PredictError, load_model, read_state, resolve_checkpoint
 
+    if args.format == "onnx" and args.opset > highest_opset():
+        raise ExportError(
+            f"--opset: got {args.opset}; this exporter writes opsets 17 to {highest_opset()} (onnxscript's version "
+            "converter); give one of those"
+        )
     try:
         ckpt = resolve_checkpoint(args.checkpoint)
     except PredictError as e:
@@ -334,6 +355,13 @@ def export(args: argparse.Namespace) -> list[str]:
             example = task.export_example(2)
             if args.format == "onnx":
                 opset = export_onnx(module, example, path, task, args.opset, meta)
+                if opset != args.opset:
+                    print(
+                        f"warning: --opset {args.opset}: the converter could not convert this graph; wrote opset "
+                        f"{opset} (the model card says so)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 how = (
                     f"torch.onnx.export (torch {torch.__version__.split('+')[0]}, torch.export-based exporter, "
                     f"onnxscript), opset {opset} (asked {args.opset}), dynamic batch axis; standard ONNX ops only; "
