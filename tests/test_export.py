@@ -249,3 +249,35 @@ def test_export_bad_inputs(row, digits_run, tmp_path):  # noqa: F811 - the fixtu
     name, setup, message = row
     ckpt, _ = digits_run
     run_case(Case(name, lambda t: setup(t, ckpt), 2, message, _no_output, env={"OMP_NUM_THREADS": "1"}), tmp_path)
+
+
+def test_model_card_reproduce_command_retrains_and_says_when_nothing_was_evaluated(digits_run, tmp_path, capsys):  # noqa: F811 - the fixture
+    """The card's reproduce command, run as written, trains from scratch into fresh folders (not "nothing left to
+    train" from the finished checkpoint folder); a checkpoint without an evaluation says so on its card."""
+    import shlex
+
+    from trainer.export import _metrics, model_card
+
+    ckpt, _ = digits_run
+    before = sorted(p.name for p in ckpt.iterdir())
+    _export(ckpt, "safetensors", tmp_path / "st", capsys)
+    card = (tmp_path / "st" / "model_card.md").read_text()
+    assert "these are the validation metrics the training run computed" in card
+    (command,) = re.findall(r"- reproduce: `([^`]+)`", card)
+    argv = shlex.split(command)
+    assert argv[:4] == ["python", "-m", "trainer", "train"]
+    assert main(argv[3:]) == 0
+    out = capsys.readouterr().out
+    assert "nothing left to train" not in out and "done: best top1=" in out
+    retrained = sorted((tmp_path / "st" / "retrain" / "checkpoints").glob("ckpt-*"))
+    assert retrained and (tmp_path / "st" / "retrain" / "logs" / "metrics.jsonl").stat().st_size > 0
+    assert sorted(p.name for p in ckpt.iterdir()) == before
+
+    meta = {"task": "classification", "model": "resnet18", "inputs": ["image"], "outputs": ["logits"]}
+    meta.update(input_layout="B,3,H,W", input_size=[32, 32], mean=[0.5], std=[0.5], normalization="in the graph")
+    meta.update(class_ids=[0], classes=["a"])
+    facts = dict.fromkeys(("format", "date", "command", "checkpoint", "weights", "data_dir", "fingerprint"), "x")
+    facts.update(how="x", verified_on="", reproduce="python -m trainer train ...", evaluated=False)
+    manifest = {"progress": {"epoch": 0, "step_in_epoch": 9, "global_step": 9}}
+    text = model_card(meta, facts, _metrics({"history": []}, manifest, "top1"), [], "x")
+    assert "no evaluation was recorded in this checkpoint" in text and "validation metrics the training" not in text

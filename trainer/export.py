@@ -248,6 +248,11 @@ def _metrics(state: dict, manifest: dict, target: str) -> list[str]:
     """Markdown lines of the checkpoint's recorded validation metrics (last epoch, best target metric)."""
     lines = []
     history = state.get("history") or []
+    if not history:
+        lines.append(
+            "- no evaluation was recorded in this checkpoint (written before its first epoch was evaluated): no "
+            "validation metrics to report"
+        )
     if history:
         last = history[-1]
         vals = {k: v for k, v in last.items() if k.startswith("val_") and isinstance(v, (int, float))}
@@ -262,8 +267,27 @@ def _metrics(state: dict, manifest: dict, target: str) -> list[str]:
     return lines or ["- none recorded in this checkpoint"]
 
 
+#: Folder under an export's ``--out`` where the model card's reproduce command trains (fresh checkpoint and logs).
+RETRAIN_DIR = "retrain"
+
+
+def reproduce_command(out: Path) -> str:
+    """The command that trains the exported model again: ``train --config OUT/train_config.yaml`` with its
+    ``--checkpoint-dir`` and ``--log-dir`` in ``OUT/retrain/`` (empty folders, so it starts from scratch; the
+    saved config's own folders hold the finished run, which ``train`` would resume: "nothing left to train")."""
+    import shlex
+
+    return (
+        f"python -m trainer train --config {shlex.quote(str(out / 'train_config.yaml'))} "
+        f"--checkpoint-dir {shlex.quote(str(out / RETRAIN_DIR / 'checkpoints'))} "
+        f"--log-dir {shlex.quote(str(out / RETRAIN_DIR / 'logs'))}"
+    )
+
+
 def model_card(meta: dict, facts: dict, metrics: list[str], verify: list[str], license_line: str) -> str:
-    """The ``model_card.md`` text."""
+    """The ``model_card.md`` text. ``facts``: format, date, command, checkpoint, weights, data_dir, reproduce
+    (:func:`reproduce_command`), evaluated (whether the checkpoint recorded an evaluation), fingerprint, how,
+    verified_on."""
     post = {k: v for k, v in meta.items() if k in ("top_k", "num_select", "score_threshold", "postprocess", "palette")}
     classes = ", ".join(f"{i}: {c}" for i, c in zip(meta["class_ids"], meta["classes"]))
     lines = [
@@ -284,9 +308,17 @@ def model_card(meta: dict, facts: dict, metrics: list[str], verify: list[str], l
         "## Data and metrics",
         f"- data: `{facts['data_dir']}`",
         *metrics,
-        "- reproduce: there is no standalone evaluation command yet; these are the validation metrics the training "
-        f"run computed. `python -m trainer train --config {facts['config_file']}` reruns the training that produced "
-        "them (the saved config of the checkpoint).",
+        *(
+            [
+                "- these are the validation metrics the training run computed (there is no standalone evaluation "
+                "command yet)."
+            ]
+            if facts["evaluated"]
+            else []
+        ),
+        f"- reproduce: `{facts['reproduce']}` trains again from scratch with the checkpoint's saved config, into "
+        "fresh checkpoint and log folders beside this card (the saved config's own folders hold the finished run, "
+        "which `train` would resume instead).",
         f"- config fingerprint (sha256/16 of the trajectory fields): `{facts['fingerprint']}`",
         "",
         "## Export",
@@ -399,7 +431,8 @@ def export(args: argparse.Namespace) -> list[str]:
             "checkpoint": str(ckpt),
             "weights": which,
             "data_dir": task.cfg.data_dir,
-            "config_file": out / "train_config.yaml",
+            "reproduce": reproduce_command(out),
+            "evaluated": bool(state.get("history")),
             "fingerprint": state.get("fingerprint"),
             "how": how,
             "verified_on": verified_on,
