@@ -154,6 +154,36 @@ def test_wandb_offline_run_holds_the_jsonl_metrics(tiny_digits, tmp_path):
     assert {k: sorted(v) for k, v in got.items()} == _expected(_rows(tmp_path / "logs"))
     assert config["model"] == "resnet18" and config["tag/task"] == "classification"
 
+    # resumed (one more epoch): a second offline-run folder of the same id whose W&B steps continue from the
+    # checkpoint's step (they restarted at 0, so `wandb sync .../offline-run-*` replaced the first folder's history)
+    o2 = {**o, "epochs": 2}
+    proc = run_trainer(
+        [*_flags(o2), "--tracking", "wandb", "--tracking-experiment", "digits-test", "--force-resume"],
+        env=env,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _tracking_ids(tmp_path / "ckpt")["wandb"] == run_id
+    folders = sorted((tmp_path / "logs" / "wandb").glob(f"offline-run-*-{run_id}"))
+    assert len(folders) == 2
+    synced: dict = {}  # what syncing the folders in the documented (glob) order keeps: later rows win per step
+    spans = []
+    for folder in folders:
+        steps = []
+        for rec in _wandb_records(folder / f"run-{run_id}.wandb"):
+            if rec.WhichOneof("record_type") != "history":
+                continue
+            items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item}
+            assert items["_step"] == items["global_step"], items  # W&B's step is the optimizer step
+            steps.append(items["_step"])
+            for k, v in items.items():
+                if k.startswith(("step/", "epoch/")):
+                    synced.setdefault(k, {})[items["global_step"]] = float(v)
+        spans.append((min(steps), max(steps)))
+    assert spans[1][0] > spans[0][0] and spans[1][1] > spans[0][1]
+    expected = _expected(_rows(tmp_path / "logs"))
+    assert {k: sorted(v.items()) for k, v in synced.items()} == expected
+
 
 def test_unreachable_mlflow_and_missing_wandb_are_warnings(tiny_digits, tmp_path, monkeypatch, capsys):
     import sys

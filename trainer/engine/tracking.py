@@ -271,9 +271,10 @@ class MlflowTracker(Tracker):
 class WandbTracker(Tracker):
     """Weights & Biases: ``wandb.init(project=experiment, name=run_name, id=run_id, resume="allow")``. Online
     (``WANDB_API_KEY`` or ``wandb login``) or offline (``WANDB_MODE=offline``; upload later with
-    ``wandb sync DIR/wandb/offline-run-*``). Run files go under ``dir`` (the log folder). Every row also logs
-    ``global_step``, the x-axis of all ``step/*`` and ``epoch/*`` metrics, so rows logged again after a resume
-    are kept (W&B's own ``_step`` only grows).
+    ``wandb sync DIR/wandb/offline-run-*``: one folder per resumed segment, in start order, their ``_step`` ranges
+    following each other). Run files go under ``dir`` (the log folder). W&B's step is the optimizer step
+    (:meth:`log_metrics`); every row also logs ``global_step``, the x-axis of all ``step/*`` and ``epoch/*``
+    metrics.
 
     Raises ImportError when wandb is not installed (from :meth:`start`).
     """
@@ -305,9 +306,15 @@ class WandbTracker(Tracker):
         self.run.config.update(params, allow_val_change=True)
 
     def log_metrics(self, kind: str, step: int, values: dict) -> None:
+        """One row at W&B step ``step`` (``run.log(..., step=step)``), the optimizer step, so a resumed run's
+        history continues from the checkpoint's step instead of restarting at 0 in its new ``offline-run-*``
+        folder: W&B issues 3841 and 5865 report that syncing several folders of one run id whose ``_step``
+        values overlap replaces the earlier history. Rows of one step (a step row and the epoch row) become one
+        history row; a row below the run's current step is dropped by W&B (online, after a resume: the steps
+        trained again after the checkpoint keep their first values there; metrics.jsonl has the new ones)."""
         row = {f"{kind}/{k}": v for k, v in numeric_items(values).items()}
         if row:
-            self.run.log({"global_step": step, **row})
+            self.run.log({"global_step": step, **row}, step=step)
 
     def set_tags(self, tags: dict) -> None:
         self.run.config.update({f"tag/{k}": str(v) for k, v in tags.items()}, allow_val_change=True)
