@@ -113,6 +113,19 @@ def test_segmentation_exports_onnx_with_mask_agreement(shared_data, tmp_path, ca
     assert "palette" in meta and json.loads(meta["outputs"]) == ["logits", "mask"]
     card = (tmp_path / "onnx" / "model_card.md").read_text()
     assert "mask pixel agreement 100.000 %" in card and "segmentation_models_pytorch" in card
+    # the card's size rule: a 500x375 photo, shorter side resized to 64 (85x64), padded to multiples of 32: 96x64
+    assert json.loads(meta["dynamic_axes"]) == ["batch", "height", "width"] and "multiples of 32" in card
+    assert "(batch, height, width dynamic)" in card
+    from trainer.predict import load_model, resolve_checkpoint
+
+    task, model, _, _ = load_model(resolve_checkpoint(tmp_path / "ck"), torch.device("cpu"), True)
+    photo = torch.zeros(2, 3, 64, 96)
+    photo[:, :, :, :85] = torch.rand(2, 3, 64, 85, generator=torch.Generator().manual_seed(0)) * 255
+    with torch.no_grad():
+        ref = [o.numpy() for o in task.export_module(model.float().eval())(photo)]
+    got = _ort(tmp_path / "onnx" / "model.onnx", photo.numpy())
+    assert got[0].shape == (2, len(cfg.classes), 64, 96) and np.abs(got[0] - ref[0]).max() < 1e-3
+    assert (got[1] == ref[1]).mean() > 0.999
     lines = _export(tmp_path / "ck", "torchscript", tmp_path / "ts", capsys)
     _check_verify_lines(lines, "mask pixel agreement")
 

@@ -189,7 +189,8 @@ def _metadata_strings(meta: dict) -> dict[str, str]:
 
 
 def export_onnx(module, example: tuple, path: Path, task, opset: int, meta: dict) -> int:
-    """``torch.onnx.export`` (torch.export-based, ``dynamo=True``) with a dynamic batch axis on every input, then
+    """``torch.onnx.export`` (torch.export-based, ``dynamo=True``) with the task's dynamic axes
+    (:meth:`~trainer.tasks.base.Task.export_dynamic_shapes`: batch, and height/width for segmentation), then
     ``meta`` (plus ``opset``) as JSON strings in the model's ``metadata_props``. Returns the opset of the saved
     model: the exporter writes 18 and converts down to a lower ``opset`` only where onnx's version converter
     can (it keeps 18 otherwise, with a warning)."""
@@ -200,8 +201,7 @@ def export_onnx(module, example: tuple, path: Path, task, opset: int, meta: dict
     import onnx
     import torch
 
-    batch = torch.export.Dim("batch", min=1, max=1024)
-    shapes = tuple({0: batch} for _ in example)
+    shapes = task.export_dynamic_shapes()
     with (
         warnings.catch_warnings(),
         contextlib.redirect_stdout(io.StringIO()),
@@ -298,7 +298,7 @@ def model_card(meta: dict, facts: dict, metrics: list[str], verify: list[str], l
         "",
         "## Inputs and outputs",
         f"- inputs: {', '.join(meta['inputs'])}: {meta['input_layout']}; size {meta['input_size']}"
-        + (" (batch axis dynamic)" if facts["format"] != "safetensors" else ""),
+        + (f" ({', '.join(meta['dynamic_axes'])} dynamic)" if facts["format"] != "safetensors" else ""),
         f"- preprocessing before the graph: {meta.get('preprocess', 'none')}",
         f"- normalisation: mean {meta['mean']}, std {meta['std']} ({meta['normalization']})",
         f"- outputs: {', '.join(meta['outputs'])}",
@@ -396,7 +396,8 @@ def export(args: argparse.Namespace) -> list[str]:
                     )
                 how = (
                     f"torch.onnx.export (torch {torch.__version__.split('+')[0]}, torch.export-based exporter, "
-                    f"onnxscript), opset {opset} (asked {args.opset}), dynamic batch axis; standard ONNX ops only; "
+                    f"onnxscript), opset {opset} (asked {args.opset}), dynamic axes: {', '.join(meta['dynamic_axes'])}; "
+                    "standard ONNX ops only; "
                     "metadata in metadata_props (JSON strings)"
                 )
             else:
