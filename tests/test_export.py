@@ -113,6 +113,19 @@ def test_segmentation_exports_onnx_with_mask_agreement(shared_data, tmp_path, ca
     assert "palette" in meta and json.loads(meta["outputs"]) == ["logits", "mask"]
     card = (tmp_path / "onnx" / "model_card.md").read_text()
     assert "mask pixel agreement 100.000 %" in card and "segmentation_models_pytorch" in card
+    # the card's size rule: a 500x375 photo, shorter side resized to 64 (85x64), padded to multiples of 32: 96x64
+    assert json.loads(meta["dynamic_axes"]) == ["batch", "height", "width"] and "multiples of 32" in card
+    assert "(batch, height, width dynamic)" in card
+    from trainer.predict import load_model, resolve_checkpoint
+
+    task, model, _, _ = load_model(resolve_checkpoint(tmp_path / "ck"), torch.device("cpu"), True)
+    photo = torch.zeros(2, 3, 64, 96)
+    photo[:, :, :, :85] = torch.rand(2, 3, 64, 85, generator=torch.Generator().manual_seed(0)) * 255
+    with torch.no_grad():
+        ref = [o.numpy() for o in task.export_module(model.float().eval())(photo)]
+    got = _ort(tmp_path / "onnx" / "model.onnx", photo.numpy())
+    assert got[0].shape == (2, len(cfg.classes), 64, 96) and np.abs(got[0] - ref[0]).max() < 1e-3
+    assert (got[1] == ref[1]).mean() > 0.999
     lines = _export(tmp_path / "ck", "torchscript", tmp_path / "ts", capsys)
     _check_verify_lines(lines, "mask pixel agreement")
 
@@ -224,6 +237,10 @@ def _low_opset(tmp: Path, ckpt: Path) -> list[str]:
     return trainer_cmd("export", "--checkpoint", str(ckpt), "--format", "onnx", "--out", "out", "--opset", "13")
 
 
+def _high_opset(tmp: Path, ckpt: Path) -> list[str]:
+    return trainer_cmd("export", "--checkpoint", str(ckpt), "--format", "onnx", "--out", "out", "--opset", "99")
+
+
 def _no_output(tmp: Path) -> None:
     assert not (tmp / "out").exists() or not any((tmp / "out").iterdir())
 
@@ -236,6 +253,7 @@ ROWS = [
     ("out-cannot-be-created", _out_under_file, "error: --out: cannot create afile/out"),
     ("unsupported-format", _bad_format, "error: export: --format: invalid choice: 'tflite'"),
     ("opset-below-17", _low_opset, "error: export: --opset: must be >= 17"),
+    ("opset-above-highest", _high_opset, "error: --opset: got 99; this exporter writes opsets 17 to 25"),
 ]
 
 
@@ -244,3 +262,35 @@ def test_export_bad_inputs(row, digits_run, tmp_path):  # noqa: F811 - the fixtu
     name, setup, message = row
     ckpt, _ = digits_run
     run_case(Case(name, lambda t: setup(t, ckpt), 2, message, _no_output, env={"OMP_NUM_THREADS": "1"}), tmp_path)
+
+
+def test_model_card_reproduce_command_retrains_and_says_when_nothing_was_evaluated(digits_run, tmp_path, capsys):  # noqa: F811 - the fixture
+    """The card's reproduce command, run as written, trains from scratch into fresh folders (not "nothing left to
+    train" from the finished checkpoint folder); a checkpoint without an evaluation says so on its card."""
+    import shlex
+
+    from trainer.export import _metrics, model_card
+
+    ckpt, _ = digits_run
+    before = sorted(p.name for p in ckpt.iterdir())
+    _export(ckpt, "safetensors", tmp_path / "st", capsys)
+    card = (tmp_path / "st" / "model_card.md").read_text()
+    assert "these are the validation metrics the training run computed" in card
+    (command,) = re.findall(r"- reproduce: `([^`]+)`", card)
+    argv = shlex.split(command)
+    assert argv[:4] == ["python", "-m", "trainer", "train"]
+    assert main(argv[3:]) == 0
+    out = capsys.readouterr().out
+    assert "nothing left to train" not in out and "done: best top1=" in out
+    retrained = sorted((tmp_path / "st" / "retrain" / "checkpoints").glob("ckpt-*"))
+    assert retrained and (tmp_path / "st" / "retrain" / "logs" / "metrics.jsonl").stat().st_size > 0
+    assert sorted(p.name for p in ckpt.iterdir()) == before
+
+    meta = {"task": "classification", "model": "resnet18", "inputs": ["image"], "outputs": ["logits"]}
+    meta.update(input_layout="B,3,H,W", input_size=[32, 32], mean=[0.5], std=[0.5], normalization="in the graph")
+    meta.update(class_ids=[0], classes=["a"])
+    facts = dict.fromkeys(("format", "date", "command", "checkpoint", "weights", "data_dir", "fingerprint"), "x")
+    facts.update(how="x", verified_on="", reproduce="python -m trainer train ...", evaluated=False)
+    manifest = {"progress": {"epoch": 0, "step_in_epoch": 9, "global_step": 9}}
+    text = model_card(meta, facts, _metrics({"history": []}, manifest, "top1"), [], "x")
+    assert "no evaluation was recorded in this checkpoint" in text and "validation metrics the training" not in text

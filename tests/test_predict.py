@@ -266,3 +266,29 @@ def test_segmentation_writes_class_index_masks_and_overlays(shared_data, tmp_pat
         overlay = np.asarray(Image.open(out / r["overlay"]).convert("RGB"))
         original = np.asarray(Image.open(pngs / r["file"]).convert("RGB"))
         assert overlay.shape == original.shape and (overlay != original).any()
+
+
+def test_a_corrupt_newest_checkpoint_is_named_when_predict_and_export_fall_back(digits_run, tmp_path, capsys):
+    """A checkpoint_dir whose newest checkpoint (the ``latest`` pointer's) is corrupt: predict and export use the
+    older one that validates, and say which they skipped and why."""
+    src, pngs = digits_run
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(src, ckpt)
+    older = (ckpt / "latest").read_text().strip()
+    step = int(older.removeprefix("ckpt-"))
+    newer = f"ckpt-{step + 1:09d}"
+    shutil.copytree(ckpt / older, ckpt / newer)
+    with open(ckpt / newer / "state.pt", "r+b") as f:
+        f.seek(100)
+        f.write(b"\0" * 16)
+    (ckpt / "latest").write_text(newer)
+    warning = f"warning: --checkpoint: skipped {newer} ("
+    assert main(["predict", "--checkpoint", str(ckpt), "--images", str(pngs), "--out", str(tmp_path / "p")]) == 0
+    out = capsys.readouterr()
+    (line,) = [x for x in out.err.splitlines() if x.startswith(warning)]
+    assert "SHA-256 differs from the manifest (corrupt)" in line and line.endswith(f"using the older {older}")
+    assert f"; {older}, ema weights)" in out.out
+    argv = ["export", "--checkpoint", str(ckpt), "--format", "safetensors", "--out", str(tmp_path / "e")]
+    assert main(argv) == 0
+    out = capsys.readouterr()
+    assert [x for x in out.err.splitlines() if x.startswith(warning)] == [line] and f"; {older}, ema" in out.out

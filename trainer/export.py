@@ -21,7 +21,8 @@ CPU, or the loaded TorchScript module) against PyTorch on real inputs (a few fil
 (top-1 / mask pixels), printed and written into the model card; ONNX is also run at batch 1.
 
 Exit status: 0 done; 2 bad input, one line: missing or invalid checkpoint, a checkpoint of another task than
-``--task``, an output folder that cannot be created, a format the task cannot export.
+``--task``, an output folder that cannot be created, a format the task cannot export, an ``--opset`` above the
+exporter's highest (:func:`highest_opset`).
 
 DINO's graph (:mod:`trainer.tasks.detection.export`) runs the deformable attention as the PyTorch reference
 (``GridSample``), so it needs no custom-op library at serving time; its input is a fixed square canvas plus each
@@ -71,7 +72,8 @@ def add_export_command(sub) -> None:
         type=bounded_number(int, 17, why=" (grid_sample, LayerNormalization)"),
         default=18,
         metavar="N",
-        help="ONNX opset, >= 17 (default 18, the exporter's own; 17 is converted down where onnx's converter can)",
+        help="ONNX opset, 17 to the exporter's highest (25 with onnxscript 0.7; default 18, the exporter's own; "
+        "others are converted where onnxscript's converter can, else 18 is written with a warning)",
     )
     p.add_argument(
         "--weights",
@@ -168,12 +170,27 @@ def compare(task, reference: list, exported: list) -> list[str]:
     return lines
 
 
+def highest_opset() -> int:
+    """The highest ONNX opset :func:`export_onnx` can write: the exporter writes opset 18 and converts to
+    another with onnxscript's version converter, whose range ends at
+    ``onnxscript.version_converter._version_converter.SUPPORTED_MAX_ONNX_OPSET`` (25 in onnxscript 0.7.2); asked
+    for more, ``torch.onnx.export`` keeps 18 without a word, so ``export`` refuses it. 18 when that constant is
+    not where onnxscript 0.7 keeps it."""
+    try:
+        from onnxscript.version_converter import _version_converter
+
+        return int(_version_converter.SUPPORTED_MAX_ONNX_OPSET)
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return 18
+
+
 def _metadata_strings(meta: dict) -> dict[str, str]:
     return {k: v if isinstance(v, str) else json.dumps(v) for k, v in meta.items()}
 
 
 def export_onnx(module, example: tuple, path: Path, task, opset: int, meta: dict) -> int:
-    """``torch.onnx.export`` (torch.export-based, ``dynamo=True``) with a dynamic batch axis on every input, then
+    """``torch.onnx.export`` (torch.export-based, ``dynamo=True``) with the task's dynamic axes
+    (:meth:`~trainer.tasks.base.Task.export_dynamic_shapes`: batch, and height/width for segmentation), then
     ``meta`` (plus ``opset``) as JSON strings in the model's ``metadata_props``. Returns the opset of the saved
     model: the exporter writes 18 and converts down to a lower ``opset`` only where onnx's version converter
     can (it keeps 18 otherwise, with a warning)."""
@@ -184,8 +201,7 @@ def export_onnx(module, example: tuple, path: Path, task, opset: int, meta: dict
     import onnx
     import torch
 
-    batch = torch.export.Dim("batch", min=1, max=1024)
-    shapes = tuple({0: batch} for _ in example)
+    shapes = task.export_dynamic_shapes()
     with (
         warnings.catch_warnings(),
         contextlib.redirect_stdout(io.StringIO()),
@@ -232,6 +248,11 @@ def _metrics(state: dict, manifest: dict, target: str) -> list[str]:
     """Markdown lines of the checkpoint's recorded validation metrics (last epoch, best target metric)."""
     lines = []
     history = state.get("history") or []
+    if not history:
+        lines.append(
+            "- no evaluation was recorded in this checkpoint (written before its first epoch was evaluated): no "
+            "validation metrics to report"
+        )
     if history:
         last = history[-1]
         vals = {k: v for k, v in last.items() if k.startswith("val_") and isinstance(v, (int, float))}
@@ -246,8 +267,27 @@ def _metrics(state: dict, manifest: dict, target: str) -> list[str]:
     return lines or ["- none recorded in this checkpoint"]
 
 
+#: Folder under an export's ``--out`` where the model card's reproduce command trains (fresh checkpoint and logs).
+RETRAIN_DIR = "retrain"
+
+
+def reproduce_command(out: Path) -> str:
+    """The command that trains the exported model again: ``train --config OUT/train_config.yaml`` with its
+    ``--checkpoint-dir`` and ``--log-dir`` in ``OUT/retrain/`` (empty folders, so it starts from scratch; the
+    saved config's own folders hold the finished run, which ``train`` would resume: "nothing left to train")."""
+    import shlex
+
+    return (
+        f"python -m trainer train --config {shlex.quote(str(out / 'train_config.yaml'))} "
+        f"--checkpoint-dir {shlex.quote(str(out / RETRAIN_DIR / 'checkpoints'))} "
+        f"--log-dir {shlex.quote(str(out / RETRAIN_DIR / 'logs'))}"
+    )
+
+
 def model_card(meta: dict, facts: dict, metrics: list[str], verify: list[str], license_line: str) -> str:
-    """The ``model_card.md`` text."""
+    """The ``model_card.md`` text. ``facts``: format, date, command, checkpoint, weights, data_dir, reproduce
+    (:func:`reproduce_command`), evaluated (whether the checkpoint recorded an evaluation), fingerprint, how,
+    verified_on."""
     post = {k: v for k, v in meta.items() if k in ("top_k", "num_select", "score_threshold", "postprocess", "palette")}
     classes = ", ".join(f"{i}: {c}" for i, c in zip(meta["class_ids"], meta["classes"]))
     lines = [
@@ -258,7 +298,7 @@ def model_card(meta: dict, facts: dict, metrics: list[str], verify: list[str], l
         "",
         "## Inputs and outputs",
         f"- inputs: {', '.join(meta['inputs'])}: {meta['input_layout']}; size {meta['input_size']}"
-        + (" (batch axis dynamic)" if facts["format"] != "safetensors" else ""),
+        + (f" ({', '.join(meta['dynamic_axes'])} dynamic)" if facts["format"] != "safetensors" else ""),
         f"- preprocessing before the graph: {meta.get('preprocess', 'none')}",
         f"- normalisation: mean {meta['mean']}, std {meta['std']} ({meta['normalization']})",
         f"- outputs: {', '.join(meta['outputs'])}",
@@ -268,9 +308,17 @@ def model_card(meta: dict, facts: dict, metrics: list[str], verify: list[str], l
         "## Data and metrics",
         f"- data: `{facts['data_dir']}`",
         *metrics,
-        "- reproduce: there is no standalone evaluation command yet; these are the validation metrics the training "
-        f"run computed. `python -m trainer train --config {facts['config_file']}` reruns the training that produced "
-        "them (the saved config of the checkpoint).",
+        *(
+            [
+                "- these are the validation metrics the training run computed (there is no standalone evaluation "
+                "command yet)."
+            ]
+            if facts["evaluated"]
+            else []
+        ),
+        f"- reproduce: `{facts['reproduce']}` trains again from scratch with the checkpoint's saved config, into "
+        "fresh checkpoint and log folders beside this card (the saved config's own folders hold the finished run, "
+        "which `train` would resume instead).",
         f"- config fingerprint (sha256/16 of the trajectory fields): `{facts['fingerprint']}`",
         "",
         "## Export",
@@ -292,6 +340,11 @@ def export(args: argparse.Namespace) -> list[str]:
     from trainer.engine.checkpoint import describe_os_error
     from trainer.predict import PredictError, load_model, read_state, resolve_checkpoint
 
+    if args.format == "onnx" and args.opset > highest_opset():
+        raise ExportError(
+            f"--opset: got {args.opset}; this exporter writes opsets 17 to {highest_opset()} (onnxscript's version "
+            "converter); give one of those"
+        )
     try:
         ckpt = resolve_checkpoint(args.checkpoint)
     except PredictError as e:
@@ -334,9 +387,17 @@ def export(args: argparse.Namespace) -> list[str]:
             example = task.export_example(2)
             if args.format == "onnx":
                 opset = export_onnx(module, example, path, task, args.opset, meta)
+                if opset != args.opset:
+                    print(
+                        f"warning: --opset {args.opset}: the converter could not convert this graph; wrote opset "
+                        f"{opset} (the model card says so)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 how = (
                     f"torch.onnx.export (torch {torch.__version__.split('+')[0]}, torch.export-based exporter, "
-                    f"onnxscript), opset {opset} (asked {args.opset}), dynamic batch axis; standard ONNX ops only; "
+                    f"onnxscript), opset {opset} (asked {args.opset}), dynamic axes: {', '.join(meta['dynamic_axes'])}; "
+                    "standard ONNX ops only; "
                     "metadata in metadata_props (JSON strings)"
                 )
             else:
@@ -371,7 +432,8 @@ def export(args: argparse.Namespace) -> list[str]:
             "checkpoint": str(ckpt),
             "weights": which,
             "data_dir": task.cfg.data_dir,
-            "config_file": out / "train_config.yaml",
+            "reproduce": reproduce_command(out),
+            "evaluated": bool(state.get("history")),
             "fingerprint": state.get("fingerprint"),
             "how": how,
             "verified_on": verified_on,

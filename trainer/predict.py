@@ -98,7 +98,9 @@ def add_predict_command(sub) -> None:
 
 def resolve_checkpoint(path: str | Path) -> Path:
     """The checkpoint folder ``path`` names: itself (a folder with ``manifest.json``, or a file in one), else the
-    one a run in checkpoint_dir ``path`` would resume from (:meth:`CheckpointManager.find_resume`).
+    one a run in checkpoint_dir ``path`` would resume from (:meth:`CheckpointManager.find_resume`). Each newer
+    checkpoint passed over on the way (corrupt, incomplete) is named with its reason in a ``warning:`` line on
+    stderr, so a fallback to an older checkpoint is never silent.
 
     Raises:
         PredictError: nothing there, or no valid checkpoint in it.
@@ -122,6 +124,10 @@ def resolve_checkpoint(path: str | Path) -> Path:
             f"--checkpoint: {p} holds no valid checkpoint (ckpt-* folders with a manifest.json)"
             + (f": {skipped}" if skipped else "")
         )
+    for n in notes:
+        if n.startswith("checkpoint: skipping "):
+            name, _, why = n.removeprefix("checkpoint: skipping ").partition(": ")
+            _warn(f"--checkpoint: skipped {name} ({why}); using the older {found.name}")
     return found
 
 
@@ -308,6 +314,7 @@ def predict(args: argparse.Namespace) -> str:
         raise PredictError(f"--device: {str(e).removeprefix('device: ')}") from None
     state = read_state(ckpt)
     run_ids = tracked_runs(ckpt, state) if args.track else {}
+    tracking_uri = state.get("tracking_uri")
     task, model, label_space, which = load_model(ckpt, device, args.ema, state)
     del state
     names = output_names(paths, task.output_suffixes)
@@ -355,7 +362,7 @@ def predict(args: argparse.Namespace) -> str:
     if run_ids:
         stems = [Path(names[p]).stem for p in predicted]
         files = [out / PREDICTIONS_FILE] + [out / f"{stem}{sfx}.png" for stem in stems for sfx in task.output_suffixes]
-        line += "\n" + track_outputs(task.cfg, run_ids, [f for f in files if f.is_file()], out)
+        line += "\n" + track_outputs(task.cfg, run_ids, [f for f in files if f.is_file()], out, tracking_uri)
     return line
 
 
@@ -364,10 +371,18 @@ def tracked_runs(ckpt: Path, state: dict) -> dict:
     logged to (``state["tracking"]``).
 
     Raises:
-        PredictError: the checkpoint holds none (its run was not trained with ``--tracking``).
+        PredictError: the checkpoint holds none: its run was not trained with ``--tracking``, or was, but no
+            tracker started (the message says which, from the checkpoint's config).
     """
     ids = {k: v for k, v in (state.get("tracking") or {}).items() if v}
     if not ids:
+        asked = list((state.get("config") or {}).get("tracking") or [])
+        if asked:
+            raise PredictError(
+                f"--track: {ckpt} holds no tracked run: its training asked for --tracking {','.join(asked)} but no "
+                "tracker started (see that run's 'WARNING: tracking' lines); drop --track, or fix the tracker and "
+                "train again"
+            )
         raise PredictError(
             f"--track: {ckpt} holds no tracked run (its training ran without --tracking); drop --track or train "
             "with --tracking mlflow|wandb"
@@ -375,15 +390,16 @@ def tracked_runs(ckpt: Path, state: dict) -> dict:
     return ids
 
 
-def track_outputs(cfg, run_ids: dict, files: list[Path], out: Path) -> str:
-    """Upload ``files`` (under ``out``) to the runs ``run_ids`` with the training config's tracking settings
-    (``tracking_uri``, ``tracking_experiment``), each under ``<out folder name>/``; W&B keeps its offline files in
-    ``out/wandb``. A tracker that fails is a ``WARNING`` line (the predictions on disk stay). Returns the summary
-    line."""
+def track_outputs(cfg, run_ids: dict, files: list[Path], out: Path, stored_uri: Optional[str] = None) -> str:
+    """Upload ``files`` (under ``out``) to the runs ``run_ids`` with the training config's tracking settings,
+    each under ``<out folder name>/``; W&B keeps its offline files in ``out/wandb``. MLflow's store: ``stored_uri``
+    (the resolved URI the checkpoint recorded, ``tracking_uri`` in its state), else the config's ``tracking_uri``,
+    else ``MLFLOW_TRACKING_URI`` (:func:`~trainer.engine.tracking.resolve_mlflow_uri`). A tracker that fails is a
+    ``WARNING`` line (the predictions on disk stay). Returns the summary line."""
     from trainer.engine.tracking import TrackingSinks, build_trackers
 
     names = [n for n in (cfg.tracking or []) if n in run_ids] or list(run_ids)
-    trackers = build_trackers(names, cfg.tracking_uri, cfg.tracking_experiment, None, out)
+    trackers = build_trackers(names, stored_uri or cfg.tracking_uri, cfg.tracking_experiment, None, out)
     sinks = TrackingSinks(
         trackers,
         lambda m: print(m, file=sys.stderr, flush=True),

@@ -150,7 +150,10 @@ def plan(
     if not machine.startswith("train-"):
         raise CliError(f"--machine {machine!r}: a sweep runs on one type; expected train-<type>, e.g. train-g5-xlarge")
     instance_type = "ml." + machine.removeprefix("train-").replace("-", ".", 1)
-    catalog.get(instance_type)  # unknown type -> CatalogError (exit 2) listing the known ones
+    try:
+        catalog.get(instance_type)
+    except catalog.CatalogError as e:
+        raise CliError(f"--machine {machine!r}: {e}") from None
     if not 1 <= max_parallel <= MAX_PARALLEL:
         raise CliError(
             f"--max-parallel {max_parallel}: expected 1 to {MAX_PARALLEL} (SageMaker's limit of parallel training "

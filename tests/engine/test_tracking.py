@@ -154,6 +154,36 @@ def test_wandb_offline_run_holds_the_jsonl_metrics(tiny_digits, tmp_path):
     assert {k: sorted(v) for k, v in got.items()} == _expected(_rows(tmp_path / "logs"))
     assert config["model"] == "resnet18" and config["tag/task"] == "classification"
 
+    # resumed (one more epoch): a second offline-run folder of the same id whose W&B steps continue from the
+    # checkpoint's step (they restarted at 0, so `wandb sync .../offline-run-*` replaced the first folder's history)
+    o2 = {**o, "epochs": 2}
+    proc = run_trainer(
+        [*_flags(o2), "--tracking", "wandb", "--tracking-experiment", "digits-test", "--force-resume"],
+        env=env,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _tracking_ids(tmp_path / "ckpt")["wandb"] == run_id
+    folders = sorted((tmp_path / "logs" / "wandb").glob(f"offline-run-*-{run_id}"))
+    assert len(folders) == 2
+    synced: dict = {}  # what syncing the folders in the documented (glob) order keeps: later rows win per step
+    spans = []
+    for folder in folders:
+        steps = []
+        for rec in _wandb_records(folder / f"run-{run_id}.wandb"):
+            if rec.WhichOneof("record_type") != "history":
+                continue
+            items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item}
+            assert items["_step"] == items["global_step"], items  # W&B's step is the optimizer step
+            steps.append(items["_step"])
+            for k, v in items.items():
+                if k.startswith(("step/", "epoch/")):
+                    synced.setdefault(k, {})[items["global_step"]] = float(v)
+        spans.append((min(steps), max(steps)))
+    assert spans[1][0] > spans[0][0] and spans[1][1] > spans[0][1]
+    expected = _expected(_rows(tmp_path / "logs"))
+    assert {k: sorted(v.items()) for k, v in synced.items()} == expected
+
 
 def test_unreachable_mlflow_and_missing_wandb_are_warnings(tiny_digits, tmp_path, monkeypatch, capsys):
     import sys
@@ -175,6 +205,16 @@ def test_unreachable_mlflow_and_missing_wandb_are_warnings(tiny_digits, tmp_path
     assert all(x.endswith("training continues without it") for x in lines)
     assert (tmp_path / "logs" / "metrics.jsonl").stat().st_size > 0 and (tmp_path / "ckpt" / "latest").is_file()
 
+    # predict --track on that checkpoint: refused, naming the trackers the training asked for (not "without")
+    from trainer.cli import main
+
+    val = tiny_digits / "val" / "3"
+    argv = ["predict", "--checkpoint", str(tmp_path / "ckpt"), "--images", str(val), "--out", str(tmp_path / "p")]
+    assert main([*argv, "--device", "cpu", "--track"]) == 2
+    (err,) = capsys.readouterr().err.strip().splitlines()
+    assert err.startswith("error: --track: ") and "its training asked for --tracking mlflow,wandb but no tracker" in err
+    assert not any((tmp_path / "p").iterdir())  # nothing predicted
+
 
 def test_a_sagemaker_tracking_server_arn_resolves_to_the_plugin_store():
     """The pinned sagemaker-mlflow plugin is installed and takes ``arn:aws:sagemaker:...`` tracking URIs (what
@@ -183,3 +223,99 @@ def test_a_sagemaker_tracking_server_arn_resolves_to_the_plugin_store():
 
     store = _get_store("arn:aws:sagemaker:us-east-1:123456789012:mlflow-tracking-server/team")
     assert type(store).__module__.startswith("sagemaker_mlflow")
+
+
+def test_mlflow_without_a_uri_logs_to_a_file_store_in_the_log_dir(tiny_digits, tmp_path, monkeypatch, capsys):
+    """No ``--tracking-uri`` and no ``MLFLOW_TRACKING_URI``: MLflow 3.x's own default (``sqlite:///mlflow.db``) needs
+    SQLAlchemy, which mlflow-skinny lacks; the run logs to ``<log_dir>/mlruns`` instead, the checkpoint records that
+    URI, and ``predict --track`` from another folder (no variable set) finds the run there."""
+    from mlflow.tracking import MlflowClient
+
+    from trainer.cli import main
+    from trainer.config import load_config
+    from trainer.engine import run as train
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.chdir(tmp_path)
+    o = tiny_overrides(tiny_digits, tmp_path, epochs=1, max_steps_per_epoch=2, log_dir="logs")
+    assert train.run(load_config(None, {**o, "tracking": ["mlflow"]})) == 0
+    out = capsys.readouterr()
+    assert "WARNING: tracking" not in out.out + out.err
+    store = (tmp_path / "logs" / "mlruns").as_uri()
+    latest = (tmp_path / "ckpt" / "latest").read_text().strip()
+    state = torch.load(tmp_path / "ckpt" / latest / "state.pt", map_location="cpu", weights_only=False)
+    assert state["tracking_uri"] == store and state["config"]["tracking_uri"] is None
+    run = MlflowClient(tracking_uri=store).get_run(state["tracking"]["mlflow"])
+    assert run.info.status == "FINISHED" and "epoch/val_top1" in run.data.metrics
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    argv = ["predict", "--checkpoint", str(tmp_path / "ckpt"), "--images", str(tiny_digits / "val" / "3")]
+    assert main([*argv, "--out", str(tmp_path / "p"), "--device", "cpu", "--limit", "2", "--track"]) == 0
+    assert "track: 3 files under p/ -> mlflow run" in capsys.readouterr().out
+    uploaded = MlflowClient(tracking_uri=store).list_artifacts(run.info.run_id, "p")
+    assert len(uploaded) == 3 and not (elsewhere / "mlruns").exists() and not (elsewhere / "mlflow.db").exists()
+
+    # MLFLOW_TRACKING_URI (relative) is what a run resolves, made absolute, before the log_dir default
+    from trainer.engine.tracking import resolve_mlflow_uri
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "file:./there")
+    assert resolve_mlflow_uri(None, tmp_path / "logs") == (elsewhere / "there").as_uri()
+    assert resolve_mlflow_uri("http://host:5000", tmp_path / "logs") == "http://host:5000"
+
+
+def _mlflow_status(store: str) -> list[str]:
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(tracking_uri=store)
+    return [r.info.status for r in c.search_runs([c.get_experiment_by_name("trainstack").experiment_id])]
+
+
+def test_failed_runs_are_marked_failed_in_mlflow_and_wandb(tiny_digits, tmp_path, monkeypatch, capsys):
+    """A non-finite loss (exit 3): MLflow FAILED, W&B's offline run exits 1; a data error found in the evaluation
+    (exit 2) and a crash (an exception that is a bug, re-raised) end their MLflow runs FAILED too."""
+    import shutil
+
+    from trainer.config import load_config
+    from trainer.engine import run as train
+    from trainer.engine.trainer import Trainer
+
+    for k, v in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DIR": str(tmp_path / "wandb-home")}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-home"))
+    monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "wandb-home"))
+    nan = tmp_path / "nan"
+    o = tiny_overrides(tiny_digits, nan, epochs=1, lr=1e30, gradient_clip=0.0, log_every_steps=1)
+    cfg = load_config(None, {**o, "tracking": ["mlflow", "wandb"], "tracking_uri": str(nan / "mlruns")})
+    assert train.run(cfg) == 3
+    assert "loss became NaN/inf" in capsys.readouterr().err
+    assert _mlflow_status(str(nan / "mlruns")) == ["FAILED"]
+    (wandb_file,) = (nan / "logs" / "wandb").glob("offline-run-*/run-*.wandb")
+    exits = [r.exit.exit_code for r in _wandb_records(wandb_file) if r.WhichOneof("record_type") == "exit"]
+    assert exits == [1]
+
+    # exit 2 in the evaluation: every val scan of digit 0 is cut after its PNG header (10 % > max_bad_fraction 1 %);
+    # the start-up check reads headers only, as for a split of more than FULL_CHECK_MAX_FILES files
+    from trainer.data.formats import imagefolder
+
+    monkeypatch.setattr(imagefolder, "FULL_CHECK_MAX_FILES", 0)
+    data = tmp_path / "digits"
+    shutil.copytree(tiny_digits, data)
+    for f in (data / "val" / "0").iterdir():
+        f.write_bytes(f.read_bytes()[:60])
+    bad = tmp_path / "bad"
+    o = tiny_overrides(data, bad, epochs=1, max_steps_per_epoch=1)
+    assert train.run(load_config(None, {**o, "tracking": ["mlflow"], "tracking_uri": str(bad / "mlruns")})) == 2
+    assert "val: 8 of 80 files could not be decoded, more than max_bad_fraction" in capsys.readouterr().err
+    assert _mlflow_status(str(bad / "mlruns")) == ["FAILED"]
+
+    def crash(self, model):
+        raise ZeroDivisionError("a bug in the evaluation")
+
+    monkeypatch.setattr(Trainer, "evaluate", crash)
+    bug = tmp_path / "bug"
+    o = tiny_overrides(tiny_digits, bug, epochs=1, max_steps_per_epoch=1)
+    with pytest.raises(ZeroDivisionError):
+        train.run(load_config(None, {**o, "tracking": ["mlflow"], "tracking_uri": str(bug / "mlruns")}))
+    assert _mlflow_status(str(bug / "mlruns")) == ["FAILED"]

@@ -328,6 +328,8 @@ def test_jobs_strategy_starts_k_trials_then_tops_up_on_rerun():
         (["--grid", "lr=[0.1]", "--max-parallel", "101"], "--max-parallel 101: expected 1 to 100"),
         (["--grid", "data_dir=[/a, /b]"], "a sweep cannot vary data_dir"),
         (["--grid", "lr=[0.1]", "--machine", "scaling-plan"], "a sweep runs on one type"),
+        (["--grid", "lr=[0.1]", "--machine", "train-x9"], "error: --machine 'train-x9': unknown instance type 'ml.x9'"),
+        (["--grid", "lr=0.1"], "--grid lr: '0.1' is not a list"),
         (["--range", "lr=1e-4:0.1:log"], "add --random N"),
     ],
 )

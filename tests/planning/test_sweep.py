@@ -43,7 +43,7 @@ def test_grid_is_the_cartesian_product_in_command_line_order():
     assert trials[0] == {"lr": 0.1, "batch_size": 32} and trials[1] == {"lr": 0.1, "batch_size": 64}
     assert trials[-1] == {"lr": 0.01, "batch_size": 64} and len({json.dumps(t) for t in trials}) == 6
     assert parse_grid("compile_model=[true, false]") == ("compile", [True, False])  # an alias, YAML booleans
-    assert parse_grid("epochs=3") == ("epochs", [3])  # a bare scalar is a 1-value grid
+    assert parse_grid("epochs=[3]") == ("epochs", [3])  # a one-value grid is a one-item list
     assert [trial_name(i) for i in (0, 7, 123)] == ["t000", "t007", "t123"]
 
 
@@ -66,6 +66,7 @@ def test_random_search_is_reproducible_and_within_its_ranges():
         (["lrr=[0.1]"], [], None, "--grid lrr: unknown config field"),
         (["checkpoint_dir=[a, b]"], [], None, "a sweep cannot vary checkpoint_dir"),
         (["lr=[]"], [], None, "expected a non-empty list of scalars"),
+        (["lr=0.1"], [], None, "--grid lr: '0.1' is not a list; expected [V1, V2, ...] (one value: lr=[0.1], or set"),
         (["lr=[0.1, 0.1]"], [], None, "repeats a value"),
         (["lr=[0.1]", "lr=[0.2]"], [], None, "--grid lr: given twice"),
         ([], ["lr=1e-4:0.1"], None, "ranges are sampled; add --random N"),

@@ -140,11 +140,12 @@ def _split(text: str, flag: str, expected: str) -> tuple[str, str]:
 
 
 def parse_grid(text: str) -> tuple[str, list]:
-    """``'lr=[0.1, 0.01]'`` -> ``("lr", [0.1, 0.01])``. Values are YAML scalars; a bare scalar is a 1-value grid.
+    """``'lr=[0.1, 0.01]'`` -> ``("lr", [0.1, 0.01])``. Values are YAML scalars in a YAML list; a one-value grid is
+    written ``'lr=[0.1]'``.
 
     Raises:
-        ConfigError: no ``=``, an unknown or fixed field, a value that is not a YAML list of scalars, an empty list,
-            or a value given twice.
+        ConfigError: no ``=``, an unknown or fixed field, a value that is not a YAML list of scalars (a bare scalar
+            such as ``lr=0.1`` included: a fixed value is ``--lr 0.1``), an empty list, or a value given twice.
     """
     key, value = _split(text, "--grid", "NAME=[V1, V2, ...]")
     name = _field_name(key, "--grid")
@@ -153,7 +154,10 @@ def parse_grid(text: str) -> tuple[str, list]:
     except yaml.YAMLError:
         raise ConfigError(f"--grid {key}: {value!r} is not a YAML list; expected [V1, V2, ...]") from None
     if not isinstance(values, list):
-        values = [values]
+        raise ConfigError(
+            f"--grid {key}: {value!r} is not a list; expected [V1, V2, ...] (one value: {key}=[{value}], or set it "
+            f"for every trial with --{name.replace('_', '-')} {value})"
+        )
     if not values or any(isinstance(v, (list, dict)) or v is None for v in values):
         raise ConfigError(f"--grid {key}: {value!r}; expected a non-empty list of scalars [V1, V2, ...]")
     if len({repr(v) for v in values}) != len(values):

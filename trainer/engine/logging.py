@@ -187,7 +187,7 @@ class MetricsLogger:
     def close(self, tags: Optional[dict] = None, status: str = "FINISHED") -> Optional[Path]:
         """Flush files, draw ``curves.png`` from ``metrics.jsonl`` and return its path (rank 0). The trackers
         get ``tags`` (e.g. the final and best checkpoint paths), the PNG as an artifact, and are finished
-        with ``status`` (FINISHED, KILLED)."""
+        with ``status`` (:meth:`finish_tracking`)."""
         if not self.enabled:
             return None
         self.end_epoch()
@@ -199,9 +199,16 @@ class MetricsLogger:
                 self.tracking.set_tags(tags)
             if png is not None:
                 self.tracking.log_artifact(png)
-            self.tracking.finish(status)
-            self.tracking = None
+        self.finish_tracking(status)
         return png
+
+    def finish_tracking(self, status: str) -> None:
+        """Finish the trackers (after what is queued) with ``status``: FINISHED, KILLED (stopped, exit 75) or
+        FAILED (exit 2 or 3, or a crash); a no-op when none is running (rank != 0, no ``tracking``, already
+        finished)."""
+        if self.tracking is not None:
+            tracking, self.tracking = self.tracking, None
+            tracking.finish(status)
 
 
 _CURVE_PREFIXES = ("train_", "val_", "ema_val_")

@@ -60,7 +60,8 @@ def run(cfg: TrainConfig, notes: Sequence[str] = ()) -> int:
     Returns an exit code (:mod:`trainer.errors`): 0 done; 2 config, data or checkpoint error (ConfigError,
     DataError, CheckpointError, raised anywhere from process-group set-up to the last step); 3 non-finite loss;
     75 interrupted with a durable checkpoint (run the same command again to resume); 130 aborted by a second
-    Ctrl-C. Those errors end as one line (:func:`trainer.failures.fail`: printed by rank 0, or handed to
+    Ctrl-C. The tracked runs (``tracking``) end FINISHED (0), KILLED (75) or FAILED (2, 3, and any exception that
+    is a bug). Those errors end as one line (:func:`trainer.failures.fail`: printed by rank 0, or handed to
     torchrun / the image's entrypoint, which show it once). Any other exception is a bug and propagates with its
     traceback (exit 1).
     """
@@ -96,13 +97,16 @@ def run(cfg: TrainConfig, notes: Sequence[str] = ()) -> int:
         return _aborted(cfg.checkpoint_dir, info.is_main if info else failures.env_rank() == 0, trainer)
     except Exception as e:  # noqa: BLE001 - mapped by exit_code; anything unknown is re-raised
         code = exit_code(e)
+        if trainer is not None:  # the tracked runs end FAILED (2, 3, a crash), never RUNNING or FINISHED
+            try:
+                if code == EXIT_NONFINITE:
+                    trainer.close(status="FAILED")
+                else:
+                    trainer.log.finish_tracking("FAILED")
+            except Exception:  # noqa: BLE001 - the error itself is what the user must see
+                pass
         if code == 1:
             raise
-        if code == EXIT_NONFINITE and trainer is not None:
-            try:
-                trainer.close()
-            except Exception:  # noqa: BLE001 - the NaN is what the user must see
-                pass
         failure = (code, failures.one_line(e, with_type=False))
     finally:
         if poller is not None:

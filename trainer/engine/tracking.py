@@ -156,12 +156,37 @@ def _check_reachable(uri: str) -> None:
         pass
 
 
+#: The MLflow store of a run that names none (no ``tracking_uri``, no ``MLFLOW_TRACKING_URI``): a file store in this
+#: folder under the run's ``log_dir``.
+DEFAULT_MLFLOW_DIR = "mlruns"
+
+
+def resolve_mlflow_uri(uri: Optional[str], log_dir: Path, stored: Optional[str] = None) -> str:
+    """The MLflow tracking URI a run logs to: ``uri`` (the ``tracking_uri`` field), else ``MLFLOW_TRACKING_URI``,
+    else ``stored`` (the URI a checkpoint recorded: a resumed run or ``predict --track`` finds its run where the
+    training put it), else a file store at ``<log_dir>/mlruns``. A local path or a relative ``file:`` URI is made
+    an absolute ``file://`` URI (so it names the same store from any working folder); other URIs are returned as
+    given.
+
+    Why not MLflow's own default: MLflow 3.x defaults to ``sqlite:///mlflow.db`` (MLflow docs, "Backend Stores"),
+    which needs SQLAlchemy; mlflow-skinny (what requirements-trainer.txt pins) does not ship it, so that default
+    cannot be opened (``UnsupportedModelRegistryStoreURIException``) and a run would record nothing.
+    """
+    chosen = uri or os.environ.get("MLFLOW_TRACKING_URI") or stored or str(Path(log_dir) / DEFAULT_MLFLOW_DIR)
+    parsed = urlparse(chosen)
+    if parsed.scheme == "file" and not parsed.netloc:
+        return Path(parsed.path).expanduser().resolve().as_uri()
+    if not parsed.scheme or (len(parsed.scheme) == 1 and os.name == "nt"):
+        return Path(chosen).expanduser().resolve().as_uri()
+    return chosen
+
+
 class MlflowTracker(Tracker):
     """MLflow through ``MlflowClient`` (no global active run). ``uri``: any tracking URI: ``file:/path`` (a
     local file store), ``http(s)://host``, ``databricks``, or a SageMaker managed MLflow tracking server ARN
     (``arn:aws:sagemaker:REGION:ACCOUNT:mlflow-tracking-server/NAME``, which needs the ``sagemaker-mlflow``
-    plugin installed and ``sagemaker-mlflow:*`` permissions for the role). None: MLflow's default
-    (``MLFLOW_TRACKING_URI`` or ``./mlruns``). ``experiment``: created when missing. Params longer than
+    plugin installed and ``sagemaker-mlflow:*`` permissions for the role), already resolved by
+    :func:`resolve_mlflow_uri` (:func:`build_trackers` does). ``experiment``: created when missing. Params longer than
     :data:`MLFLOW_PARAM_MAX` characters are truncated with a note; on resume, params already in the run are
     not logged again (MLflow refuses to change one).
 
@@ -246,9 +271,10 @@ class MlflowTracker(Tracker):
 class WandbTracker(Tracker):
     """Weights & Biases: ``wandb.init(project=experiment, name=run_name, id=run_id, resume="allow")``. Online
     (``WANDB_API_KEY`` or ``wandb login``) or offline (``WANDB_MODE=offline``; upload later with
-    ``wandb sync DIR/wandb/offline-run-*``). Run files go under ``dir`` (the log folder). Every row also logs
-    ``global_step``, the x-axis of all ``step/*`` and ``epoch/*`` metrics, so rows logged again after a resume
-    are kept (W&B's own ``_step`` only grows).
+    ``wandb sync DIR/wandb/offline-run-*``: one folder per resumed segment, in start order, their ``_step`` ranges
+    following each other). Run files go under ``dir`` (the log folder). W&B's step is the optimizer step
+    (:meth:`log_metrics`); every row also logs ``global_step``, the x-axis of all ``step/*`` and ``epoch/*``
+    metrics.
 
     Raises ImportError when wandb is not installed (from :meth:`start`).
     """
@@ -280,9 +306,15 @@ class WandbTracker(Tracker):
         self.run.config.update(params, allow_val_change=True)
 
     def log_metrics(self, kind: str, step: int, values: dict) -> None:
+        """One row at W&B step ``step`` (``run.log(..., step=step)``), the optimizer step, so a resumed run's
+        history continues from the checkpoint's step instead of restarting at 0 in its new ``offline-run-*``
+        folder: W&B issues 3841 and 5865 report that syncing several folders of one run id whose ``_step``
+        values overlap replaces the earlier history. Rows of one step (a step row and the epoch row) become one
+        history row; a row below the run's current step is dropped by W&B (online, after a resume: the steps
+        trained again after the checkpoint keep their first values there; metrics.jsonl has the new ones)."""
         row = {f"{kind}/{k}": v for k, v in numeric_items(values).items()}
         if row:
-            self.run.log({"global_step": step, **row})
+            self.run.log({"global_step": step, **row}, step=step)
 
     def set_tags(self, tags: dict) -> None:
         self.run.config.update({f"tag/{k}": str(v) for k, v in tags.items()}, allow_val_change=True)
@@ -293,13 +325,23 @@ class WandbTracker(Tracker):
         self.run.save(str(path), base_path=str(base if base is not None else Path(path).parent), policy="now")
 
     def finish(self, status: str = "FINISHED") -> None:
+        """``wandb.Run.finish`` with exit code 0 for FINISHED, 1 for KILLED or FAILED (W&B marks a run whose exit
+        code is not 0 as failed)."""
         self.run.finish(exit_code=0 if status == "FINISHED" else 1)
 
 
-def build_trackers(names: list, uri: Optional[str], experiment: str, run_name: Optional[str], log_dir: Path):
-    """One :class:`Tracker` per name in ``names`` (values of :data:`TRACKERS`), in order."""
+def build_trackers(
+    names: list,
+    uri: Optional[str],
+    experiment: str,
+    run_name: Optional[str],
+    log_dir: Path,
+    stored_uri: Optional[str] = None,
+):
+    """One :class:`Tracker` per name in ``names`` (values of :data:`TRACKERS`), in order. MLflow's URI is
+    :func:`resolve_mlflow_uri` of ``uri``, ``log_dir`` and ``stored_uri`` (the one a checkpoint recorded)."""
     make = {
-        "mlflow": lambda: MlflowTracker(uri, experiment, run_name),
+        "mlflow": lambda: MlflowTracker(resolve_mlflow_uri(uri, log_dir, stored_uri), experiment, run_name),
         "wandb": lambda: WandbTracker(experiment, run_name, log_dir),
     }
     return [make[n]() for n in names]

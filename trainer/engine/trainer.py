@@ -199,6 +199,7 @@ class Trainer:
         self.best: Optional[float] = None
         self.history: list[dict] = []
         self._tracking_ids: dict = {}
+        self._tracking_uri: Optional[str] = None  # the MLflow store's resolved URI, kept in the checkpoint
         self._resume_if_asked()
         if self.resumed_from is not None:
             dropped = self.log.resume_at(self.global_step, evaluated=self.step_in_epoch < self.steps_per_epoch)
@@ -208,9 +209,13 @@ class Trainer:
                     f"global step {self.global_step} by the previous run (trained again now)"
                 )
         self._start_tracking()
-        if info.is_main:
-            self.log.info(self.ckpt.prepare(self._state()))
-        previous = self.ckpt.pop_interrupted() if info.is_main else None
+        try:
+            if info.is_main:
+                self.log.info(self.ckpt.prepare(self._state()))
+            previous = self.ckpt.pop_interrupted() if info.is_main else None
+        except Exception:
+            self.log.finish_tracking("FAILED")  # run.run never holds this trainer: end its tracked run here
+            raise
         if previous:
             self.log.info(f"checkpoint: the previous run was interrupted: {previous.get('reason')}")
         torch.manual_seed(cfg.seed * 1000 + info.rank + 1 + self.global_step)  # per-rank MixUp/CutMix stream
@@ -220,15 +225,23 @@ class Trainer:
     def _start_tracking(self) -> None:
         """Start the ``tracking`` sinks on rank 0 (continuing the run ids of a resumed checkpoint): the flat
         config as params; task, model, seed, config file (``TRAINSTACK_CONFIG_FILE``, set by the command line),
-        world size and the system facts as tags. A failing tracker is a warning (MetricsLogger)."""
+        world size and the system facts as tags. A failing tracker is a warning (MetricsLogger). MLflow's store:
+        :func:`~trainer.engine.tracking.resolve_mlflow_uri` (``tracking_uri``, ``MLFLOW_TRACKING_URI``, the resumed
+        checkpoint's, else ``<log_dir>/mlruns``); the resolved URI goes into every checkpoint (``tracking_uri``)."""
         cfg = self.cfg
         if not (cfg.tracking and self.info.is_main):
             return
         from trainer.engine.tracking import build_trackers, system_facts
 
         trackers = build_trackers(
-            cfg.tracking, cfg.tracking_uri, cfg.tracking_experiment, cfg.tracking_run_name, self.log.dir
+            cfg.tracking,
+            cfg.tracking_uri,
+            cfg.tracking_experiment,
+            cfg.tracking_run_name,
+            self.log.dir,
+            stored_uri=self._tracking_uri,
         )
+        self._tracking_uri = next((t.uri for t in trackers if t.name == "mlflow"), self._tracking_uri)
         tags = {"task": cfg.task, "model": cfg.model, "seed": cfg.seed, "world_size": self.info.world_size}
         config_file = os.environ.get("TRAINSTACK_CONFIG_FILE")
         if config_file:
@@ -315,6 +328,7 @@ class Trainer:
         self.best = state.get("best_metric")
         self.history = list(state.get("history", []))
         self._tracking_ids = dict(state.get("tracking") or {})
+        self._tracking_uri = state.get("tracking_uri")
         self.resumed_from = Path(path)
         saved_ws = state.get("world_size", self.info.world_size)
         if self.info.world_size != saved_ws:
@@ -407,6 +421,7 @@ class Trainer:
             "world_size": self.info.world_size,
             "label_space": self.label_space,
             "tracking": self.log.tracking_ids() or self._tracking_ids,
+            "tracking_uri": self._tracking_uri,
         }
 
     def save_checkpoint(self, is_best: bool = False, epoch_stats: Optional[dict] = None) -> Optional[Path]:
@@ -806,9 +821,10 @@ class Trainer:
             f"{saved}: fix or remove those files and run the same command again to evaluate it"
         )
 
-    def close(self) -> Optional[Path]:
+    def close(self, status: Optional[str] = None) -> Optional[Path]:
         """Wait for the last checkpoint, close the metric sinks and draw the curves PNG (rank 0); returns
-        the PNG's path."""
+        the PNG's path. The tracked runs end with ``status`` (default: KILLED when the run was interrupted, else
+        FINISHED; :func:`trainer.engine.run.run` passes FAILED for a non-finite loss)."""
         self.ckpt.wait()
         self.ckpt.close()
         shutdown_all()
@@ -819,4 +835,4 @@ class Trainer:
                 tags["checkpoint_final"] = str(final)
             if best:
                 tags["checkpoint_best"] = str(self.ckpt.dir / best)
-        return self.log.close(tags, status="KILLED" if self.interrupted else "FINISHED")
+        return self.log.close(tags, status=status or ("KILLED" if self.interrupted else "FINISHED"))

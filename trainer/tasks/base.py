@@ -286,6 +286,16 @@ class Task(ABC):
         s = self.cfg.image_size
         return (torch.randint(0, 256, (batch_size, 3, s, s), generator=g).float(),)
 
+    #: Axes of the exported graph's inputs that take any size (:meth:`export_dynamic_shapes`), as the model card
+    #: and the metadata (``dynamic_axes``) name them.
+    export_dynamic_axes: tuple[str, ...] = ("batch",)
+
+    def export_dynamic_shapes(self) -> tuple[dict, ...]:
+        """``torch.export`` dynamic shapes of :meth:`export_example`'s inputs, one dict per input (axis ->
+        ``torch.export.Dim``). Default: a dynamic batch axis (1 to 1,024) on every input."""
+        batch = torch.export.Dim("batch", min=1, max=1024)
+        return tuple({0: batch} for _ in self.export_input_names)
+
     def export_inputs(self, batch: dict) -> tuple[torch.Tensor, ...]:
         """Graph inputs (float32 pixel values in [0, 255], on CPU) of a device batch from :meth:`predict_inputs`:
         its normalised images mapped back through the ImageNet mean/std. Default: ``batch["image"]``."""
@@ -306,6 +316,7 @@ class Task(ABC):
             "outputs": list(self.export_output_names),
             "input_layout": "B,3,H,W RGB float32 pixel values in [0, 255]",
             "input_size": [self.cfg.image_size, self.cfg.image_size],
+            "dynamic_axes": list(self.export_dynamic_axes),
             "mean": list(IMAGENET_MEAN),
             "std": list(IMAGENET_STD),
             "normalization": "in the graph: (x / 255 - mean) / std",

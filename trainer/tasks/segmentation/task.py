@@ -314,6 +314,21 @@ class SegmentationTask(Task):
 
     # .. export (python -m trainer export) ..................................................................
     export_output_names = ("logits", "mask")
+    export_dynamic_axes = ("batch", "height", "width")
+    #: Largest exported height/width (pixels): the graph takes any multiple of the model's divisor up to this.
+    EXPORT_MAX_SIDE = 8192
+
+    def export_dynamic_shapes(self) -> tuple[dict, ...]:
+        """Batch, height and width dynamic: H and W any multiple of the model's side divisor
+        (:func:`~trainer.models.segmentation.required_divisor`, 32 for a U-Net) up to :data:`EXPORT_MAX_SIDE`, the
+        sizes the card's preprocessing (resize the shorter side, pad H and W to the divisor) gives."""
+        from trainer.models.segmentation import required_divisor
+
+        d = required_divisor(self.cfg.model)
+        batch = torch.export.Dim("batch", min=1, max=1024)
+        height = torch.export.Dim("height", min=1, max=self.EXPORT_MAX_SIDE // d)
+        width = torch.export.Dim("width", min=1, max=self.EXPORT_MAX_SIDE // d)
+        return ({0: batch, 2: d * height, 3: d * width},)
 
     def export_module(self, model: nn.Module) -> nn.Module:
         """Normalisation, the segmentation model, then ``logits`` float32 (B, C, H, W) and ``mask`` int64 (B, H, W)
@@ -332,6 +347,8 @@ class SegmentationTask(Task):
             "palette": list(cfg.palette or []),
             "ignore_index": cfg.ignore_index,
             "size_divisor": required_divisor(cfg.model),
+            "input_size": f"any H and W that are multiples of {required_divisor(cfg.model)} (trained at "
+            f"{cfg.image_size})",
             "preprocess": (f"resize shorter side to {cfg.image_size}" if cfg.eval_resize else "no resize")
             + f", zero-pad H and W to a multiple of {required_divisor(cfg.model)}",
         }
