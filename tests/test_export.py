@@ -288,6 +288,7 @@ def test_model_card_reproduce_command_retrains_and_says_when_nothing_was_evaluat
 
     meta = {"task": "classification", "model": "resnet18", "inputs": ["image"], "outputs": ["logits"]}
     meta.update(input_layout="B,3,H,W", input_size=[32, 32], mean=[0.5], std=[0.5], normalization="in the graph")
+    meta.update(dynamic_axes=["batch"])
     meta.update(class_ids=[0], classes=["a"])
     facts = dict.fromkeys(("format", "date", "command", "checkpoint", "weights", "data_dir", "fingerprint"), "x")
     facts.update(how="x", verified_on="", reproduce="python -m trainer train ...", evaluated=False)
