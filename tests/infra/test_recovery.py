@@ -10,6 +10,7 @@ options) and detaches volumes when an instance terminates.
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from botocore.exceptions import ClientError
@@ -21,7 +22,6 @@ from infra.cli.main import main
 from tests import moto_env
 
 E = ["--env", moto_env.ENV]
-T0 = 1_800_000_000.0
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +44,11 @@ def _outputs(aws) -> dict:
 
 
 class Clock:
+    """The controller's clock: starts at the wall-clock time (``launch`` stamps its attempt with it), moved by
+    the tests."""
+
     def __init__(self) -> None:
-        self.t = T0
+        self.t = self.t0 = time.time()
 
     def __call__(self) -> float:
         return self.t
@@ -244,7 +247,7 @@ def test_capacity_errors_back_off_then_fallback_type_then_on_demand(aws):
         ctl.handle(ev)
     assert ec2.tried == [("g5.2xlarge", "spot")]
     r = _record(aws, "cap")
-    assert r["state"] == jr.WAITING and r["next_try_at"] == T0 + recovery.BACKOFF_BASE_S
+    assert r["state"] == jr.WAITING and r["next_try_at"] == clock.t0 + recovery.BACKOFF_BASE_S
     ctl.handle(TICK)  # not due yet: nothing tried
     assert len(ec2.tried) == 1
     clock.t += recovery.BACKOFF_BASE_S
@@ -295,7 +298,7 @@ def test_cost_cap_ends_a_running_attempt_and_stops_recovery(aws):
     ctl = _controller(aws, clock)
     bucket = _outputs(aws)["BucketName"]
     stored = jr.load(aws.client("s3"), bucket, "cc")
-    stored.record["attempts"][0]["start"] = T0  # the CLI stamped wall-clock time; align it with the test clock
+    stored.record["attempts"][0]["start"] = clock.t0  # launch stamped it a moment before the clock started
     jr.save(aws.client("s3"), bucket, stored)
     price = stored.record["prices"]["g5.2xlarge"]["spot"]
     clock.t += 3600 * (1.9 / price)  # $1.90 spent: still under the cap
@@ -366,3 +369,118 @@ def test_bad_launch_flags_are_one_line_exit_2(flags, message, capsys):
         rc = e.code
     err = capsys.readouterr().err
     assert rc == 2 and message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+
+
+# ---------------------------------------------------------------------------------------------- IAM and synthesis
+def _role_statements(templates) -> list[dict]:
+    """The recovery role's statements, launch templates and instance role resolved to moto's ids."""
+    from tests.infra_helpers import policy_statements
+
+    return policy_statements(
+        templates["TrainingStack"], "RecoveryRoleDefaultPolicy", moto_env.ACCOUNT, moto_env.REGION, unknown="<IMPORT>"
+    )
+
+
+def test_recovery_role_allows_what_the_controller_calls_and_nothing_wider(aws, templates):
+    """Every call the controller makes in a relaunch with capacity errors, an on-demand fallback and a cost
+    cap, checked against the synthesized policy; the policy's scope checked against what it must refuse."""
+    import boto3
+
+    from tests.infra_helpers import CallRecorder, is_allowed
+
+    statements = _role_statements(templates)
+    rec = CallRecorder()
+    session = boto3.Session(region_name=moto_env.REGION)
+    session.events.register("before-parameter-build.*.*", rec._hook)
+    iid = _launch(aws, "iam", "--on-demand-fallback", "--max-cost-usd", "1")
+    clock = Clock()
+    ec2 = Ec2(session.client("ec2"), refuse={("g5.2xlarge", "spot"): "InsufficientInstanceCapacity"})
+    ctl = recovery.Controller(_controller(aws, clock).s, ec2, session.client("s3"), session.client("sns"), now=clock)
+    aws.client("ec2").terminate_instances(InstanceIds=[iid])
+    lines = ctl.handle(state(iid, "terminated"))
+    for _ in range(recovery.SPOT_ONLY_ROUNDS):
+        clock.t += recovery.BACKOFF_MAX_S
+        lines += ctl.handle(TICK)
+    clock.t += 10 * 3600
+    lines += ctl.handle(TICK)
+    assert "capped" in lines[-1], lines
+    o = _outputs(aws)
+    bucket = o["BucketName"]
+    actions = set()
+    for action, params in rec.calls:
+        actions.add(action)
+        if action in ("s3:GetObject", "s3:PutObject"):
+            resource = f"<IMPORT>/{params['Key']}"
+        elif action == "ec2:TerminateInstances":
+            resource = f"arn:aws:ec2:{moto_env.REGION}:{moto_env.ACCOUNT}:instance/{params['InstanceIds'][0]}"
+        elif action == "sns:Publish":  # the topic's ARN is an import from the monitoring stack
+            resource = "<IMPORT>"
+        elif action == "s3:ListObjectsV2":
+            action, resource = "s3:ListBucket", "<IMPORT>"
+        else:
+            resource = None
+        assert is_allowed(statements, action, resource), (action, resource)
+        if action.startswith("s3:"):
+            assert params["Bucket"] == bucket  # the data bucket (its ARN is an import in the policy)
+    assert {
+        "ec2:RunInstances",
+        "ec2:CreateLaunchTemplateVersion",
+        "ec2:TerminateInstances",
+        "sns:Publish",
+    } <= actions, lines
+    assert {"s3:GetObject", "s3:PutObject"} <= actions
+    # what it must not do: other buckets' keys, other actions, roles other than the instance role
+    assert not is_allowed(statements, "s3:PutObject", "<IMPORT>/datasets/x")
+    assert not is_allowed(statements, "s3:DeleteObject", "<IMPORT>/jobs/x/record.json")
+    assert not is_allowed(statements, "ec2:ModifyInstanceAttribute", None)
+    assert not is_allowed(statements, "iam:PassRole", f"arn:aws:iam::{moto_env.ACCOUNT}:role/Admin")
+    run = [s for s in statements if s["Action"] == "ec2:RunInstances"]
+    allow = next(s for s in run if s["Effect"] == "Allow")
+    assert list(allow["Condition"]) == ["ArnLike"] and allow["Condition"]["ArnLike"]["ec2:LaunchTemplate"]
+    deny = next(s for s in run if s["Effect"] == "Deny")
+    assert deny["Condition"] == {"StringNotEquals": {"aws:RequestTag/trainstack:env": moto_env.ENV}}
+    passrole = next(s for s in statements if s["Action"] == "iam:PassRole")
+    assert passrole["Condition"] == {"StringEquals": {"iam:PassedToService": "ec2.amazonaws.com"}}
+    raw = [
+        st
+        for lid, res in templates["TrainingStack"]["Resources"].items()
+        if lid.startswith("RecoveryRoleDefaultPolicy")
+        for st in res["Properties"]["PolicyDocument"]["Statement"]
+        if st["Action"] == "iam:PassRole"
+    ]
+    assert [st["Resource"]["Fn::GetAtt"][0].startswith("InstanceRole") for st in raw] == [True]
+
+
+def test_synthesized_rules_target_the_function_with_the_handler(templates):
+    from tests.infra_helpers import resources
+
+    t = templates["TrainingStack"]
+    ((fn_id, fn),) = resources(t, "AWS::Lambda::Function").items()
+    p = fn["Properties"]
+    assert p["Handler"] == "infra.recovery.handler" and p["Runtime"].startswith("python3.")
+    assert set(p["Environment"]["Variables"]) == {
+        "TRAINSTACK_ENV",
+        "TRAINSTACK_BUCKET",
+        "TRAINSTACK_TOPIC_ARN",
+        "TRAINSTACK_VOLUME_ID",
+        "TRAINSTACK_LAUNCH_TEMPLATES",
+    }
+    rules = {
+        r["Properties"]["Description"].split(": ", 1)[1]: r["Properties"]
+        for r in resources(t, "AWS::Events::Rule").values()
+        if "recovery" in r["Properties"]["Description"]
+    }
+    assert len(rules) == 3
+    patterns = [r.get("EventPattern") for r in rules.values()]
+    assert {
+        "source": ["aws.ec2"],
+        "detail-type": ["EC2 Spot Instance Interruption Warning", "EC2 Instance Rebalance Recommendation"],
+    } in patterns
+    assert {
+        "source": ["aws.ec2"],
+        "detail-type": ["EC2 Instance State-change Notification"],
+        "detail": {"state": ["stopping", "shutting-down", "terminated"]},
+    } in patterns
+    assert any(r.get("ScheduleExpression") == f"rate({recovery.TICK_S // 60} minutes)" for r in rules.values())
+    for r in rules.values():
+        assert r["Targets"][0]["Arn"] == {"Fn::GetAtt": [fn_id, "Arn"]}
