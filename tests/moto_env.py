@@ -9,6 +9,10 @@ What moto cannot do, and what this harness does about it (the tests say so where
 - moto's CloudFormation skips (with a warning) AWS::CloudWatch::Alarm, AWS::Logs::MetricFilter,
   AWS::S3::BucketPolicy and AWS::SNS::TopicPolicy, and cannot resolve the dashboard's alarm references, so
   the dashboard is dropped too. None of these is read by the CLI.
+- The recovery function's code is a CDK asset in the bootstrap bucket, which moto does not have: the function,
+  its permissions and the EventBridge rules that target it are dropped; tests/infra/test_recovery.py calls
+  ``infra.recovery`` in-process with the events EventBridge would deliver (the synthesized rules and function
+  are checked by test_infra_stacks.py).
 - moto ignores spot options set only in a launch template (the instance runs on-demand) and does not run
   Step Functions definitions against SageMaker.
 """
@@ -25,7 +29,14 @@ from pathlib import Path
 ENV = "test"
 REGION = "us-east-1"
 AMI_PARAMETER = "/trainstack/test/ami-id"
-UNSUPPORTED = ("AWS::KMS::Key", "AWS::CDK::Metadata", "AWS::CloudWatch::Dashboard")
+UNSUPPORTED = (
+    "AWS::KMS::Key",
+    "AWS::CDK::Metadata",
+    "AWS::CloudWatch::Dashboard",
+    "AWS::Lambda::Function",
+    "AWS::Lambda::Permission",
+    "AWS::Events::Rule",
+)
 
 
 ACCOUNT = "123456789012"  # moto's default account
@@ -41,8 +52,22 @@ def synthesize(outdir: Path, **context) -> dict[str, dict]:
     return raw
 
 
+#: Stands in for imports of the dropped KMS key's ARN (the recovery role's grant to publish to the topic).
+DROPPED_KEY_ARN = f"arn:aws:kms:{REGION}:{ACCOUNT}:key/dropped-in-moto"
+
+
+def _no_key_imports(value):
+    if isinstance(value, dict):
+        if "TopicKey" in str(value.get("Fn::ImportValue", "")):
+            return DROPPED_KEY_ARN
+        return {k: _no_key_imports(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_no_key_imports(v) for v in value]
+    return value
+
+
 def _strip_unsupported(template: dict) -> dict:
-    t = copy.deepcopy(template)
+    t = _no_key_imports(copy.deepcopy(template))
     dropped = {k for k, v in t["Resources"].items() if v["Type"] in UNSUPPORTED}
     for k in dropped:
         del t["Resources"][k]
@@ -52,6 +77,9 @@ def _strip_unsupported(template: dict) -> dict:
             props.pop("KmsMasterKeyId", None)
         if isinstance(res.get("DependsOn"), list):
             res["DependsOn"] = [d for d in res["DependsOn"] if d not in dropped]
+    for name, out in list(t.get("Outputs", {}).items()):  # outputs of dropped resources go with them
+        if any(f'"{k}"' in json.dumps(out) for k in dropped):
+            del t["Outputs"][name]
     return t
 
 

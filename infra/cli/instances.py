@@ -8,32 +8,42 @@ every instance, volume and spot request also carries ``trainstack:env`` so that 
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass
 from typing import Optional
 
 from botocore.exceptions import ClientError, WaiterError
 
 import catalog
+from infra import job_record as jr
 from infra.cli.outputs import Outputs, image_exists
 from infra.cli.session import CAPACITY_ERRORS, Aws, CliError, explain
+from infra.recovery import on_demand_version, run_job_instance  # noqa: F401  (on_demand_version: re-exported)
 
-ON_DEMAND_DESCRIPTION = "trainstack on-demand fallback (spot options removed)"
 LIVE_STATES = ["pending", "running", "stopping", "stopped"]
 _JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 
 
 @dataclass
 class Launched:
-    """``instance_id``, ``market`` ("spot" or "on-demand"), launch template ``version`` used."""
+    """``instance_id``, launch template ``version`` used, ``market`` ("spot" or "on-demand")."""
 
     instance_id: str
-    market: str
     version: str
+    market: str
 
 
-def check_request(instance_type: str, job: str) -> None:
-    """The checks of :func:`launch` that need no AWS call: the job name, and ``instance_type`` being an EC2
-    type of the catalog. Raises CliError (or catalog.CatalogError listing the known types)."""
+def check_request(instance_type: str, job: str, fallback_types: tuple[str, ...] = ()) -> None:
+    """The checks of :func:`launch` that need no AWS call: the job name, ``instance_type`` being an EC2
+    type of the catalog, and each ``fallback_types`` entry an EC2 type of the catalog other than it.
+    Raises CliError (or catalog.CatalogError listing the known types)."""
+    for name in fallback_types:
+        known = catalog.names("ec2")
+        if name not in known or name == instance_type:
+            raise CliError(
+                f"--fallback-types {name!r}: expected EC2 types of the catalog other than {instance_type}, "
+                f"comma-separated (known: {', '.join(known)})"
+            )
     if not _JOB_RE.match(job):
         raise CliError(f"job name {job!r}: expected 1-63 letters, digits, '.', '_' or '-'")
     if catalog.get(instance_type).platform != "ec2":
@@ -57,31 +67,6 @@ def _tags(env: str, job: str, config: str, image_tag: str, digest: str, args: st
     if args:
         tags["trainstack:args"] = args
     return [{"Key": k, "Value": v} for k, v in tags.items()]
-
-
-def on_demand_version(ec2, template_id: str) -> str:
-    """A version of the launch template without spot options, made from the template's *current* default.
-
-    A launch template's ``InstanceMarketOptions`` cannot be removed by RunInstances, so the fallback copies the
-    default version's data without them into a new, non-default version described as
-    ``<ON_DEMAND_DESCRIPTION> (from version N)``. It is reused only while N is still the default: after a
-    redeploy (new default version: new AMI, user data, volume id) a fresh copy is made. Returns the version
-    number as a string. Raises botocore ClientError from EC2.
-    """
-    default = ec2.describe_launch_template_versions(LaunchTemplateId=template_id, Versions=["$Default"])[
-        "LaunchTemplateVersions"
-    ][0]
-    description = f"{ON_DEMAND_DESCRIPTION} (from version {default['VersionNumber']})"
-    pages = ec2.get_paginator("describe_launch_template_versions").paginate(LaunchTemplateId=template_id)
-    for v in (v for page in pages for v in page["LaunchTemplateVersions"]):
-        if v.get("VersionDescription") == description:
-            return str(v["VersionNumber"])
-    data = dict(default["LaunchTemplateData"])
-    data.pop("InstanceMarketOptions", None)
-    made = ec2.create_launch_template_version(
-        LaunchTemplateId=template_id, VersionDescription=description, LaunchTemplateData=data
-    )
-    return str(made["LaunchTemplateVersion"]["VersionNumber"])
 
 
 def check_offered(ec2, instance_type: str, az: str) -> None:
@@ -118,47 +103,93 @@ def launch(
     on_demand_fallback: bool = False,
     ec2=None,
     ecr=None,
+    recover: bool = True,
+    fallback_types: tuple[str, ...] = (),
+    max_recoveries: int = 10,
+    max_cost_usd: Optional[float] = None,
+    s3=None,
 ) -> Launched:
     """Run one instance from the stack's launch template for ``instance_type`` (spot unless it falls back),
-    running ``image_tag`` pinned to its digest.
+    running ``image_tag`` pinned to its digest, and write the job's record (infra/job_record.py) that the
+    recovery controller (infra/recovery.py) relaunches it from: ``recover``, ``fallback_types`` (each with a
+    launch template and offered in the data volume's AZ), ``on_demand_fallback``, ``max_recoveries``,
+    ``max_cost_usd`` (USD, catalog price x hours), and the catalog prices of every type it may run.
 
     Raises CliError for a bad job name, a type without a launch template or not offered in the environment's
-    AZ, an image tag not in the repository (next: push-image), or capacity/spot errors (with the next option)
-    when no fallback is asked for or the fallback fails too.
+    AZ, a job of that name that is still running or recovering (next: stop it), an image tag not in the
+    repository (next: push-image), or capacity/spot errors (with the next option) when no fallback is asked
+    for or the fallback fails too.
     """
-    check_request(instance_type, job)
+    check_request(instance_type, job, fallback_types)
     ec2 = ec2 or aws.client("ec2")
+    s3 = s3 or aws.client("s3")
     template_id = outputs.launch_template(instance_type)
     check_offered(ec2, instance_type, outputs.availability_zone)
+    for name in fallback_types:
+        outputs.launch_template(name)
+        check_offered(ec2, name, outputs.availability_zone)
+    try:
+        old = jr.load(s3, outputs.bucket, job)
+    except ClientError as e:
+        raise explain(e, f"reading the record of job {job}") from None
+    if old is not None and old.record["state"] not in jr.FINAL_STATES:
+        raise CliError(
+            f"job {job} is {old.record['state']} ({old.record['reason']})",
+            f"`python -m infra --env {aws.env} stop {job}` first, or pick another --job",
+        )
     # The instance runs the image by digest (tag trainstack:image-digest, read by the user data into
     # /etc/trainstack.env), so every restart of the job after exit 75 runs the image it started with.
     digest = image_exists(aws, outputs, image_tag, ecr)
     tags = _tags(aws.env, job, config, image_tag, digest, args, keep)
-    spec = [
-        {"ResourceType": "instance", "Tags": tags},
-        {"ResourceType": "volume", "Tags": [t for t in tags if t["Key"] in ("trainstack:env", "trainstack:job")]},
-    ]
-
-    def run(version: str, market: str) -> Launched:
-        extra = [{"ResourceType": "spot-instances-request", "Tags": spec[1]["Tags"]}] if market == "spot" else []
-        out = ec2.run_instances(
-            LaunchTemplate={"LaunchTemplateId": template_id, "Version": version},
-            MinCount=1,
-            MaxCount=1,
-            TagSpecifications=spec + extra,
-        )
-        return Launched(out["Instances"][0]["InstanceId"], market, version)
-
     try:
-        return run("$Default", "spot")
+        got = Launched(*run_job_instance(ec2, template_id, tags, "spot"), market="spot")
     except ClientError as e:
         code = e.response.get("Error", {}).get("Code", "")
         if not (on_demand_fallback and code in CAPACITY_ERRORS):
             raise explain(e, f"launching spot {instance_type}", instance_type) from None
+        try:
+            got = Launched(*run_job_instance(ec2, template_id, tags, "on-demand"), market="on-demand")
+        except ClientError as e:
+            raise explain(
+                e, f"launching on-demand {instance_type} (after the spot launch failed)", instance_type
+            ) from None
+    prices = {
+        t: {"spot": catalog.get(t).spot.usd_per_hour, "on-demand": catalog.get(t).on_demand.usd_per_hour}
+        for t in (instance_type, *fallback_types)
+    }
+    record = jr.new_record(
+        job,
+        aws.env,
+        instance_type,
+        tags,
+        prices,
+        recover=recover,
+        fallback_types=fallback_types,
+        on_demand_fallback=on_demand_fallback,
+        max_recoveries=max_recoveries,
+        max_cost_usd=max_cost_usd,
+    )
+    record["attempts"].append(
+        {
+            "instance_id": got.instance_id,
+            "type": instance_type,
+            "market": got.market,
+            "version": got.version,
+            "start": time.time(),
+            "end": None,
+            "ended_by": None,
+            "warned_at": None,
+        }
+    )
     try:
-        return run(on_demand_version(ec2, template_id), "on-demand")
-    except ClientError as e:
-        raise explain(e, f"launching on-demand {instance_type} (after the spot launch failed)", instance_type) from None
+        jr.replace(s3, outputs.bucket, record) if old else jr.create(s3, outputs.bucket, record)
+    except (ClientError, jr.Conflict) as e:
+        ec2.terminate_instances(InstanceIds=[got.instance_id])
+        raise CliError(
+            f"job {job}: its record could not be written ({e}); {got.instance_id} was terminated again",
+            "rerun the launch",
+        ) from None
+    return got
 
 
 def list_instances(aws: Aws, ec2=None) -> list[dict]:

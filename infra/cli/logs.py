@@ -36,20 +36,27 @@ def tail(
     max_polls: Optional[int] = None,
     logs=None,
     sleep: Callable[[float], None] = time.sleep,
+    streams: Optional[Callable[[], list[str]]] = None,
 ) -> Iterator[str]:
-    """Yield the last ``lines`` log lines, then (``follow``) new ones every ``poll_s`` seconds."""
+    """Yield the last ``lines`` log lines, then (``follow``) new ones every ``poll_s`` seconds. ``streams``
+    (an EC2 job): called at every poll for the container log streams of its attempts so far, so the tail
+    follows the job onto each relaunched instance."""
     logs = logs or aws.client("logs")
-    group, prefix = source(aws, outputs, target)
+    group, prefix = (outputs.train_log_group, "") if streams else source(aws, outputs, target)
     start, seen, polls = 0, set(), 0
     while True:
         try:
             events = []
-            kwargs = {"logGroupName": group, "logStreamNamePrefix": prefix, "startTime": start}
+            kwargs = {"logGroupName": group, "startTime": start}
+            if streams:
+                kwargs["logStreamNames"] = streams()[-100:]  # FilterLogEvents takes at most 100 names
+            else:
+                kwargs["logStreamNamePrefix"] = prefix
             for page in logs.get_paginator("filter_log_events").paginate(**kwargs):
                 events += page["events"]
         except ClientError as e:
             raise explain(e, f"reading {group}") from None
-        fresh = [e for e in events if e["eventId"] not in seen]
+        fresh = sorted((e for e in events if e["eventId"] not in seen), key=lambda e: e["timestamp"])
         if polls == 0:
             fresh = fresh[-lines:]
         for e in fresh:

@@ -7,9 +7,10 @@
       sweep        a hyperparameter sweep: managed-spot jobs (at most K running; rerun to top up) or one
                    SageMaker tuning job (--strategy tuning); --dry-run prints the requests, no AWS call
       sweep-status a sweep's trials ranked by its metric: results.md/json/png in --out, the table on stdout
-      status       instances, executions and training jobs of the environment (or one of them)
-      logs TARGET  CloudWatch log tail of an instance (i-...) or a training job
-      stop TARGET  stop one instance, execution, training job or tuning job
+      status       instances, executions and training jobs of the environment (or one of them; an EC2 job:
+                   its attempts, time lost per interruption, spend against its cap)
+      logs TARGET  CloudWatch log tail of an EC2 job (across its instances), an instance or a training job
+      stop TARGET  stop one EC2 job (and its recovery), instance, execution, training job or tuning job
       teardown     find (and with --yes remove) everything that still bills: instances, spot requests, volumes,
                    running executions and tuning jobs
                    (--wait: until the instances are terminated and the data volume detached)
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -34,7 +36,7 @@ from typing import Optional
 from botocore.exceptions import BotoCoreError
 
 from catalog import CatalogError
-from infra.cli import costs, image, instances, jobs, logs, sweep
+from infra.cli import costs, ec2_jobs, image, instances, jobs, logs, sweep
 from infra.cli.outputs import load as load_outputs
 from infra.cli.session import NETWORK_ERRORS, CliError, open_session, unreachable
 from infra.config import ENV_RE, ENV_RULE
@@ -42,14 +44,40 @@ from infra.config import ENV_RE, ENV_RULE
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _positive_int(text: str) -> int:
+def _whole_number(minimum: int):
+    """An argparse type: a whole number >= ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"got {text!r}; expected a whole number >= {minimum}")
+        return value
+
+    return parse
+
+
+_positive_int = _whole_number(1)
+_count = _whole_number(0)
+
+
+def _usd(text: str) -> float:
     try:
-        value = int(text)
+        value = float(text)
     except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"got {text!r}; expected a whole number >= 1")
+        value = float("nan")
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected an amount in USD > 0, e.g. 150")
     return value
+
+
+def _type_list(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(","))
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected EC2 types separated by commas, e.g. g5.4xlarge")
+    return names
 
 
 class _OneLineUsageParser(argparse.ArgumentParser):
@@ -87,6 +115,18 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--on-demand-fallback", action="store_true", help="launch on-demand when spot capacity or price says no"
     )
+    s.add_argument("--no-recover", action="store_true", help="one-shot: no relaunch after an interruption")
+    s.add_argument(
+        "--fallback-types",
+        type=_type_list,
+        default=(),
+        metavar="T1,T2",
+        help="types a relaunch may use when TYPE has no spot capacity (same AZ: the data volume's)",
+    )
+    s.add_argument(
+        "--max-recoveries", type=_count, default=10, help="relaunches after interruptions at most (default 10)"
+    )
+    s.add_argument("--max-cost-usd", type=_usd, help="stop the job when catalog price x hours reaches this (USD)")
 
     s = sub.add_parser("submit", help="start a managed-spot SageMaker run")
     s.add_argument("--run-name", required=True, help="keys s3://bucket/checkpoints/RUN/: same name = resume")
@@ -173,13 +213,37 @@ def _print_table(rows: list[dict], cols: list[str]) -> None:
         print("  " + "  ".join(str(r.get(c, "")).ljust(widths[c]) for c in cols))
 
 
+def _recovery_line(args: argparse.Namespace, env: str) -> str:
+    """What the recovery controller will do for a launched job (launch's last line)."""
+    if args.no_recover:
+        return "recovery: off (--no-recover): an interruption ends the job"
+    ladder = ", then ".join(
+        ["spot retries with backoff"]
+        + ([f"fallback types {','.join(args.fallback_types)}"] if args.fallback_types else [])
+        + (["on-demand"] if args.on_demand_fallback else [])
+    )
+    cap = f"${args.max_cost_usd:g}" if args.max_cost_usd else "no cost cap"
+    return (
+        f"recovery: on: after an interruption the job is relaunched from its checkpoint ({ladder}); at most "
+        f"{args.max_recoveries} recoveries, {cap}; status: python -m infra --env {env} status {args.job}; "
+        f"stop: python -m infra --env {env} stop {args.job}"
+    )
+
+
+def _ec2_job(aws, outputs, target: Optional[str]):
+    """The record of EC2 job ``target`` (None when ``target`` is an instance, ARN, SageMaker job or no job)."""
+    if not target or target.startswith(("i-", "arn:", f"trainstack-{aws.env}-")):
+        return None
+    return ec2_jobs.load(aws, outputs, target)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run one command: first the checks that need no AWS call, then the session, the stack outputs, the work."""
     sweep_plan = None
     if args.command == "submit":
         jobs.check_request(args.run_name, args.config, _kv(args.set), args.data, args.instance_count)
     elif args.command == "launch":
-        instances.check_request(args.instance_type, args.job)
+        instances.check_request(args.instance_type, args.job, args.fallback_types)
     elif args.command == "sweep":  # every trial validated before any AWS call
         sweep_plan = sweep.plan(
             args.env,
@@ -221,11 +285,16 @@ def run(args: argparse.Namespace) -> int:
             args.args,
             args.keep,
             args.on_demand_fallback,
+            recover=not args.no_recover,
+            fallback_types=args.fallback_types,
+            max_recoveries=args.max_recoveries,
+            max_cost_usd=args.max_cost_usd,
         )
         print(
             f"launched {got.instance_id} ({args.instance_type}, {got.market}, launch template version "
-            f"{got.version}); logs: python -m infra --env {aws.env} logs {got.instance_id} --follow"
+            f"{got.version}); logs: python -m infra --env {aws.env} logs {args.job} --follow"
         )
+        print(_recovery_line(args, aws.env))
     elif cmd == "submit":
         arn = jobs.submit(
             aws,
@@ -271,6 +340,14 @@ def run(args: argparse.Namespace) -> int:
         print(results_markdown(got["rows"], got["names"], got["metric"], got["mode"]), end="")
         print(f"{got['strategy']} sweep {args.name}: {len(got['rows'])} trials; {paths['md']}, {paths['png']}")
     elif cmd == "status":
+        job = _ec2_job(aws, outputs, args.target)
+        if job is not None:
+            info = ec2_jobs.status(aws, outputs, job)
+            if args.json:
+                print(json.dumps(info, indent=1, default=str))
+            else:
+                ec2_jobs.print_status(info, _print_table)
+            return 0
         if args.target:
             if args.target.startswith("i-"):
                 found = [i for i in instances.list_instances(aws) if i["instance_id"] == args.target]
@@ -296,12 +373,21 @@ def run(args: argparse.Namespace) -> int:
             _print_table(state[key], cols)
     elif cmd == "logs":
         try:
-            for line in logs.tail(aws, outputs, args.target, args.lines, args.follow):
+            streams = None
+            if _ec2_job(aws, outputs, args.target) is not None:  # every attempt's stream, new ones as they come
+
+                def streams() -> list[str]:
+                    record = ec2_jobs.load(aws, outputs, args.target).record
+                    return [ec2_jobs.stream_name(a["instance_id"], args.target) for a in record["attempts"]]
+
+            for line in logs.tail(aws, outputs, args.target, args.lines, args.follow, streams=streams):
                 print(line, flush=args.follow)
         except KeyboardInterrupt:  # the way to end --follow
             return 0
     elif cmd == "stop":
-        if args.target.startswith("i-"):
+        if _ec2_job(aws, outputs, args.target) is not None:
+            print(ec2_jobs.stop(aws, outputs, args.target))
+        elif args.target.startswith("i-"):
             print(f"{instances.stop_instance(aws, args.target)} {args.target}")
         else:
             print(sweep.stop_tuning_job(aws, args.target) or jobs.stop_run(aws, args.target))

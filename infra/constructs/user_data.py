@@ -24,7 +24,8 @@ What it does at boot, in order (each step logged to /var/log/trainstack-user-dat
    ``Restart=on-failure`` with ``RestartPreventExitStatus=2 3``: a run that stopped with a durable checkpoint
    (the entrypoint's exit 75) is restarted and resumes; a bad config (2) or a non-finite loss (3) is not
    retried. After 0, 2 or 3 ``trainstack-done`` deletes the idle alarm and shuts the instance down (terminates)
-   unless it is tagged ``trainstack:keep=true``.
+   unless it is tagged ``trainstack:keep=true``; it first writes the exit code to the job's exit record
+   (``s3://<bucket>/jobs/<job>/exits/<instance id>.json``) for the recovery controller (infra/recovery.py).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from infra.constructs import cloudwatch_agent as agent
+from infra.job_record import EXIT_KEY
 
 CONTAINER_CHECKPOINTS = "/data/checkpoints"
 CONTAINER_RUNS = "/data/runs"
@@ -54,6 +56,7 @@ class UserDataParams:
     default_image_tag: Optional[str]  # None: an instance without trainstack:image-digest/-tag tags fails to boot
     fsx_dns_name: Optional[str] = None
     fsx_mount_name: Optional[str] = None
+    jobs_bucket: Optional[str] = None  # exit records go to s3://<jobs_bucket>/jobs/<job>/exits/<instance>.json
 
 
 _HEAD = r"""set -euo pipefail
@@ -197,6 +200,7 @@ REGION=$REGION
 IID=$IID
 LOG_GROUP={log_group}
 KEEP=$(tag trainstack:keep)
+EXIT_URI="{exit_uri}"
 ENV_EOF
 aws ecr get-login-password | docker login --username AWS --password-stdin "${REPO%%/*}"
 cat > /usr/local/bin/trainstack-run <<'RUN_EOF'
@@ -231,6 +235,12 @@ case "${EXIT_CODE:-}:${EXIT_STATUS:-}" in
   *) exit 0 ;;
 esac
 echo "trainstack: job $JOB $WHAT"
+# The final exit code for the recovery controller (infra/recovery.py): an instance that ends without one
+# was interrupted and is relaunched.
+if [ -n "$EXIT_URI" ]; then
+  echo "{\"exit_code\": $EXIT_STATUS, \"instance_id\": \"$IID\"}" | aws s3 cp - "$EXIT_URI" \
+    || echo "trainstack: could not write the exit record $EXIT_URI"
+fi
 /usr/local/bin/trainstack-alarm delete || echo "trainstack: could not delete the idle alarm"
 if [ "$KEEP" != true ]; then shutdown -h +1 "trainstack: job $JOB $WHAT"; fi
 DONE_EOF
@@ -292,6 +302,10 @@ def render(p: UserDataParams) -> str:
         .replace("{nproc}", str(p.nproc_per_node))
         .replace("{efa}", "1" if p.efa else "0")
         .replace("{log_group}", p.train_log_group)
+        .replace(
+            "{exit_uri}",
+            f"s3://{p.jobs_bucket}/" + EXIT_KEY.format(job="$JOB", instance_id="$IID") if p.jobs_bucket else "",
+        )
         .replace("{ckpt}", CONTAINER_CHECKPOINTS)
         .replace("{runs}", CONTAINER_RUNS)
     )

@@ -1,4 +1,5 @@
-"""TrainingStack: the compute side — ECR, roles, spot launch templates, SageMaker job state machines.
+"""TrainingStack: the compute side — ECR, roles, spot launch templates, the EC2 job recovery controller,
+SageMaker job state machines.
 
 ``cdk destroy TrainingStack`` removes all of it; the data stack's bucket, volume and file system stay.
 """
@@ -17,6 +18,7 @@ from infra.config import InfraConfig, machine_short
 from infra.constructs import user_data
 from infra.constructs.github_oidc import SAGEMAKER_ROLE_SUFFIX
 from infra.constructs.nag import S3_READ_WRITE_ACTIONS, ack_findings, nag_arn
+from infra.constructs.recovery import RecoveryController
 from infra.constructs.sagemaker_job import SageMakerSpotJobs, phases_from_context
 from infra.constructs.spot_launch_template import SpotLaunchTemplate
 from infra.stacks.data import DataStack, bucket_export
@@ -55,7 +57,7 @@ def ec2_alarm_service_linked_role_statement(stack: cdk.Stack) -> iam.PolicyState
 
 class TrainingStack(cdk.Stack):
     """Attributes: ``repository``, ``instance_role``, ``sagemaker_role``, ``launch_templates`` (type -> construct),
-    ``state_machines`` (name -> StateMachine)."""
+    ``recovery`` (the EC2 job recovery controller), ``state_machines`` (name -> StateMachine)."""
 
     def __init__(
         self, scope: Construct, cid: str, *, config: InfraConfig, data: DataStack, monitoring: MonitoringStack, **kwargs
@@ -113,6 +115,7 @@ class TrainingStack(cdk.Stack):
                         efa=it.efa,
                         default_config=cfg.train_config,
                         default_image_tag=cfg.image_tag,
+                        jobs_bucket=self.bucket.bucket_name,
                         fsx_dns_name=data.file_system.dns_name if data.file_system else None,
                         fsx_mount_name=data.file_system.mount_name if data.file_system else None,
                     )
@@ -139,6 +142,22 @@ class TrainingStack(cdk.Stack):
                 value=lt.launch_template_id,
                 description=f"spot launch template for {name}",
             )
+
+        self.recovery = RecoveryController(
+            self,
+            "Recovery",
+            env=cfg.env,
+            prefix=cfg.prefix,
+            bucket=self.bucket,
+            topic=monitoring.topic,
+            volume_id=data.volume.volume_id,
+            launch_templates={n: lt.launch_template_id for n, lt in self.launch_templates.items()},
+            instance_role=self.instance_role,
+            bucket_finding=f"Resource::{bucket_export(cfg, 'arn')}",
+            account=cfg.account,
+            region=cfg.region,
+        )
+        cdk.CfnOutput(self, "RecoveryFunctionName", value=self.recovery.function.function_name)
 
         self.sagemaker_role = self._sagemaker_role()
         self.state_machines = {}

@@ -375,8 +375,9 @@ def test_cost_prices_running_instances_from_the_catalog(aws, capsys):
     import catalog
 
     assert main(E + ["launch", "g5.2xlarge", "--job", "j"]) == 0
+    assert "recovery: on" in capsys.readouterr().out  # launch says what recovery will do
     assert main(E + ["cost", "--json"]) == 0
-    est = json.loads(capsys.readouterr().out.split("\n", 1)[1])
+    est = json.loads(capsys.readouterr().out)
     (row,) = est["rows"]
     assert row["type"] == "g5.2xlarge" and row["usd_per_hour"] == catalog.get("g5.2xlarge").on_demand.usd_per_hour
     assert row["price_source"] == "catalog on-demand" and row["usd"] >= 0

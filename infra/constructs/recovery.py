@@ -1,0 +1,222 @@
+"""The EC2 recovery controller: EventBridge rules -> a Lambda function running ``infra.recovery.handler``.
+
+The function's code is this repository's ``infra/`` package as it is (``Code.from_asset`` of the repository
+root with everything but ``infra/`` excluded): boto3 is in the Lambda Python runtime, so nothing is bundled
+and synthesis needs no container. Rules (EventBridge user guide, "Creating rules that react to events";
+EC2 user guide, "Spot Instance interruption notices", "State change events for Amazon EC2 instances"):
+the interruption warning and rebalance recommendation, state changes to stopping/shutting-down/terminated,
+and a tick every ``infra.recovery.TICK_S`` seconds.
+
+Least privilege (EC2 user guide, "Example policies for working with the Amazon EC2 API": launch templates;
+IAM user guide, "Granting a user permissions to pass a role"): RunInstances only through this environment's
+launch templates (``ec2:LaunchTemplate``) and never without the ``trainstack:env`` tag (an explicit Deny),
+CreateTags only as part of RunInstances, PassRole only of the instance role to EC2, TerminateInstances only on
+this environment's instances, S3 only under ``jobs/`` of the data bucket, Publish only to the alarm topic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import aws_cdk as cdk
+from aws_cdk import aws_events as events
+from aws_cdk import aws_events_targets as targets
+from aws_cdk import aws_iam as iam
+from aws_cdk import aws_lambda as lambda_
+from aws_cdk import aws_logs as logs
+from aws_cdk import aws_s3 as s3
+from aws_cdk import aws_sns as sns
+from constructs import Construct
+
+from infra import job_record, recovery
+from infra.constructs.nag import ack_findings, env_literals, nag_arn
+
+REPO = Path(__file__).resolve().parents[2]
+#: Everything but the infra package (and its caches) stays out of the function's code.
+ASSET_EXCLUDE = ["*", ".*", "!infra", "!infra/**", "**/__pycache__", "**/*.pyc"]
+STATE_CHANGES = ["stopping", "shutting-down", "terminated"]
+HANDLER = "infra.recovery.handler"
+
+
+class RecoveryController(Construct):
+    """Attributes: ``function``, ``role``, ``rules`` (name -> Rule). ``launch_templates``: instance type ->
+    launch template id (CDK tokens); ``bucket_finding``: the data bucket's ARN as cdk-nag names it in a finding
+    (``Resource::<import>``); ``account``/``region``: the stack's when env-aware (cdk-nag prints them)."""
+
+    def __init__(
+        self,
+        scope: Construct,
+        cid: str,
+        *,
+        env: str,
+        prefix: str,
+        bucket: s3.IBucket,
+        topic: sns.ITopic,
+        volume_id: str,
+        launch_templates: Mapping[str, str],
+        instance_role: iam.IRole,
+        bucket_finding: str,
+        account: str | None = None,
+        region: str | None = None,
+    ) -> None:
+        super().__init__(scope, cid)
+        self.bucket_finding, self.account, self.region = bucket_finding, account, region
+        stack = cdk.Stack.of(self)
+        self.role = iam.Role(
+            self,
+            "Role",
+            assumed_by=iam.ServicePrincipal("lambda.amazonaws.com"),
+            description=f"{prefix} EC2 job recovery (infra/recovery.py)",
+        )
+        log_group = logs.LogGroup(
+            self,
+            "Logs",
+            log_group_name=f"/aws/lambda/{prefix}-recovery",
+            retention=logs.RetentionDays.THREE_MONTHS,
+            removal_policy=cdk.RemovalPolicy.DESTROY,
+        )
+        self.function = lambda_.Function(
+            self,
+            "Function",
+            function_name=f"{prefix}-recovery",
+            description="Relaunch interrupted EC2 training jobs from their checkpoint (infra/recovery.py)",
+            runtime=lambda_.Runtime.PYTHON_3_14,
+            handler=HANDLER,
+            code=lambda_.Code.from_asset(str(REPO), exclude=ASSET_EXCLUDE),
+            role=self.role,
+            timeout=cdk.Duration.seconds(120),
+            memory_size=256,
+            log_group=log_group,
+            environment={
+                "TRAINSTACK_ENV": env,
+                "TRAINSTACK_BUCKET": bucket.bucket_name,
+                "TRAINSTACK_TOPIC_ARN": topic.topic_arn,
+                "TRAINSTACK_VOLUME_ID": volume_id,
+                "TRAINSTACK_LAUNCH_TEMPLATES": stack.to_json_string(dict(launch_templates)),
+            },
+        )
+        self._grant(stack, env, bucket, topic, log_group, launch_templates, instance_role)
+        target = targets.LambdaFunction(self.function, retry_attempts=4)
+        ec2_events = ["EC2 Spot Instance Interruption Warning", "EC2 Instance Rebalance Recommendation"]
+        self.rules = {
+            "spot": events.Rule(
+                self,
+                "SpotRule",
+                description=f"{prefix}: spot interruption warnings -> recovery",
+                event_pattern=events.EventPattern(source=["aws.ec2"], detail_type=ec2_events),
+                targets=[target],
+            ),
+            "state": events.Rule(
+                self,
+                "StateRule",
+                description=f"{prefix}: instances stopping or ending -> recovery",
+                event_pattern=events.EventPattern(
+                    source=["aws.ec2"],
+                    detail_type=["EC2 Instance State-change Notification"],
+                    detail={"state": STATE_CHANGES},
+                ),
+                targets=[target],
+            ),
+            "tick": events.Rule(
+                self,
+                "TickRule",
+                description=f"{prefix}: recovery retries (capacity backoff, missed events, cost cap)",
+                schedule=events.Schedule.rate(cdk.Duration.seconds(recovery.TICK_S)),
+                targets=[target],
+            ),
+        }
+
+    def _grant(self, stack, env, bucket, topic, log_group, launch_templates, instance_role) -> None:
+        role = self.role
+        lt_arns = [
+            stack.format_arn(service="ec2", resource="launch-template", resource_name=i)
+            for i in launch_templates.values()
+        ]
+
+        def arn(resource: str, account: str | None = None) -> str:
+            return stack.format_arn(service="ec2", resource=resource, resource_name="*", account=account)
+
+        launched = [arn(r) for r in ("instance", "volume", "network-interface", "spot-instances-request")]
+        used = [arn("subnet"), arn("security-group"), arn("image", account="")]
+        role.add_to_policy(
+            iam.PolicyStatement(
+                actions=["ec2:RunInstances"],
+                resources=lt_arns + launched + used,
+                conditions={"ArnLike": {"ec2:LaunchTemplate": lt_arns}},
+            )
+        )
+        role.add_to_policy(
+            iam.PolicyStatement(
+                effect=iam.Effect.DENY,
+                actions=["ec2:RunInstances"],
+                resources=[arn("instance")],
+                conditions={"StringNotEquals": {"aws:RequestTag/trainstack:env": env}},
+            )
+        )
+        role.add_to_policy(
+            iam.PolicyStatement(
+                actions=["ec2:CreateTags"],
+                resources=launched,
+                conditions={"StringEquals": {"ec2:CreateAction": "RunInstances"}},
+            )
+        )
+        role.add_to_policy(iam.PolicyStatement(actions=["ec2:CreateLaunchTemplateVersion"], resources=lt_arns))
+        role.add_to_policy(
+            iam.PolicyStatement(
+                actions=["ec2:TerminateInstances"],
+                resources=[arn("instance")],
+                conditions={"StringEquals": {"aws:ResourceTag/trainstack:env": env}},
+            )
+        )
+        role.add_to_policy(
+            iam.PolicyStatement(
+                actions=["ec2:DescribeInstances", "ec2:DescribeVolumes", "ec2:DescribeLaunchTemplateVersions"],
+                resources=["*"],
+            )
+        )
+        role.add_to_policy(
+            iam.PolicyStatement(
+                actions=["iam:PassRole"],
+                resources=[instance_role.role_arn],
+                conditions={"StringEquals": {"iam:PassedToService": "ec2.amazonaws.com"}},
+            )
+        )
+        role.add_to_policy(
+            iam.PolicyStatement(
+                actions=["s3:GetObject", "s3:PutObject"],
+                resources=[bucket.arn_for_objects(f"{job_record.PREFIX}*")],
+            )
+        )
+        role.add_to_policy(
+            iam.PolicyStatement(
+                actions=["s3:ListBucket"],
+                resources=[bucket.bucket_arn],
+                conditions={"StringLike": {"s3:prefix": [f"{job_record.PREFIX}*"]}},
+            )
+        )
+        topic.grant_publish(role)
+        log_group.grant_write(role)
+        _, reg = env_literals(self.account, self.region)
+        ack_findings(
+            role,
+            "AwsSolutions-IAM5",
+            [
+                "Resource::" + nag_arn("ec2", f"{r}/*", self.account, self.region)
+                for r in (
+                    "instance",
+                    "volume",
+                    "network-interface",
+                    "spot-instances-request",
+                    "subnet",
+                    "security-group",
+                )
+            ]
+            + [f"Resource::arn:<AWS::Partition>:ec2:{reg}::image/*", "Resource::*", f"{self.bucket_finding}/jobs/*"]
+            + ["Action::kms:GenerateDataKey*"],
+            "RunInstances/CreateTags name resources that do not exist yet: limited to launches from this "
+            "environment's launch templates (ec2:LaunchTemplate), tagged with it (Deny otherwise) and to tagging "
+            "during RunInstances; TerminateInstances only on instances tagged with this environment; Describe* "
+            "accept only '*'; S3 only the job records under jobs/; kms:GenerateDataKey* on the alarm topic's own key "
+            "(CDK grant_publish: the topic is encrypted).",
+        )

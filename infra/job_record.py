@@ -1,0 +1,173 @@
+"""The durable record of one EC2 job: ``s3://<data bucket>/jobs/<job>/record.json``, and its exit records.
+
+One JSON object per job, written by ``python -m infra launch`` and updated by the recovery controller
+(:mod:`infra.recovery`) and by ``stop``; ``status``, ``logs`` and ``stop`` read it. Every update is a
+conditional write (S3 ``PutObject`` with ``If-Match`` on the ETag read, or ``If-None-Match: *`` when created;
+Amazon S3 user guide, "Add preconditions to S3 operations with conditional requests"), so two writers never
+overwrite each other: the second gets :class:`Conflict` and reads again.
+
+Exit records, ``jobs/<job>/exits/<instance id>.json`` (``{"exit_code": N}``), are written by the instance's
+user data when the training container ends with a final code (0 done, 2 bad input, 3 non-finite loss); an
+instance that ends without one was interrupted.
+
+Record fields: ``job``, ``env``, ``state`` (:data:`STATES`), ``reason``, ``recover`` (bool),
+``instance_type``, ``fallback_types``, ``on_demand_fallback``, ``max_recoveries``, ``max_cost_usd`` (USD or
+None), ``prices`` (type -> {"spot", "on-demand"}: USD per hour from the catalog at launch), ``tags`` (the
+instance tags, image digest included), ``attempts`` (each: ``instance_id``, ``type``, ``market``,
+``version``, ``start``, ``end`` (epoch seconds or None), ``ended_by``, ``warned_at``), ``recoveries``,
+``capacity_rounds``, ``next_try_at``, ``lease_until`` (epoch seconds or None), ``notes`` (last capacity errors).
+boto3 only: the recovery function imports this module.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Optional
+
+from botocore.exceptions import ClientError
+
+PREFIX = "jobs/"
+#: Where the user data writes an instance's final exit code (``{job}``/``{instance_id}`` filled in; the shell
+#: fills them with ``$JOB``/``$IID``).
+EXIT_KEY = PREFIX + "{job}/exits/{instance_id}.json"
+#: Final exit codes of the trainer (trainer/errors.py): done, bad input, non-finite loss.
+FINAL_EXIT_CODES = (0, 2, 3)
+
+#: Job states. Final ones take no further action.
+RUNNING, WARNED, RELAUNCHING, WAITING = "running", "interrupting", "relaunching", "waiting"
+DONE, FAILED, STOPPED, CAPPED, ENDED = "done", "failed", "stopped", "capped", "ended"
+STATES = (RUNNING, WARNED, RELAUNCHING, WAITING, DONE, FAILED, STOPPED, CAPPED, ENDED)
+FINAL_STATES = (DONE, FAILED, STOPPED, CAPPED, ENDED)
+
+
+class Conflict(Exception):
+    """Another writer changed (or created) the record since it was read: read it again."""
+
+
+@dataclass
+class Stored:
+    """A record as read (``etag`` is what the next conditional write must match)."""
+
+    record: dict
+    etag: str
+
+
+def record_key(job: str) -> str:
+    """The S3 key of ``job``'s record."""
+    return f"{PREFIX}{job}/record.json"
+
+
+def new_record(
+    job: str,
+    env: str,
+    instance_type: str,
+    tags: list[dict],
+    prices: dict[str, dict[str, float]],
+    *,
+    recover: bool = True,
+    fallback_types: tuple[str, ...] = (),
+    on_demand_fallback: bool = False,
+    max_recoveries: int = 10,
+    max_cost_usd: Optional[float] = None,
+) -> dict:
+    """A record for a job about to be launched (no attempt yet; state ``running``)."""
+    return {
+        "job": job,
+        "env": env,
+        "state": RUNNING,
+        "reason": "launched",
+        "recover": recover,
+        "instance_type": instance_type,
+        "fallback_types": list(fallback_types),
+        "on_demand_fallback": on_demand_fallback,
+        "max_recoveries": max_recoveries,
+        "max_cost_usd": max_cost_usd,
+        "prices": prices,
+        "tags": tags,
+        "attempts": [],
+        "recoveries": 0,
+        "capacity_rounds": 0,
+        "next_try_at": None,
+        "lease_until": None,
+        "notes": [],
+    }
+
+
+def _is(err: ClientError, *codes: str) -> bool:
+    return err.response.get("Error", {}).get("Code", "") in codes
+
+
+def load(s3, bucket: str, job: str) -> Optional[Stored]:
+    """The record of ``job``, or None when there is none. Raises botocore ClientError for other S3 errors."""
+    try:
+        got = s3.get_object(Bucket=bucket, Key=record_key(job))
+    except ClientError as e:
+        if _is(e, "NoSuchKey", "404"):
+            return None
+        raise
+    return Stored(json.loads(got["Body"].read()), got["ETag"])
+
+
+def _put(s3, bucket: str, record: dict, **condition) -> Stored:
+    body = json.dumps(record, indent=1, sort_keys=True).encode()
+    try:
+        out = s3.put_object(Bucket=bucket, Key=record_key(record["job"]), Body=body, **condition)
+    except ClientError as e:
+        if _is(e, "PreconditionFailed", "ConditionalRequestConflict", "412", "409"):
+            raise Conflict(record["job"]) from None
+        raise
+    return Stored(record, out["ETag"])
+
+
+def create(s3, bucket: str, record: dict) -> Stored:
+    """Write a new record; raises :class:`Conflict` when the job already has one."""
+    return _put(s3, bucket, record, IfNoneMatch="*")
+
+
+def save(s3, bucket: str, stored: Stored) -> Stored:
+    """Write ``stored.record`` if nobody changed it since it was read; raises :class:`Conflict` otherwise."""
+    return _put(s3, bucket, stored.record, IfMatch=stored.etag)
+
+
+def replace(s3, bucket: str, record: dict) -> Stored:
+    """Write ``record`` unconditionally (``launch`` reusing a job name whose run is final)."""
+    return _put(s3, bucket, record)
+
+
+def exit_code(s3, bucket: str, job: str, instance_id: str) -> Optional[int]:
+    """The final exit code the user data recorded for ``instance_id``, or None (none: it was interrupted)."""
+    try:
+        got = s3.get_object(Bucket=bucket, Key=EXIT_KEY.format(job=job, instance_id=instance_id))
+    except ClientError as e:
+        if _is(e, "NoSuchKey", "404"):
+            return None
+        raise
+    try:
+        return int(json.loads(got["Body"].read())["exit_code"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def list_jobs(s3, bucket: str) -> list[str]:
+    """Names of the jobs with a record in ``bucket``."""
+    out = []
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=PREFIX, Delimiter="/"):
+        out += [p["Prefix"][len(PREFIX) : -1] for p in page.get("CommonPrefixes", [])]
+    return out
+
+
+def current(record: dict) -> Optional[dict]:
+    """The latest attempt, or None before the first launch."""
+    return record["attempts"][-1] if record["attempts"] else None
+
+
+def spend_usd(record: dict, now: float) -> float:
+    """USD spent so far: each attempt's hours (start to end, or to ``now`` while it runs) times the catalog
+    price of its type and market recorded at launch (on-demand when a spot price is missing)."""
+    total = 0.0
+    for a in record["attempts"]:
+        price = record["prices"].get(a["type"], {})
+        usd_per_hour = price.get(a["market"], price.get("on-demand", 0.0))
+        total += max(0.0, ((a["end"] or now) - a["start"]) / 3600.0) * usd_per_hour
+    return total
