@@ -21,6 +21,8 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 
+from trainer.data.sampler import EpochSampler
+
 #: At most this many training canvases (and 2 evaluation canvases): shapes a GPU sees for the whole run.
 MAX_CANVASES = 4
 MAX_EVAL_CANVASES = 2
@@ -147,3 +149,54 @@ def padding_share(batch_hw: Sequence[Sequence[Canvas]], canvases: Sequence[Canva
         padded_px += ph * pw * len(items)
         image_px += sum(a * b for a, b in items)
     return 1.0 - image_px / max(1, padded_px)
+
+
+def choose_canvases(
+    setting: list[Canvas] | str,
+    train_ds,
+    val_ds,
+    train_recipe: tuple,
+    max_size: int,
+    multiple: int,
+    micro_batch: int,
+    eval_batch: int,
+    seed: int,
+) -> tuple[list[Canvas], list[Canvas]]:
+    """(training canvases, evaluation canvases) for a parsed ``setting`` (``"auto"`` or a list) over two
+    :class:`~trainer.data.formats.coco_dataset.CocoDetectionDataset` (their ``transformed_size``).
+
+    Each set holds a cover: for training the largest batch the recipe can make from this data
+    (:func:`train_size_bound`; ``train_recipe`` = (scales, crop_size, crop_prob)), for evaluation its largest
+    sizes. ``auto`` adds the canvases that cover epoch 0's and epoch 1's micro-batches (the training order of one
+    process, ``seed``) and the evaluation batches with the least padded area (:func:`pick_canvases`); a list is
+    used as given for training, and its canvases that evaluation batches fit for evaluation.
+
+    Raises:
+        ValueError: a list none of whose canvases holds a cover (one phrase naming the size it needs).
+    """
+    scales, crop, crop_prob = train_recipe
+    bound = train_size_bound(train_ds.split.sizes, scales, max_size, crop, crop_prob)
+    val_batches = batch_sizes(lambda i: val_ds.transformed_size(0, i), range(len(val_ds)), eval_batch)
+    covers = [
+        (round_up(bound[0], multiple), round_up(bound[1], multiple)),
+        (round_up(max(h for h, _ in val_batches), multiple), round_up(max(w for _, w in val_batches), multiple)),
+    ]
+    if setting == "auto":
+        train_batches = []
+        for epoch in (0, 1):
+            order = EpochSampler(len(train_ds), shuffle=True, seed=seed)
+            order.set_epoch(epoch)
+            train_batches += batch_sizes(
+                lambda i, e=epoch: train_ds.transformed_size(e, i), [i for _, i in order], micro_batch
+            )
+        return (
+            pick_canvases(train_batches, covers[0], MAX_CANVASES, multiple),
+            pick_canvases(val_batches, covers[1], MAX_EVAL_CANVASES, multiple),
+        )
+    for (h, w), what in zip(covers, ("training", "evaluation")):
+        if fit_canvas(h, w, setting) is None:
+            raise ValueError(
+                f"no canvas holds every {what} batch this data and recipe can make: add one of at least {h}x{w}"
+            )
+    fits = {fit_canvas(round_up(h, multiple), round_up(w, multiple), setting) for h, w in val_batches}
+    return list(setting), sorted(fits, key=lambda c: (c[0] * c[1], c))

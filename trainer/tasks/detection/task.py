@@ -163,64 +163,32 @@ class DetectionTask(Task):
             raise ConfigError(f"canvases: got {self.cfg.canvases!r}; {e}") from None
 
     def _canvases(self, train_ds, val_ds, train_recipe: tuple) -> tuple[list, list, list[str]]:
-        """(training canvases, evaluation canvases, report lines); ``[]`` when ``canvases`` is off.
-
-        ``auto``: the cover (the largest batch the transforms can make from this training set,
-        :func:`~trainer.data.formats.canvases.train_size_bound`; evaluation: its largest sizes) plus the canvases
-        that cover epoch 0's and epoch 1's micro-batches (the training order of one process) and the evaluation
-        batches with the least padded area (:func:`~trainer.data.formats.canvases.pick_canvases`). A list must
-        hold both covers. ``train_recipe``: (scales, crop_size, crop_prob) of the training transform.
+        """(training canvases, evaluation canvases, report lines) for ``canvases``
+        (:func:`~trainer.data.formats.canvases.choose_canvases`); ``train_recipe``: (scales, crop_size, crop_prob).
 
         Raises:
             ConfigError: a list none of whose canvases holds the cover (naming the size it needs).
         """
-        from trainer.data.formats import canvases as cv
-        from trainer.data.sampler import EpochSampler
+        from trainer.data.formats.canvases import choose_canvases
 
         cfg = self.cfg
         setting = self.canvas_setting()
         if not setting:
             return [], [], []
-        m, micro = cfg.pad_to_multiple, cfg.micro_batch_size(self.dist.world_size)
-        eval_batch = cfg.eval_batch_size or 2 * micro
-        scales, crop, crop_prob = train_recipe
-        bound = cv.train_size_bound(train_ds.split.sizes, scales, cfg.max_size, crop, crop_prob)
-        val_batches = cv.batch_sizes(lambda i: val_ds.transformed_size(0, i), range(len(val_ds)), eval_batch)
-        covers = [
-            (cv.round_up(bound[0], m), cv.round_up(bound[1], m)),
-            (cv.round_up(max(h for h, _ in val_batches), m), cv.round_up(max(w for _, w in val_batches), m)),
-        ]
-        if setting == "auto":
-            train_batches = []
-            for epoch in (0, 1):
-                order = EpochSampler(len(train_ds), shuffle=True, seed=cfg.seed)
-                order.set_epoch(epoch)
-                train_batches += cv.batch_sizes(
-                    lambda i, e=epoch: train_ds.transformed_size(e, i), [i for _, i in order], micro
-                )
-            train_c = cv.pick_canvases(train_batches, covers[0], cv.MAX_CANVASES, m)
-            eval_c = cv.pick_canvases(val_batches, covers[1], cv.MAX_EVAL_CANVASES, m)
-        else:
-            for (h, w), what in zip(covers, ("training", "evaluation")):
-                if cv.fit_canvas(h, w, setting) is None:
-                    raise ConfigError(
-                        f"canvases: got {cfg.canvases!r}; no canvas holds every {what} batch this data and "
-                        f"recipe can make: add one of at least {h}x{w}"
-                    )
-            train_c = setting
-            eval_c = sorted(
-                {cv.fit_canvas(cv.round_up(h, m), cv.round_up(w, m), setting) for h, w in val_batches},
-                key=lambda c: (c[0] * c[1], c),
-            )
+        micro = cfg.micro_batch_size(self.dist.world_size)
+        try:
+            train_c, eval_c = choose_canvases(
+                setting, train_ds, val_ds, train_recipe, cfg.max_size, cfg.pad_to_multiple, micro,
+                cfg.eval_batch_size or 2 * micro, cfg.seed,
+            )  # fmt: skip
+        except ValueError as e:
+            raise ConfigError(f"canvases: got {cfg.canvases!r}; {e}") from None
         fmt = ", ".join
-        return (
-            train_c,
-            eval_c,
-            [
-                f"data: canvases ({cfg.canvases}): training {fmt(f'{h}x{w}' for h, w in train_c)}; evaluation "
-                f"{fmt(f'{h}x{w}' for h, w in eval_c)}"
-            ],
+        line = (
+            f"data: canvases ({cfg.canvases}): training {fmt(f'{h}x{w}' for h, w in train_c)}; evaluation "
+            f"{fmt(f'{h}x{w}' for h, w in eval_c)}"
         )
+        return train_c, eval_c, [line]
 
     def _check_encoder_tokens(self) -> None:
         """Two-stage query selection takes the top ``num_queries`` of the encoder's tokens, so the smallest image
