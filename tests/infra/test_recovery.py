@@ -313,6 +313,39 @@ def test_cost_cap_ends_a_running_attempt_and_stops_recovery(aws):
     assert _live(aws, "cc") == []  # the cap's own termination is not an interruption
 
 
+class S3:
+    """The moto S3 client; ``before_put`` runs once, before the first write of a job record (a concurrent writer)."""
+
+    def __init__(self, real, before_put) -> None:
+        self.real, self.before_put = real, before_put
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def put_object(self, **kw):
+        if kw["Key"].endswith("/record.json") and self.before_put:
+            hook, self.before_put = self.before_put, None
+            hook()
+        return self.real.put_object(**kw)
+
+
+def test_cost_cap_acts_only_on_a_saved_decision(aws):
+    """The tick's cost cap races an interruption warning handled by another invocation: its conditional write
+    fails, so it neither terminates the instance nor tells the topic; the next tick caps the job once."""
+    iid = _launch(aws, "race", "--max-cost-usd", "1")
+    clock = Clock()
+    other = _controller(aws, clock)
+    ctl = _controller(aws, clock)
+    ctl.s3 = S3(ctl.s3, lambda: other.handle(warning(iid)))
+    clock.t += 10 * 3600
+    assert ctl.tick() == ["race: not saved, the record changed"]
+    assert _live(aws, "race") == [iid] and _record(aws, "race")["state"] == jr.WARNED
+    assert not any("job race stopped" in m for m in _topic_messages(aws))
+    assert "capped" in ctl.tick()[0]
+    assert _live(aws, "race") == [] and _record(aws, "race")["state"] == jr.CAPPED
+    assert sum("job race stopped" in m for m in _topic_messages(aws)) == 1
+
+
 def test_a_second_invocation_during_a_relaunch_does_nothing(aws):
     iid = _launch(aws, "dup")
     clock = Clock()
