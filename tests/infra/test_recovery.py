@@ -404,6 +404,62 @@ def test_bad_launch_flags_are_one_line_exit_2(flags, message, capsys):
     assert rc == 2 and message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
 
 
+def test_logs_follow_goes_on_to_the_relaunched_instance(aws, capsys, monkeypatch):
+    """``logs JOB --follow`` through the CLI against moto's CloudWatch Logs: the first instance's container
+    stream (``<instance>/<job>``, the user data's awslogs-stream), then, after the controller relaunched the job,
+    the new instance's stream, every line once and in order; Ctrl-C (KeyboardInterrupt) ends it with 0. The
+    polls' sleeps are where the job moves on."""
+    import functools
+    import itertools
+
+    from infra.cli import ec2_jobs
+    from infra.cli import logs as logs_cli
+
+    first = _launch(aws, "lf")
+    logs, group = aws.client("logs"), _outputs(aws)["TrainLogGroup"]
+    ms = itertools.count(int(time.time() * 1000))  # each line 1 ms after the one before
+
+    def put(iid: str, *lines: str) -> None:
+        stream = ec2_jobs.stream_name(iid, "lf")
+        if not logs.describe_log_streams(logGroupName=group, logStreamNamePrefix=stream)["logStreams"]:
+            logs.create_log_stream(logGroupName=group, logStreamName=stream)
+        events = [{"timestamp": next(ms), "message": line} for line in lines]
+        logs.put_log_events(logGroupName=group, logStreamName=stream, logEvents=events)
+
+    put(first, "step=1 loss=2.3", "step=2 loss=2.2")
+    ctl = _controller(aws, Clock())
+    second = []
+
+    def interrupt_and_relaunch() -> None:
+        put(first, "step=3 loss=2.1", "step=4 interrupted: SIGTERM")
+        for ev in _interrupt(aws, first):
+            ctl.handle(ev)
+        second.extend(_live(aws, "lf"))
+        put(second[0], "step=4 checkpoint: resuming from /data/checkpoints/lf/ckpt-000000004", "step=5 loss=2.0")
+
+    stages = iter([interrupt_and_relaunch, lambda: put(second[0], "step=6 loss=1.9")])
+
+    def sleep(seconds: float) -> None:
+        stage = next(stages, None)
+        if stage is None:
+            raise KeyboardInterrupt  # the user's Ctrl-C
+        stage()
+
+    monkeypatch.setattr(logs_cli, "tail", functools.partial(logs_cli.tail, sleep=sleep))
+    capsys.readouterr()
+    assert main(E + ["logs", "lf", "--follow"]) == 0
+    assert len(second) == 1 and second[0] != first
+    assert capsys.readouterr().out.splitlines() == [
+        "step=1 loss=2.3",
+        "step=2 loss=2.2",
+        "step=3 loss=2.1",
+        "step=4 interrupted: SIGTERM",
+        "step=4 checkpoint: resuming from /data/checkpoints/lf/ckpt-000000004",
+        "step=5 loss=2.0",
+        "step=6 loss=1.9",
+    ]
+
+
 # ---------------------------------------------------------------------------------------------- IAM and synthesis
 def _role_statements(templates) -> list[dict]:
     """The recovery role's statements, launch templates and instance role resolved to moto's ids."""
