@@ -306,15 +306,19 @@ class Controller:
         return [f"{r['job']}: relaunched as {iid} ({itype}, {market})"]
 
     def _cap(self, stored: jr.Stored, why: str, terminate: Optional[str] = None) -> list[str]:
+        """Mark the job ``capped``, then terminate ``terminate`` (the running attempt over the cost cap) and tell the
+        topic, both only once that is saved: when another writer changed the record since it was read, nothing
+        is done and the next tick decides again from the record as it is then."""
         r = stored.record
         r["state"], r["reason"], r["lease_until"] = jr.CAPPED, f"stopped: {why}", None
         if terminate:
             self._close(r, "cost cap")
-        lines = self._save(stored, f"{r['job']}: capped ({why})")
-        if terminate and not lines[0].endswith("changed"):
+        if not self._saved(stored):
+            return [self._not_saved(stored)]
+        if terminate:
             self.ec2.terminate_instances(InstanceIds=[terminate])
         self._tell(r["job"], f"job {r['job']} stopped: {why}")
-        return lines
+        return [f"{r['job']}: capped ({why})"]
 
     # ------------------------------------------------------------------ helpers
     def _mark(self, stored: jr.Stored, change: Callable[[dict], None], line: str) -> list[str]:
@@ -322,11 +326,20 @@ class Controller:
         return self._save(stored, line)
 
     def _save(self, stored: jr.Stored, line: str) -> list[str]:
+        """[``line``] when the record was saved, else [:meth:`_not_saved`'s line]."""
+        return [line if self._saved(stored) else self._not_saved(stored)]
+
+    def _saved(self, stored: jr.Stored) -> bool:
+        """Write the record (a conditional write); False when another writer changed it since it was read."""
         try:
             jr.save(self.s3, self.s.bucket, stored)
         except jr.Conflict:
-            return [f"{stored.record['job']}: not saved, the record changed"]
-        return [line]
+            return False
+        return True
+
+    @staticmethod
+    def _not_saved(stored: jr.Stored) -> str:
+        return f"{stored.record['job']}: not saved, the record changed"
 
     def _tell(self, job: str, message: str) -> None:
         self.sns.publish(TopicArn=self.s.topic_arn, Subject=f"trainstack {self.s.env}: {job}"[:100], Message=message)

@@ -118,6 +118,7 @@ SLOW_MODULES = {
     "test_engine_seams",
     "test_bad_inputs_engine",
     "test_video",
+    "test_recovery_trainer",
 }
 SLOW_FIXTURES = {
     "tiny_digits",
@@ -130,7 +131,14 @@ SLOW_FIXTURES = {
     "moto_server",
     "swept",  # tests/planning/test_sweep.py: a real 2-trial sweep (train subprocesses)
 }
-MULTIPROCESS_MODULES = {"test_ddp", "test_ffcv", "test_interruption", "test_detection_resume", "test_video"}
+MULTIPROCESS_MODULES = {
+    "test_ddp",
+    "test_ffcv",
+    "test_interruption",
+    "test_detection_resume",
+    "test_video",
+    "test_recovery_trainer",
+}
 MULTIPROCESS_FIXTURES = {"moto_server", "swept"}
 GPU_MODULES = {"test_msda_cuda"}
 

@@ -226,8 +226,9 @@ def _run_until(
     return p.returncode, "".join(lines)
 
 
-def _final_state(out: Path) -> dict:
-    ck = out / "ck"
+def _final_state(out: Path, checkpoints: str = "ck") -> dict:
+    """The state of the latest checkpoint in ``out/checkpoints``."""
+    ck = out / checkpoints
     return CheckpointManager.load(ck / (ck / "latest").read_text().strip())[0]
 
 

@@ -4,13 +4,15 @@ root, and ``aws``, ``curl``, ``docker``, ``mount``, ``apt-get``, ``systemctl``, 
 
 Checked: a failure at each step shuts the instance down and deletes its idle alarm (the watchdog comes
 first); a clean boot creates the alarm before any volume/FSx/agent step and deletes nothing; after the job
-``trainstack-done`` deletes the alarm and shuts down on 0/2/3, does nothing on 75 (systemd restarts the job);
+``trainstack-done`` writes the exit record the recovery controller reads, deletes the alarm and shuts down on
+0/2/3, does nothing on 75 (systemd restarts the job);
 ``--keep`` instances are never shut down and their alarm only notifies; the user data's AWS calls are allowed by
 the synthesized instance role; the systemd units pass ``systemd-analyze verify`` where it is installed.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import shutil
@@ -30,6 +32,8 @@ TOPIC = "arn:aws:sns:us-east-1:123456789012:trainstack-test-alarms"
 ALARM = f"trainstack-test-gpu-idle-{IID}"
 DIGEST = "sha256:" + "ab" * 32
 REPO_URI = "123456789012.dkr.ecr.us-east-1.amazonaws.com/trainstack-test"
+BUCKET = "trainstack-test-data-bucket"
+JOB = "digits-1"
 _RELOCATED = re.compile(r"(?<![\w.:-])/(var/log|etc|usr/local/bin|usr/bin/docker|dev/disk|data|fsx|opt/aws|tmp/cwa)")
 
 STUB = r"""#!/bin/bash
@@ -46,6 +50,7 @@ case "$name" in
       *instance-life-cycle*) echo spot ;;
       *tags/instance/trainstack:keep*) if [ -n "${STUB_KEEP:-}" ]; then echo "$STUB_KEEP"; else exit 22; fi ;;
       *tags/instance/trainstack:image-digest*) if [ -n "${STUB_DIGEST:-}" ]; then echo "$STUB_DIGEST"; else exit 22; fi ;;
+      *tags/instance/trainstack:job*) if [ -n "${STUB_JOB:-}" ]; then echo "$STUB_JOB"; else exit 22; fi ;;
       *tags/instance/*) exit 22 ;;
     esac ;;
   aws)
@@ -53,6 +58,7 @@ case "$name" in
       *describe-volumes*) if [ -e "$STUB_DIR/attached" ]; then echo "$STUB_IID"; else echo None; fi ;;
       *attach-volume*) touch "$STUB_DIR/attached"; [ -n "${STUB_NO_DEVICE:-}" ] || touch "$STUB_DEV" ;;
       *get-login-password*) echo password ;;
+      "s3 cp - "*) cat > "$STUB_DIR/s3-object" ;;
     esac ;;
   docker) if [[ "$*" == *--password-stdin* ]]; then cat >/dev/null; fi ;;
   mountpoint) exit 1 ;;
@@ -92,6 +98,7 @@ def _script(fsx: bool = False) -> str:
             default_image_tag=None,
             fsx_dns_name="fs-1.fsx.us-east-1.amazonaws.com" if fsx else None,
             fsx_mount_name="abcdef" if fsx else None,
+            jobs_bucket=BUCKET,
         )
     )
 
@@ -129,6 +136,7 @@ class Boot:
             "STUB_DIR": str(tmp),
             "STUB_IID": IID,
             "STUB_DIGEST": DIGEST,
+            "STUB_JOB": JOB,
             "HOME": str(tmp),
             "STUB_DEV": str(self.root / f"dev/disk/by-id/nvme-Amazon_Elastic_Block_Store_{VOL.replace('-', '')}"),
             **env,
@@ -268,6 +276,52 @@ def test_after_the_job_trainstack_done(tmp_path, exit_status, keep, shut_down, d
     assert after.shut_down == shut_down and after.alarm_deleted == deleted, after.calls
 
 
+@pytest.mark.parametrize("exit_status", ["0", "2", "3", "75", "1"])
+def test_trainstack_done_writes_the_exit_record_the_controller_reads(tmp_path, monkeypatch, exit_status):
+    """On a final exit (0/2/3) ``trainstack-done`` writes ``{"exit_code": N, "instance_id": ...}`` to
+    ``s3://<bucket>/jobs/<job>/exits/<instance>.json`` before it shuts the instance down; stored under that key in
+    (moto's) S3, :func:`infra.job_record.exit_code`, what the recovery controller calls, reads N back. After 75 or
+    a crash there is no record (the controller then counts the instance's end as an interruption)."""
+    from moto import mock_aws
+
+    from infra import job_record as jr
+    from tests import moto_env
+
+    boot = Boot(tmp_path).run()
+    assert boot.rc == 0, boot.log
+    done = boot.root / "usr/local/bin/trainstack-done"
+    after = boot.run("bash", str(done), EXIT_CODE="exited", EXIT_STATUS=exit_status)
+    assert after.rc == 0, after.out
+    puts = [c for c in after.calls if c.startswith("aws s3 cp")]
+    if exit_status in ("75", "1"):
+        assert puts == [] and not (tmp_path / "s3-object").exists()
+        return
+    key = jr.EXIT_KEY.format(job=JOB, instance_id=IID)
+    assert puts == [f"aws s3 cp - s3://{BUCKET}/{key}"]
+    assert after.calls.index(puts[0]) < after.index("shutdown -h")  # written before the instance goes
+    body = (tmp_path / "s3-object").read_bytes()
+    assert json.loads(body) == {"exit_code": int(exit_status), "instance_id": IID}
+    moto_env.fake_credentials(monkeypatch)
+    with mock_aws():
+        import boto3
+
+        s3 = boto3.client("s3", region_name=moto_env.REGION)
+        s3.create_bucket(Bucket=BUCKET)
+        assert jr.exit_code(s3, BUCKET, JOB, IID) is None  # no record yet: an interruption
+        s3.put_object(Bucket=BUCKET, Key=key, Body=body)
+        assert jr.exit_code(s3, BUCKET, JOB, IID) == int(exit_status)
+
+
+def test_an_exit_record_that_cannot_be_written_still_ends_the_instance(tmp_path):
+    """S3 refusing the exit record is logged and the instance still deletes its alarm and shuts down (the
+    controller then finds no record and relaunches: a done job may run once more, a stuck instance never)."""
+    boot = Boot(tmp_path).run()
+    done = boot.root / "usr/local/bin/trainstack-done"
+    after = boot.run("bash", str(done), EXIT_CODE="exited", EXIT_STATUS="0", STUB_FAIL="aws s3 cp")
+    assert after.rc == 0 and after.shut_down and after.alarm_deleted, after.calls
+    assert f"could not write the exit record s3://{BUCKET}/jobs/{JOB}/exits/{IID}.json" in after.out
+
+
 def test_the_alarm_unit_deletes_the_alarm_at_every_shutdown(tmp_path):
     boot = Boot(tmp_path).run()
     unit = (boot.root / "etc/systemd/system/trainstack-alarm.service").read_text()
@@ -320,6 +374,7 @@ def test_user_data_aws_calls_are_allowed_by_the_instance_role(tmp_path, tmp_path
         "put-metric-alarm",
         "delete-alarms",
         "get-login-password",
+        "cp",
     }
     denied = []
     for c in aws_calls:
@@ -331,8 +386,11 @@ def test_user_data_aws_calls_are_allowed_by_the_instance_role(tmp_path, tmp_path
             "put-metric-alarm": "cloudwatch:PutMetricAlarm",
             "delete-alarms": "cloudwatch:DeleteAlarms",
             "get-login-password": "ecr:GetAuthorizationToken",
+            "cp": "s3:PutObject",
         }[op]
         resource = None
+        if op == "cp":  # the exit record; the data bucket's ARN is an import from the data stack (<TOKEN>)
+            resource = "<TOKEN>/" + words[4].removeprefix(f"s3://{BUCKET}/")
         if service == "cloudwatch":
             name = words[words.index("--alarm-name" if op == "put-metric-alarm" else "--alarm-names") + 1]
             resource = f"arn:aws:cloudwatch:{moto_env.REGION}:{moto_env.ACCOUNT}:alarm:{name}"

@@ -313,6 +313,39 @@ def test_cost_cap_ends_a_running_attempt_and_stops_recovery(aws):
     assert _live(aws, "cc") == []  # the cap's own termination is not an interruption
 
 
+class S3:
+    """The moto S3 client; ``before_put`` runs once, before the first write of a job record (a concurrent writer)."""
+
+    def __init__(self, real, before_put) -> None:
+        self.real, self.before_put = real, before_put
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def put_object(self, **kw):
+        if kw["Key"].endswith("/record.json") and self.before_put:
+            hook, self.before_put = self.before_put, None
+            hook()
+        return self.real.put_object(**kw)
+
+
+def test_cost_cap_acts_only_on_a_saved_decision(aws):
+    """The tick's cost cap races an interruption warning handled by another invocation: its conditional write
+    fails, so it neither terminates the instance nor tells the topic; the next tick caps the job once."""
+    iid = _launch(aws, "race", "--max-cost-usd", "1")
+    clock = Clock()
+    other = _controller(aws, clock)
+    ctl = _controller(aws, clock)
+    ctl.s3 = S3(ctl.s3, lambda: other.handle(warning(iid)))
+    clock.t += 10 * 3600
+    assert ctl.tick() == ["race: not saved, the record changed"]
+    assert _live(aws, "race") == [iid] and _record(aws, "race")["state"] == jr.WARNED
+    assert not any("job race stopped" in m for m in _topic_messages(aws))
+    assert "capped" in ctl.tick()[0]
+    assert _live(aws, "race") == [] and _record(aws, "race")["state"] == jr.CAPPED
+    assert sum("job race stopped" in m for m in _topic_messages(aws)) == 1
+
+
 def test_a_second_invocation_during_a_relaunch_does_nothing(aws):
     iid = _launch(aws, "dup")
     clock = Clock()
@@ -369,6 +402,62 @@ def test_bad_launch_flags_are_one_line_exit_2(flags, message, capsys):
         rc = e.code
     err = capsys.readouterr().err
     assert rc == 2 and message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+
+
+def test_logs_follow_goes_on_to_the_relaunched_instance(aws, capsys, monkeypatch):
+    """``logs JOB --follow`` through the CLI against moto's CloudWatch Logs: the first instance's container
+    stream (``<instance>/<job>``, the user data's awslogs-stream), then, after the controller relaunched the job,
+    the new instance's stream, every line once and in order; Ctrl-C (KeyboardInterrupt) ends it with 0. The
+    polls' sleeps are where the job moves on."""
+    import functools
+    import itertools
+
+    from infra.cli import ec2_jobs
+    from infra.cli import logs as logs_cli
+
+    first = _launch(aws, "lf")
+    logs, group = aws.client("logs"), _outputs(aws)["TrainLogGroup"]
+    ms = itertools.count(int(time.time() * 1000))  # each line 1 ms after the one before
+
+    def put(iid: str, *lines: str) -> None:
+        stream = ec2_jobs.stream_name(iid, "lf")
+        if not logs.describe_log_streams(logGroupName=group, logStreamNamePrefix=stream)["logStreams"]:
+            logs.create_log_stream(logGroupName=group, logStreamName=stream)
+        events = [{"timestamp": next(ms), "message": line} for line in lines]
+        logs.put_log_events(logGroupName=group, logStreamName=stream, logEvents=events)
+
+    put(first, "step=1 loss=2.3", "step=2 loss=2.2")
+    ctl = _controller(aws, Clock())
+    second = []
+
+    def interrupt_and_relaunch() -> None:
+        put(first, "step=3 loss=2.1", "step=4 interrupted: SIGTERM")
+        for ev in _interrupt(aws, first):
+            ctl.handle(ev)
+        second.extend(_live(aws, "lf"))
+        put(second[0], "step=4 checkpoint: resuming from /data/checkpoints/lf/ckpt-000000004", "step=5 loss=2.0")
+
+    stages = iter([interrupt_and_relaunch, lambda: put(second[0], "step=6 loss=1.9")])
+
+    def sleep(seconds: float) -> None:
+        stage = next(stages, None)
+        if stage is None:
+            raise KeyboardInterrupt  # the user's Ctrl-C
+        stage()
+
+    monkeypatch.setattr(logs_cli, "tail", functools.partial(logs_cli.tail, sleep=sleep))
+    capsys.readouterr()
+    assert main(E + ["logs", "lf", "--follow"]) == 0
+    assert len(second) == 1 and second[0] != first
+    assert capsys.readouterr().out.splitlines() == [
+        "step=1 loss=2.3",
+        "step=2 loss=2.2",
+        "step=3 loss=2.1",
+        "step=4 interrupted: SIGTERM",
+        "step=4 checkpoint: resuming from /data/checkpoints/lf/ckpt-000000004",
+        "step=5 loss=2.0",
+        "step=6 loss=1.9",
+    ]
 
 
 # ---------------------------------------------------------------------------------------------- IAM and synthesis
