@@ -129,12 +129,15 @@ def test_efa_security_group_keeps_its_self_referencing_egress(default_env):
 
 
 def test_review_decisions_in_the_templates(default_env):
-    """State-machine log groups under /aws/vendedlogs/ (no account log resource policy to outgrow), SCRATCH_2
+    """State-machine log groups under /aws/vendedlogs/ (no account log resource policy to outgrow; the other log
+    group is the recovery function's, /aws/lambda/<name>, where Lambda writes), SCRATCH_2
     pinned to Lustre 2.15 and linked through a data repository association, every image tag immutable (no
     moving ``latest``: a restarted job runs the image it started with)."""
     training = default_env["TrainingStack"]
     names = [lg["Properties"].get("LogGroupName") for lg in resources(training, "AWS::Logs::LogGroup").values()]
-    assert names and all(n.startswith("/aws/vendedlogs/states/trainstack-dev-") for n in names), names
+    states = [n for n in names if n != "/aws/lambda/trainstack-dev-recovery"]  # the recovery function's own
+    assert len(states) == len(names) - 1, names
+    assert states and all(n.startswith("/aws/vendedlogs/states/trainstack-dev-") for n in states), names
     (fs,) = resources(default_env["DataStack"], "AWS::FSx::FileSystem").values()
     assert fs["Properties"]["LustreConfiguration"]["DeploymentType"] == "SCRATCH_2"
     assert fs["Properties"]["FileSystemTypeVersion"] == "2.15"
