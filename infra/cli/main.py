@@ -75,7 +75,9 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("push-image", help="build and push the training image")
     s.add_argument("--tag", help="image tag (default: git commit, -dirty when the tree has changes)")
     s.add_argument("--base-image", help="AWS DLC to build FROM (default: the Dockerfile's BASE_IMAGE)")
-    s.add_argument("--docker", default="docker", help="docker binary")
+    s.add_argument(
+        "--builder", "--docker", dest="builder", help="docker, podman or buildah binary (default: the first found)"
+    )
 
     s = sub.add_parser("launch", help="run a spot training instance")
     s.add_argument("instance_type")
@@ -209,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
     outputs = load_outputs(aws, partial=args.command == "teardown")
     cmd = args.command
     if cmd == "push-image":
-        print(f"pushed {image.push_image(aws, outputs, REPO, args.tag, args.base_image, args.docker)}")
+        print(f"pushed {image.push_image(aws, outputs, REPO, args.tag, args.base_image, args.builder)}")
     elif cmd == "launch":
         got = instances.launch(
             aws,
