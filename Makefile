@@ -1,6 +1,7 @@
 # Trainstack: two commands on a fresh machine (Python 3.11 + venv):
 #   make run    set up .venv and train the embedded default (2 DDP processes on CPU, digit scans)
-#   make test   set up .venv, compile the deformable-attention op (sm_80, no GPU needed), ruff, run all tests
+#   make test   set up .venv, compile the deformable-attention op (sm_80, no GPU needed), ruff, the op/custom-op
+#               tests and one short training per task on the image's torch (test-image-torch), then all tests
 #               (what .ci/run calls)
 #   make ffcv   the optional FFCV extra (apt packages when missing, as root; requirements-ffcv.txt)
 #   make image-smoke  build images/training/Dockerfile with the OCI builder found (buildah installed when none)
@@ -117,7 +118,7 @@ format: setup
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-test: setup msda ffcv image-tools lint
+test: setup msda ffcv image-tools lint test-image-torch
 	TRAINSTACK_REQUIRE_IMAGE_TOOLS=1 OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=60 tests
 
 clean:

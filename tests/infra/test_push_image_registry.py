@@ -139,3 +139,4 @@ def test_push_image_to_a_real_registry_records_the_digest_launch_and_submit_pin(
         # the tag is immutable and there: a second push-image builds and pushes nothing
         again = image.push_image(session, outputs, REPO_ROOT, tag, base_image="scratch", builder=b.binary, push_to=repo)
         assert again.endswith(f":{tag} (already pushed)")
+    subprocess.run([b.binary, "rmi", f"{repo}:{tag}"], check=True, capture_output=True)  # leave no image behind
