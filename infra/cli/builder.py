@@ -256,6 +256,8 @@ def find(binary: Optional[str] = None) -> Builder:
     else the first of docker (when its engine answers ``docker info``), podman, buildah on PATH.
     Raises CliError with the install step when there is none."""
     if binary:
+        if not shutil.which(binary):
+            raise CliError(f"--builder {binary}: not an executable; expected a docker, podman or buildah binary")
         base = os.path.basename(binary)
         kind = next((k for k in KINDS if base.startswith(k)), "docker")
         return Builder(kind, binary)

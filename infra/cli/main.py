@@ -1,7 +1,8 @@
 """``python -m infra``: operate a deployed environment with boto3.
 
     python -m infra [--env NAME] [--region R] [--profile P] COMMAND ...
-      push-image   build images/training/Dockerfile, push to the stack's ECR repository tagged with the commit
+      push-image   build images/training/Dockerfile (docker, podman or buildah), push to the stack's ECR repository
+                   tagged with the commit, print the pushed digest
       launch TYPE  run a spot instance from the stack's launch template (--on-demand-fallback to fall back)
       submit       start a managed-spot SageMaker run through the stack's state machine
       sweep        a hyperparameter sweep: managed-spot jobs (at most K running; rerun to top up) or one

@@ -256,6 +256,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 2
     try:
         b = oci.find(args.builder)
+    except CliError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
         ca = Path(args.ca_bundle)
         mounts = [oci.Mount(str(ca.resolve()), "/etc/ssl/certs/ca-certificates.crt")] if ca.is_file() else []
         if b.kind == "docker":
