@@ -241,7 +241,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--base-image", help="BASE_IMAGE (default: the stand-in of images/standin, built when missing)")
     p.add_argument("--msda", choices=("cuda", "reference"), default="cuda", help="MSDA build argument")
     p.add_argument("--archs", default="8.0", help="TORCH_CUDA_ARCH_LIST of the op (default 8.0)")
-    p.add_argument("--data", default=str(REPO.parent / "shared" / "data"), help="datasets, mounted read-only")
+    data = os.environ.get("TRAINSTACK_DATA", str(REPO.parent / "shared" / "data"))
+    p.add_argument(
+        "--data", default=data, help="datasets, mounted read-only (default: TRAINSTACK_DATA, ../shared/data)"
+    )
     p.add_argument("--ca-bundle", default="/etc/ssl/certs/ca-certificates.crt", help="bind-mounted over the base's")
     p.add_argument("--build-only", action="store_true", help="build, print the image line, run nothing")
     p.add_argument("--only", choices=("all", "install", "digits", "sagemaker", "tasks"), default="all", help="checks")
@@ -266,7 +269,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             mounts = []  # docker build has no bind mounts: the machine must reach PyPI without them
         tag = git_tag(REPO)
         image = f"trainstack-training:{tag}"
-        with tempfile.TemporaryDirectory(prefix="image-smoke-") as tmp:
+        # a docker engine's containers write root-owned files into the mounted folder: never fail on its removal
+        with tempfile.TemporaryDirectory(prefix="image-smoke-", ignore_cleanup_errors=True) as tmp:
             work = Path(tmp)
             started = time.monotonic()
             base = args.base_image or ensure_standin(b, mounts, work)
