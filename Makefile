@@ -45,13 +45,13 @@ msda: setup
 # Optional FFCV extra (--use-ffcv, write-ffcv): ffcv 1.0.2 builds a C extension against these system packages.
 # apt runs only for packages dpkg does not list as installed, and needs root; then the pinned pip packages.
 FFCV_APT := pkg-config libturbojpeg0-dev libopencv-dev
-# apt-get install of the Debian packages in $(1) that dpkg does not list as installed; needs root for any.
+# apt-get install of the Debian packages in $(1) that dpkg does not list as installed, for `make $(2)`; needs root.
 define apt_install
 	@missing=$$(for p in $(1); do dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q 'install ok installed' || echo $$p; done); \
 	missing=$$(echo $$missing); \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" != 0 ]; then \
-	    echo "error: $@ needs the system packages: $$missing. As root: apt-get install -y $$missing; then make $@" >&2; \
+	    echo "error: make $(2) needs the system packages: $$missing. As root: apt-get install -y $$missing; then make $(2)" >&2; \
 	    exit 2; \
 	  fi; \
 	  echo "apt-get install $$missing"; \
@@ -62,7 +62,7 @@ endef
 ffcv: $(VENV)/.ffcv-installed
 
 $(VENV)/.ffcv-installed: requirements-ffcv.txt $(VENV)/.installed
-	$(call apt_install,$(FFCV_APT))
+	$(call apt_install,$(FFCV_APT),ffcv)
 	$(PY) -m pip install -q -r requirements-ffcv.txt
 	touch $@
 
@@ -70,7 +70,7 @@ $(VENV)/.ffcv-installed: requirements-ffcv.txt $(VENV)/.installed
 # the distribution registry (push-image's real-registry test), mmdebstrap (the stand-in base's Debian rootfs).
 IMAGE_APT := skopeo docker-registry mmdebstrap
 image-tools:
-	$(call apt_install,$(IMAGE_APT) $(shell (docker info >/dev/null 2>&1 || command -v podman || command -v buildah) >/dev/null 2>&1 || echo buildah))
+	$(call apt_install,$(IMAGE_APT) $(shell (docker info >/dev/null 2>&1 || command -v podman || command -v buildah) >/dev/null 2>&1 || echo buildah),image-tools)
 
 # Build the training image FROM the stand-in base (built when missing; or SMOKE_ARGS="--base-image URI") with
 # MSDA=cuda for sm_80, then check_install, digits train/SIGTERM/resume, the SageMaker contract and one step of
