@@ -236,6 +236,15 @@ class Builder:
         return Container(self, name, proc, cleanup)
 
 
+def ca_mounts(b: Builder, bundle: Optional[str]) -> list[Mount]:
+    """The build-time mount of a CA bundle over the image's ``/etc/ssl/certs/ca-certificates.crt`` (so pip in
+    the RUN steps trusts a TLS-inspecting proxy; nothing stays in a layer), or none: no ``bundle``, no such file,
+    or docker (no build-time mounts)."""
+    if not bundle or b.kind == "docker" or not Path(bundle).is_file():
+        return []
+    return [Mount(str(Path(bundle).resolve()), "/etc/ssl/certs/ca-certificates.crt")]
+
+
 def _first_arg(process) -> str:
     try:
         return (process.cmdline() or [""])[0]

@@ -98,6 +98,7 @@ def push_image(
     push_to: Optional[str] = None,
     tls_verify: bool = True,
     dockerfile: str = DOCKERFILE,
+    ca_bundle: Optional[str] = None,
 ) -> str:
     """Build, tag ``<repository>:<tag>``, push; returns ``<repository>:<tag>@<digest>``, the digest being the
     one the registry stored for the pushed manifest (or ``<repository>:<tag> (already pushed)`` when the tag
@@ -107,7 +108,8 @@ def push_image(
     the ECR client of a region (default: the session's). ``push_to``: a ``registry/repository`` that receives
     the blobs and manifest instead of the ECR repository (tests: a registry on 127.0.0.1, without TLS when
     ``tls_verify`` is False); the ECR API still answers the tag lookup and the login token. ``dockerfile``:
-    relative to ``repo``. Raises CliError when no builder is found, the build or push fails, or ECR refuses
+    relative to ``repo``. ``ca_bundle``: a CA file bind-mounted over the base's bundle for the build's RUN
+    steps (podman/buildah; behind a TLS-inspecting proxy). Raises CliError when no builder is found, the build or push fails, or ECR refuses
     (with the next step).
     """
     ecr_in = ecr_in or (lambda region: aws.session.client("ecr", region_name=region))
@@ -124,7 +126,7 @@ def push_image(
         _login(b, ecr_in, registries, tls_verify)
     except ClientError as e:
         raise explain(e, "logging in to ECR") from None
-    b.build(repo, dockerfile, image, {"BASE_IMAGE": base})
+    b.build(repo, dockerfile, image, {"BASE_IMAGE": base}, oci.ca_mounts(b, ca_bundle))
     digest = b.push(image, tls_verify=tls_verify)
     return f"{image}@{digest}"
 

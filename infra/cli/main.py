@@ -79,6 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--builder", "--docker", dest="builder", help="docker, podman or buildah binary (default: the first found)"
     )
+    s.add_argument("--ca-bundle", help="CA file mounted over the base's for the build (podman/buildah; TLS proxies)")
 
     s = sub.add_parser("launch", help="run a spot training instance")
     s.add_argument("instance_type")
@@ -212,7 +213,9 @@ def run(args: argparse.Namespace) -> int:
     outputs = load_outputs(aws, partial=args.command == "teardown")
     cmd = args.command
     if cmd == "push-image":
-        print(f"pushed {image.push_image(aws, outputs, REPO, args.tag, args.base_image, args.builder)}")
+        print(
+            f"pushed {image.push_image(aws, outputs, REPO, args.tag, args.base_image, args.builder, ca_bundle=args.ca_bundle)}"
+        )
     elif cmd == "launch":
         got = instances.launch(
             aws,

@@ -263,10 +263,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        ca = Path(args.ca_bundle)
-        mounts = [oci.Mount(str(ca.resolve()), "/etc/ssl/certs/ca-certificates.crt")] if ca.is_file() else []
-        if b.kind == "docker":
-            mounts = []  # docker build has no bind mounts: the machine must reach PyPI without them
+        mounts = oci.ca_mounts(b, args.ca_bundle)  # docker: none, the machine must reach PyPI without them
         tag = git_tag(REPO)
         image = f"trainstack-training:{tag}"
         # a docker engine's containers write root-owned files into the mounted folder: never fail on its removal
