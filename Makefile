@@ -1,8 +1,12 @@
 # Trainstack: two commands on a fresh machine (Python 3.11 + venv):
 #   make run    set up .venv and train the embedded default (2 DDP processes on CPU, digit scans)
-#   make test   set up .venv, compile the deformable-attention op (sm_80, no GPU needed), ruff, run all tests
-#               (what .ci/run calls)
+#   make test   set up .venv, compile the deformable-attention op (sm_80, no GPU needed), ruff, the op/custom-op
+#               tests and one short training per task on the image's torch (test-image-torch), the image smoke,
+#               then all tests (what .ci/run calls)
 #   make ffcv   the optional FFCV extra (apt packages when missing, as root; requirements-ffcv.txt)
+#   make image-smoke  build images/training/Dockerfile with the OCI builder found (buildah installed when none)
+#               FROM the offline stand-in base (images/standin) and run every task inside it; part of `make
+#               test` (3.5 min with a warm layer cache, 13 min cold: docs/training-image.md)
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 NPROC  ?= 2
@@ -11,7 +15,7 @@ NPROC  ?= 2
 TEST_WORKERS ?= 2
 SHELL  := /bin/bash
 
-.PHONY: setup run test clean msda image image-cpu ffcv lint format
+.PHONY: setup run test clean msda image image-cpu image-smoke image-tools test-image-torch ffcv lint format
 MSDA_ARCHS ?= 8.0
 
 export JSII_SILENCE_WARNING_DEPRECATED_NODE_VERSION := 1
@@ -41,21 +45,69 @@ msda: setup
 # Optional FFCV extra (--use-ffcv, write-ffcv): ffcv 1.0.2 builds a C extension against these system packages.
 # apt runs only for packages dpkg does not list as installed, and needs root; then the pinned pip packages.
 FFCV_APT := pkg-config libturbojpeg0-dev libopencv-dev
-ffcv: $(VENV)/.ffcv-installed
-
-$(VENV)/.ffcv-installed: requirements-ffcv.txt $(VENV)/.installed
-	@missing=$$(for p in $(FFCV_APT); do dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q 'install ok installed' || echo $$p; done); \
+# apt-get install of the Debian packages in $(1) that dpkg does not list as installed, for `make $(2)`; needs root.
+define apt_install
+	@missing=$$(for p in $(1); do dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q 'install ok installed' || echo $$p; done); \
 	missing=$$(echo $$missing); \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" != 0 ]; then \
-	    echo "error: the ffcv extra needs the system packages: $$missing. As root: apt-get install -y $$missing; then make ffcv" >&2; \
+	    echo "error: make $(2) needs the system packages: $$missing. As root: apt-get install -y $$missing; then make $(2)" >&2; \
 	    exit 2; \
 	  fi; \
 	  echo "apt-get install $$missing"; \
 	  apt-get -o DPkg::Lock::Timeout=600 update -qq && DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq $$missing >/dev/null; \
 	fi
+endef
+
+ffcv: $(VENV)/.ffcv-installed
+
+$(VENV)/.ffcv-installed: requirements-ffcv.txt $(VENV)/.installed
+	$(call apt_install,$(FFCV_APT),ffcv)
 	$(PY) -m pip install -q -r requirements-ffcv.txt
 	touch $@
+
+# The image tools: an OCI builder (a docker engine or podman when present, else Debian's buildah), skopeo and
+# the distribution registry (push-image's real-registry test), mmdebstrap (the stand-in base's Debian rootfs).
+IMAGE_APT := skopeo docker-registry mmdebstrap
+image-tools:
+	$(call apt_install,$(IMAGE_APT) $(shell (docker info >/dev/null 2>&1 || command -v podman || command -v buildah) >/dev/null 2>&1 || echo buildah),image-tools)
+
+# Build the training image FROM the stand-in base (built when missing; or SMOKE_ARGS="--base-image URI") with
+# MSDA=cuda for sm_80, then check_install, digits train/SIGTERM/resume, the SageMaker contract and one step of
+# detection, segmentation and video inside it, ../shared/data mounted read-only. Ends with the image and digest.
+image-smoke: setup image-tools
+	$(PY) -m infra.cli.smoke $(SMOKE_ARGS)
+
+# The training image FROM the real Deep Learning Container (the builder must be logged in to its registry:
+# push-image does that) and its CPU variant (no op compile); built only, through the same builder code.
+image: setup image-tools
+	$(PY) -m infra.cli.smoke --build-only --base-image "$$(sed -n 's/^ARG BASE_IMAGE=//p' images/training/Dockerfile)" --archs "8.0;8.6;9.0"
+image-cpu: setup image-tools
+	$(PY) -m infra.cli.smoke --build-only --msda reference \
+	  --base-image 763104351884.dkr.ecr.us-east-1.amazonaws.com/pytorch-training:2.10.0-cpu-py313-ubuntu22.04-sagemaker
+
+# The torch the image ships (requirements-image-torch.txt = BASE_IMAGE's torch/torchvision) in a second venv:
+# the op's CPU tests, the custom-operator checks and one short training per task, in a copy of the tree under
+# build/image-torch (the op is built in place, and this tree's build belongs to .venv's torch). No pip config files and
+# no PIP_FIND_LINKS: a local +cpu wheel must not stand in for PyPI's CUDA 13.0 build, the one the stand-in has.
+IMAGE_TORCH_VENV := .venv-image-torch
+IMAGE_TORCH_TESTS := tests/ops/test_msda_reference.py tests/ops/test_msda_library.py tests/ops/test_msda_build.py \
+  tests/ops/test_msda_cuda.py tests/sagemaker/test_entrypoint.py::test_end_to_end_train_on_cpu \
+  tests/tasks/test_detection.py::test_a_short_detection_run_through_the_engine \
+  tests/tasks/test_segmentation.py::test_a_short_segmentation_run_through_the_engine \
+  tests/tasks/test_video.py::test_video_folders_train_predict_and_plan
+$(IMAGE_TORCH_VENV)/.installed: requirements-image-torch.txt requirements-trainer.txt
+	python3 -m venv $(IMAGE_TORCH_VENV)
+	$(IMAGE_TORCH_VENV)/bin/python -m pip install -q --upgrade pip
+	PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= $(IMAGE_TORCH_VENV)/bin/python -m pip install -q -r requirements-image-torch.txt -r requirements-trainer.txt \
+	  "setuptools>=69" "pytest>=8" pytest-xdist==3.8.0
+	touch $@
+test-image-torch: $(IMAGE_TORCH_VENV)/.installed
+	rm -rf build/image-torch && mkdir -p build/image-torch
+	git ls-files -z --cached --others --exclude-standard | xargs -0 cp --parents -t build/image-torch
+	cd build/image-torch && TORCH_CUDA_ARCH_LIST="$(MSDA_ARCHS)" PYTHON=$(CURDIR)/$(IMAGE_TORCH_VENV)/bin/python bash images/build_msda.sh
+	cd build/image-torch && TRAINSTACK_DATA=$${TRAINSTACK_DATA:-$(CURDIR)/../shared/data} OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} \
+	  $(CURDIR)/$(IMAGE_TORCH_VENV)/bin/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile $(IMAGE_TORCH_TESTS)
 
 # ruff.toml: formatter and linter with a fixed line length; `make format` rewrites, `make lint` only checks.
 lint: setup
@@ -66,16 +118,8 @@ format: setup
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-test: setup msda ffcv lint
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=60 tests
-
-# Need a Docker engine (not on the CI machine; CI runs hadolint and the same build script instead).
-image:
-	docker build -f images/training/Dockerfile -t trainstack-training .
-image-cpu:
-	docker build -f images/training/Dockerfile --build-arg MSDA=reference \
-	  --build-arg BASE_IMAGE=763104351884.dkr.ecr.us-east-1.amazonaws.com/pytorch-training:2.10.0-cpu-py313-ubuntu22.04-sagemaker \
-	  -t trainstack-training:cpu .
+test: setup msda ffcv image-tools lint test-image-torch image-smoke
+	TRAINSTACK_REQUIRE_IMAGE_TOOLS=1 OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=60 tests
 
 clean:
 	rm -rf runs .pytest_cache trainer/ops/msda/build trainer/ops/msda/_C*.so trainer/ops/msda/.build-stamp

@@ -3,7 +3,7 @@
 ``config.py`` (typed CDK context), ``app.py`` and ``stacks/{data,monitoring,training,ci}.py`` (CDK),
 ``constructs/`` (spot launch template, user data, SageMaker spot jobs, CloudWatch agent, cdk-nag
 acknowledgements), ``cli/`` (``python -m infra``: push-image, launch, submit, status, logs, stop, teardown,
-cost). The instance catalog (facts and prices, the one copy) is the top-level package ``catalog/``.
+cost; ``cli/builder.py``, the one place that knows docker/podman/buildah; ``cli/smoke.py``, ``make image-smoke``). The instance catalog (facts and prices, the one copy) is the top-level package ``catalog/``.
 """
 
 import os

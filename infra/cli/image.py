@@ -1,7 +1,8 @@
-"""``push-image``: build images/training/Dockerfile, log in to ECR through boto3, tag with the git commit, push.
+"""``push-image``: build images/training/Dockerfile, log in to ECR through boto3, tag with the git commit, push,
+and print the digest the registry stored.
 
-The Docker work is done by the ``docker`` CLI (``--docker`` picks another binary; tests use a fake one that
-records its arguments); the ECR credentials come from ``ecr:GetAuthorizationToken`` (base64 ``AWS:password``)
+The build and push are done by the OCI builder this machine has (infra/cli/builder.py: a docker engine, podman
+or buildah; ``--builder`` picks a binary); the ECR credentials come from ``ecr:GetAuthorizationToken`` (base64 ``AWS:password``)
 in each registry's own region (a token is valid for one region: ECR user guide, "Private registry
 authentication"), for this account's repository and, when the base image is an AWS Deep Learning Container,
 for its registry (``763104351884.dkr.ecr.us-east-1...`` whatever the environment's region).
@@ -23,6 +24,7 @@ from typing import Optional
 
 from botocore.exceptions import ClientError
 
+from infra.cli import builder as oci
 from infra.cli.outputs import Outputs
 from infra.cli.session import Aws, CliError, explain
 
@@ -51,20 +53,29 @@ def registry_region(registry: str) -> str:
     return match.group(1)
 
 
-def _login(docker: str, ecr_in: Callable[[str], object], registries: list[str], run) -> list[str]:
-    """``docker login`` to each ECR registry with a GetAuthorizationToken from the registry's own region
+def _login(
+    b: oci.Builder, ecr_in: Callable[[str], object], registries: list[str], tls_verify: bool = True
+) -> list[str]:
+    """Logs ``b`` in to each ECR registry with a GetAuthorizationToken from the registry's own region
     (``ecr_in(region)`` gives that region's client). One token per region serves every registry there that the
     caller may pull from (the DLC account 763104351884 included: AWS DLC docs), but only that region: the
-    environment's token did not log in to the DLC registry in us-east-1 from any other region."""
+    environment's token did not log in to the DLC registry in us-east-1 from any other region. A registry that
+    is not an ECR host (a test's local registry standing in for the repository) gets the repository region's
+    token."""
     tokens: dict[str, tuple[str, str]] = {}
     for registry in registries:
-        region = registry_region(registry)
+        region = registry_region(registry) if ".dkr.ecr." in registry else registries_region_default(registries)
         if region not in tokens:
             auth = ecr_in(region).get_authorization_token()["authorizationData"][0]
             tokens[region] = tuple(base64.b64decode(auth["authorizationToken"]).decode().split(":", 1))
         user, password = tokens[region]
-        run([docker, "login", "--username", user, "--password-stdin", registry], input_text=password)
+        b.login(registry, user, password, tls_verify=tls_verify or ".dkr.ecr." in registry)
     return registries
+
+
+def registries_region_default(registries: list[str]) -> str:
+    """The region of the first ECR host in ``registries`` (us-east-1 when none is one)."""
+    return next((registry_region(r) for r in registries if ".dkr.ecr." in r), "us-east-1")
 
 
 def dockerfile_base_image(repo: Path) -> str:
@@ -82,41 +93,42 @@ def push_image(
     repo: Path,
     tag: Optional[str] = None,
     base_image: Optional[str] = None,
-    docker: str = "docker",
+    builder: Optional[str] = None,
     ecr_in: Optional[Callable[[str], object]] = None,
+    push_to: Optional[str] = None,
+    tls_verify: bool = True,
+    dockerfile: str = DOCKERFILE,
+    ca_bundle: Optional[str] = None,
 ) -> str:
-    """Build, tag ``<repository>:<tag>`` and push; returns the image URI (with `` (already pushed)`` when the
-    tag was in the repository already: nothing is built or pushed then).
+    """Build, tag ``<repository>:<tag>``, push; returns ``<repository>:<tag>@<digest>``, the digest being the
+    one the registry stored for the pushed manifest (or ``<repository>:<tag> (already pushed)`` when the tag
+    was in the repository already: nothing is built or pushed then).
 
-    ``ecr_in(region)``: the ECR client of a region (default: the session's). Raises CliError when docker is
-    missing or fails, or ECR refuses (with the next step).
+    ``builder``: docker, podman or buildah binary (default: :func:`infra.cli.builder.find`). ``ecr_in(region)``:
+    the ECR client of a region (default: the session's). ``push_to``: a ``registry/repository`` that receives
+    the blobs and manifest instead of the ECR repository (tests: a registry on 127.0.0.1, without TLS when
+    ``tls_verify`` is False); the ECR API still answers the tag lookup and the login token. ``dockerfile``:
+    relative to ``repo``. ``ca_bundle``: a CA file bind-mounted over the base's bundle for the build's RUN
+    steps (podman/buildah; behind a TLS-inspecting proxy). Raises CliError when no builder is found, the build or push fails, or ECR refuses
+    (with the next step).
     """
     ecr_in = ecr_in or (lambda region: aws.session.client("ecr", region_name=region))
     tag = tag or git_tag(repo)
-    image = f"{outputs.repository_uri}:{tag}"
     if tagged_digest(ecr_in(aws.region), outputs.repository_name, tag):
-        return f"{image} (already pushed)"
-
-    def run(cmd: list[str], input_text: Optional[str] = None) -> None:
-        try:
-            proc = subprocess.run(cmd, cwd=repo, input=input_text, text=True, capture_output=input_text is not None)
-        except FileNotFoundError:
-            raise CliError(f"{cmd[0]!r} not found", "install Docker, or pass --docker PATH") from None
-        if proc.returncode != 0:
-            shown = " ".join(cmd[:3])
-            raise CliError(f"`{shown} ...` failed with exit {proc.returncode}: {(proc.stderr or '')[-500:]}")
-
+        return f"{outputs.repository_uri}:{tag} (already pushed)"
+    b = oci.find(builder)
+    image = f"{push_to or outputs.repository_uri}:{tag}"
     base = base_image or dockerfile_base_image(repo)
-    registries = [outputs.repository_uri.split("/", 1)[0]]
+    registries = [image.split("/", 1)[0]]
     if ".dkr.ecr." in base.split("/", 1)[0]:
         registries.append(base.split("/", 1)[0])
     try:
-        _login(docker, ecr_in, registries, run)
-        run([docker, "build", "-f", DOCKERFILE, "-t", image, "--build-arg", f"BASE_IMAGE={base}", "."])
+        _login(b, ecr_in, registries, tls_verify)
     except ClientError as e:
         raise explain(e, "logging in to ECR") from None
-    run([docker, "push", image])
-    return image
+    b.build(repo, dockerfile, image, {"BASE_IMAGE": base}, oci.ca_mounts(b, ca_bundle))
+    digest = b.push(image, tls_verify=tls_verify)
+    return f"{image}@{digest}"
 
 
 def tagged_digest(ecr, repository_name: str, tag: str) -> Optional[str]:

@@ -1,7 +1,8 @@
 """``python -m infra``: operate a deployed environment with boto3.
 
     python -m infra [--env NAME] [--region R] [--profile P] COMMAND ...
-      push-image   build images/training/Dockerfile, push to the stack's ECR repository tagged with the commit
+      push-image   build images/training/Dockerfile (docker, podman or buildah), push to the stack's ECR repository
+                   tagged with the commit, print the pushed digest
       launch TYPE  run a spot instance from the stack's launch template (--on-demand-fallback to fall back)
       submit       start a managed-spot SageMaker run through the stack's state machine
       sweep        a hyperparameter sweep: managed-spot jobs (at most K running; rerun to top up) or one
@@ -103,7 +104,10 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("push-image", help="build and push the training image")
     s.add_argument("--tag", help="image tag (default: git commit, -dirty when the tree has changes)")
     s.add_argument("--base-image", help="AWS DLC to build FROM (default: the Dockerfile's BASE_IMAGE)")
-    s.add_argument("--docker", default="docker", help="docker binary")
+    s.add_argument(
+        "--builder", "--docker", dest="builder", help="docker, podman or buildah binary (default: the first found)"
+    )
+    s.add_argument("--ca-bundle", help="CA file mounted over the base's for the build (podman/buildah; TLS proxies)")
 
     s = sub.add_parser("launch", help="run a spot training instance")
     s.add_argument("instance_type")
@@ -273,7 +277,9 @@ def run(args: argparse.Namespace) -> int:
     outputs = load_outputs(aws, partial=args.command == "teardown")
     cmd = args.command
     if cmd == "push-image":
-        print(f"pushed {image.push_image(aws, outputs, REPO, args.tag, args.base_image, args.docker)}")
+        print(
+            f"pushed {image.push_image(aws, outputs, REPO, args.tag, args.base_image, args.builder, ca_bundle=args.ca_bundle)}"
+        )
     elif cmd == "launch":
         got = instances.launch(
             aws,

@@ -12,7 +12,7 @@ import pytest
 from conftest import REPO
 from test_image_layout import dockerignore_patterns, excluded, parse_dockerfile
 
-SKIP_DIRS = {".git", ".venv", "node_modules", "cdk.out", "runs", "data", "__pycache__"}
+SKIP_DIRS = {".git", ".venv", ".venv-image-torch", "build", "node_modules", "cdk.out", "runs", "data", "__pycache__"}
 
 
 def dockerfiles() -> list[Path]:
@@ -22,7 +22,7 @@ def dockerfiles() -> list[Path]:
         found += [
             Path(dirpath) / f
             for f in filenames
-            if f == "Dockerfile" or f.startswith("Dockerfile.") or f.endswith(".Dockerfile")
+            if f in ("Dockerfile", "Containerfile") or f.startswith("Dockerfile.") or f.endswith(".Dockerfile")
         ]
     return sorted(found)
 

@@ -383,13 +383,18 @@ def test_cost_prices_running_instances_from_the_catalog(aws, capsys):
     assert row["price_source"] == "catalog on-demand" and row["usd"] >= 0
 
 
+FAKE_DIGEST = "5e" * 32
+
+
 def _fake_docker(tmp_path):
-    """A ``docker`` that records ``[argv, stdin]`` per call in a JSON-lines file; returns (binary, file)."""
+    """A ``docker`` that records ``[argv, stdin]`` per call in a JSON-lines file and, on ``push``, prints the
+    digest line ``docker push`` ends with; returns (binary, file)."""
     calls = tmp_path / "docker-calls.jsonl"
     fake = tmp_path / "docker"
     fake.write_text(
         f"#!{sys.executable}\nimport json, sys\nstdin = sys.stdin.read() if 'login' in sys.argv else ''\n"
         f"open({str(calls)!r}, 'a').write(json.dumps([sys.argv[1:], stdin]) + '\\n')\n"
+        f"if sys.argv[1] == 'push': print('c0ffee: digest: sha256:{FAKE_DIGEST} size: 529')\n"
     )
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     return fake, calls
@@ -399,7 +404,7 @@ def test_push_image_logs_in_builds_tags_with_commit_and_pushes(aws, capsys, tmp_
     fake, calls = _fake_docker(tmp_path)
     assert main(E + ["push-image", "--tag", "c0ffee", "--docker", str(fake)]) == 0
     repo = _outputs(aws, "TrainingStack")["RepositoryUri"]
-    assert f"pushed {repo}:c0ffee" in capsys.readouterr().out
+    assert f"pushed {repo}:c0ffee@sha256:{FAKE_DIGEST}" in capsys.readouterr().out  # the digest docker printed
     recorded = [json.loads(line) for line in calls.read_text().splitlines()]
     logins = [(argv, stdin) for argv, stdin in recorded if argv[0] == "login"]
     assert {argv[-1] for argv, _ in logins} >= {repo.split("/")[0], "763104351884.dkr.ecr.us-east-1.amazonaws.com"}
@@ -444,9 +449,9 @@ def test_push_image_logs_in_to_each_registry_with_its_own_regions_token(aws, cap
     outputs = Outputs("eu", "b", "vol-1", "eu-west-1a", repo, "arn:topic", "/trainstack/eu/train")
     fake, calls = _fake_docker(tmp_path)
     pushed = image.push_image(
-        Aws(session, "eu-west-1", moto_env.ACCOUNT, "eu"), outputs, REPO_ROOT, "c0ffee", docker=str(fake)
+        Aws(session, "eu-west-1", moto_env.ACCOUNT, "eu"), outputs, REPO_ROOT, "c0ffee", builder=str(fake)
     )
-    assert pushed == f"{repo}:c0ffee"
+    assert pushed == f"{repo}:c0ffee@sha256:{FAKE_DIGEST}"
     logins = {argv[-1]: stdin for argv, stdin in map(json.loads, calls.read_text().splitlines()) if argv[0] == "login"}
     assert logins == {
         repo.split("/")[0]: "token-of-eu-west-1",

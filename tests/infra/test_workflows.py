@@ -64,8 +64,8 @@ def _prerequisites_step(wf: dict) -> str:
 
 def test_ci_installs_what_make_test_needs_on_a_hosted_runner():
     """ubuntu-latest runs as a non-root user with passwordless sudo and no CUDA toolkit: before `bash .ci/run`
-    the workflow installs the Makefile's FFCV apt packages with sudo (the Makefile's `ffcv` target refuses
-    without root) and nvcc from NVIDIA's wheels for torch's CUDA version, exporting CUDA_HOME."""
+    the workflow installs the Makefile's FFCV and image-tool apt packages with sudo (the Makefile's `ffcv` and
+    `image-tools` targets refuse without root; the runner's docker engine is the builder) and nvcc from NVIDIA's wheels for torch's CUDA version, exporting CUDA_HOME."""
     import re
 
     run = _prerequisites_step(_load("ci.yml"))
@@ -73,6 +73,9 @@ def test_ci_installs_what_make_test_needs_on_a_hosted_runner():
     apt = re.search(r"^FFCV_APT := (.+)$", makefile, re.M).group(1).split()
     install = next(line for line in run.splitlines() if "apt-get" in line and " install " in line)
     assert install.lstrip().startswith("sudo ") and install.split()[-len(apt) :] == apt
+    image_apt = re.search(r"^IMAGE_APT := (.+)$", makefile, re.M).group(1).split()  # make image-tools
+    installs = [line.split() for line in run.splitlines() if "apt-get" in line and " install " in line]
+    assert any(words[0] == "sudo" and words[-len(image_apt) :] == image_apt for words in installs), installs
     torch_cuda = _torch_cuda_version()
     pins = dict(re.findall(r"(nvidia-[a-z-]+)==([0-9.]+)", run))
     assert pins["nvidia-cuda-nvcc"].startswith(torch_cuda + "."), (pins, torch_cuda)

@@ -1,0 +1,280 @@
+"""The one place that knows the OCI builders: ``docker``, ``podman`` or ``buildah``, whichever this machine has.
+
+push-image builds and pushes through it, and the image smoke test (``infra/cli/smoke.py``) builds, runs and
+signals containers through it. The three take the same Dockerfile; they differ in how a container is run:
+
+- docker / podman: ``run --rm`` with bind mounts; a signal goes to the container's PID 1 (``kill --signal``).
+- buildah: no daemon and no ``run`` of an image; a working container is made with ``buildah from``, the command
+  runs in it with ``buildah run --isolation chroot`` (root, no user namespace: what buildah documents for
+  running inside an unprivileged VM or container) with the host's UTS namespace, and the container is removed
+  afterwards. Chroot isolation has
+  no PID namespace, so a signal goes to the command's own process, the child of ``buildah run``.
+
+Digests: ``buildah push --digestfile`` / ``podman push --digestfile`` write the manifest digest the registry
+stored; ``docker push`` prints it (``<tag>: digest: sha256:... size: N``). Sources: buildah-push(1),
+buildah-run(1), podman-push(1), the Docker CLI reference for ``docker push``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from infra.cli.session import CliError
+
+KINDS = ("docker", "podman", "buildah")
+_DIGEST = re.compile(r"digest: (sha256:[0-9a-f]{64})")
+
+
+@dataclass(frozen=True)
+class Mount:
+    """A bind mount: ``host`` path (absolute) at ``target`` inside the container, read-only unless ``rw``."""
+
+    host: str
+    target: str
+    rw: bool = False
+
+    def arg(self) -> str:
+        return f"{self.host}:{self.target}:{'rw' if self.rw else 'ro'}"
+
+
+@dataclass
+class Container:
+    """A running command inside an image (:meth:`Builder.start`); ``proc`` is the local client process."""
+
+    builder: Builder
+    name: str
+    proc: subprocess.Popen
+    cleanup: list[list[str]] = field(default_factory=list)
+
+    def signal(self, sig: int = signal.SIGTERM) -> None:
+        """Send ``sig`` to the command (docker/podman: the container's PID 1; buildah: the child of ``buildah
+        run``, which chroot isolation runs in the host's PID namespace)."""
+        if self.builder.kind == "buildah":
+            import psutil
+
+            # buildah run -> buildah-chroot-runtime -> buildah-chroot-exec -> the command
+            execs = [
+                p
+                for p in psutil.Process(self.proc.pid).children(recursive=True)
+                if _first_arg(p) == "buildah-chroot-exec"
+            ]
+            commands = [c for p in execs for c in p.children()]
+            if not commands:
+                raise CliError(f"container {self.name}: its command is not running (exit {self.proc.poll()})")
+            for command in commands:
+                command.send_signal(sig)
+        else:
+            subprocess.run([self.builder.binary, "kill", "--signal", str(int(sig)), self.name], check=False)
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        """Exit status of the command (waits up to ``timeout`` s), then removes the working container."""
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is not None:
+                for cmd in self.cleanup:
+                    subprocess.run(cmd, check=False, capture_output=True)
+
+
+@dataclass(frozen=True)
+class Builder:
+    """One OCI builder: ``kind`` (docker, podman or buildah) and the ``binary`` to run."""
+
+    kind: str
+    binary: str
+
+    def _run(self, args: Sequence[str], *, input_text: Optional[str] = None, quiet: bool = False, cwd=None) -> str:
+        """Runs the builder with ``args``; returns stdout. Raises CliError naming the command on failure."""
+        cmd = [self.binary, *args]
+        try:
+            proc = subprocess.run(
+                cmd,
+                cwd=cwd,
+                input=input_text,
+                text=True,
+                stdout=subprocess.PIPE if quiet or input_text is not None else None,
+                stderr=subprocess.PIPE if quiet or input_text is not None else None,
+            )
+        except FileNotFoundError:
+            raise CliError(
+                f"{self.binary!r} not found", "install docker, podman or buildah, or pass --builder PATH"
+            ) from None
+        if proc.returncode != 0:
+            shown = " ".join(cmd[:3])
+            raise CliError(f"`{shown} ...` failed with exit {proc.returncode}: {(proc.stderr or '')[-500:]}")
+        return proc.stdout or ""
+
+    def login(self, registry: str, user: str, password: str, tls_verify: bool = True) -> None:
+        """``login --username USER --password-stdin REGISTRY`` (the password never on the command line)."""
+        extra = [] if tls_verify or self.kind == "docker" else ["--tls-verify=false"]
+        self._run(["login", "--username", user, "--password-stdin", *extra, registry], input_text=password)
+
+    def build(
+        self,
+        context: Path,
+        dockerfile: str,
+        tag: str,
+        build_args: Optional[dict[str, str]] = None,
+        mounts: Sequence[Mount] = (),
+    ) -> None:
+        """Builds ``dockerfile`` (relative to ``context``) as ``tag`` with layer caching. ``mounts`` are bind
+        mounts for the RUN steps only (buildah/podman ``--volume``; docker has none and refuses them)."""
+        args = ["build", "-f", dockerfile, "-t", tag]
+        for key, value in (build_args or {}).items():
+            args += ["--build-arg", f"{key}={value}"]
+        if self.kind != "docker":  # Docker's image format: OCI's has no SHELL, and the Dockerfile sets one
+            args[1:1] = ["--format", "docker"]
+        if self.kind == "buildah":
+            args[0:1] = ["bud", "--layers", "--isolation", "chroot"]
+        if mounts:
+            if self.kind == "docker":
+                raise CliError("docker build takes no build-time bind mounts", "use podman or buildah")
+            for m in mounts:
+                args += ["--volume", m.arg()]
+        self._run([*args, "."], cwd=context)
+
+    def push(self, image: str, tls_verify: bool = True) -> str:
+        """Pushes ``image`` (``registry/repository:tag``); returns the manifest digest the registry stored
+        (``sha256:...``). Raises CliError when the push fails or no digest comes back."""
+        if self.kind == "docker":
+            out = self._run(["push", image], quiet=True)
+            print(out, end="")
+            found = _DIGEST.findall(out)
+            if not found:
+                raise CliError(f"`docker push {image}` printed no digest line: {out[-300:]!r}")
+            return found[-1]
+        with tempfile.TemporaryDirectory() as tmp:
+            digest_file = Path(tmp) / "digest"
+            extra = [] if tls_verify else ["--tls-verify=false"]
+            dest = [f"docker://{image}"] if self.kind == "buildah" else []
+            self._run(["push", "--digestfile", str(digest_file), *extra, image, *dest])
+            return digest_file.read_text().strip()
+
+    def exists(self, image: str) -> bool:
+        """Whether ``image`` is in the local store."""
+        args = ["inspect", "--type", "image", image] if self.kind == "buildah" else ["image", "inspect", image]
+        return subprocess.run([self.binary, *args], capture_output=True).returncode == 0
+
+    def image_digest(self, image: str) -> str:
+        """The local image's identity: the manifest digest (buildah, podman) or the image ID (docker, which has
+        a manifest digest only once pushed)."""
+        if self.kind == "buildah":
+            return self._run(
+                ["inspect", "--type", "image", "--format", "{{.FromImageDigest}}", image], quiet=True
+            ).strip()
+        fmt = "{{.Id}}" if self.kind == "docker" else "{{.Digest}}"
+        out = self._run(["image", "inspect", "--format", fmt, image], quiet=True).strip()
+        return out if out.startswith("sha256:") else f"sha256:{out}"
+
+    def image_size(self, image: str) -> int:
+        """Size of ``image`` in bytes, as the builder reports it (the layers' uncompressed size)."""
+        if self.kind == "buildah":  # buildah reports it rounded, in decimal units (go-units HumanSize)
+            out = self._run(["images", "--format", "{{.Size}}", image], quiet=True).strip().splitlines()[0]
+            match = re.fullmatch(r"([\d.]+)\s*([kMGT]?B)", out)
+            if not match:
+                raise CliError(f"buildah images: unexpected size {out!r} of {image}")
+            return round(float(match.group(1)) * 1000 ** "BkMGT".index(match.group(2)[0]))
+        return int(self._run(["image", "inspect", "--format", "{{.Size}}", image], quiet=True).strip())
+
+    def import_rootfs(self, tarball: Path, image: str) -> None:
+        """A one-layer image ``image`` from a root file system ``tarball`` (e.g. mmdebstrap's output)."""
+        if self.kind == "buildah":
+            ctr = self._run(["from", "scratch"], quiet=True).strip()
+            try:
+                self._run(["add", ctr, str(tarball), "/"], quiet=True)
+                self._run(["commit", "--quiet", ctr, image], quiet=True)
+            finally:
+                subprocess.run([self.binary, "rm", ctr], capture_output=True)
+        else:
+            self._run(["import", str(tarball), image], quiet=True)
+
+    def start(
+        self,
+        image: str,
+        argv: Sequence[str],
+        mounts: Sequence[Mount] = (),
+        env: Optional[dict[str, str]] = None,
+        stdout=None,
+    ) -> Container:
+        """Runs ``argv`` in a fresh container of ``image`` (its ENV, WORKDIR and PATH; no entrypoint: the
+        training image clears it) and returns at once. ``stdout``: as subprocess.Popen's (stderr joins it)."""
+        name = f"trainstack-{uuid.uuid4().hex[:12]}"
+        env_args = [a for k, v in (env or {}).items() for a in ("--env", f"{k}={v}")]
+        vol_args = [a for m in mounts for a in ("--volume", m.arg())]
+        if self.kind == "buildah":
+            self._run(["from", "--pull-never", "--name", name, image], quiet=True)
+            # --uts host: buildah names the container's host after its id but leaves it out of /etc/hosts, and
+            # torchrun's rendezvous resolves the host name (it waited on DNS until killed)
+            cmd = [
+                self.binary,
+                "run",
+                "--isolation",
+                "chroot",
+                "--uts",
+                "host",
+                *env_args,
+                *vol_args,
+                name,
+                "--",
+                *argv,
+            ]
+            cleanup = [[self.binary, "rm", name]]
+        else:
+            cmd = [self.binary, "run", "--rm", "--name", name, "--ipc", "host", *env_args, *vol_args, image, *argv]
+            cleanup = []
+        proc = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.STDOUT if stdout else None, text=True)
+        return Container(self, name, proc, cleanup)
+
+
+def ca_mounts(b: Builder, bundle: Optional[str]) -> list[Mount]:
+    """The build-time mount of a CA bundle over the image's ``/etc/ssl/certs/ca-certificates.crt`` (so pip in
+    the RUN steps trusts a TLS-inspecting proxy; nothing stays in a layer), or none: no ``bundle``, no such file,
+    or docker (no build-time mounts)."""
+    if not bundle or b.kind == "docker" or not Path(bundle).is_file():
+        return []
+    return [Mount(str(Path(bundle).resolve()), "/etc/ssl/certs/ca-certificates.crt")]
+
+
+def _first_arg(process) -> str:
+    try:
+        return (process.cmdline() or [""])[0]
+    except Exception:  # the process ended meanwhile (psutil.NoSuchProcess) or is not ours to read
+        return ""
+
+
+def _engine_answers(binary: str) -> bool:
+    """docker's CLI can be present without a reachable engine (as on this project's dev box)."""
+    try:
+        return subprocess.run([binary, "info"], capture_output=True, timeout=20).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def find(binary: Optional[str] = None) -> Builder:
+    """The builder to use: ``binary`` when given (its kind from its name; anything else is taken as docker),
+    else the first of docker (when its engine answers ``docker info``), podman, buildah on PATH.
+    Raises CliError with the install step when there is none."""
+    if binary:
+        if not shutil.which(binary):
+            raise CliError(f"--builder {binary}: not an executable; expected a docker, podman or buildah binary")
+        base = os.path.basename(binary)
+        kind = next((k for k in KINDS if base.startswith(k)), "docker")
+        return Builder(kind, binary)
+    for kind in KINDS:
+        found = shutil.which(kind)
+        if found and (kind != "docker" or _engine_answers(found)):
+            return Builder(kind, found)
+    raise CliError(
+        "no OCI builder: neither a docker engine, podman nor buildah was found",
+        "install one (Debian: `apt-get install buildah`, what `make image-smoke` does as root), or pass --builder PATH",
+    )

@@ -1,0 +1,321 @@
+"""``make image-smoke``: build images/training/Dockerfile with the OCI builder this machine has and run every task
+inside the built image. ``python -m infra.cli.smoke --help``.
+
+Steps (each prints one ``image-smoke:`` line; the first failure ends the run with exit 1 and its output):
+
+1. The base: ``--base-image`` when given (e.g. the real DLC, pulled by the builder), else the stand-in of
+   ``images/standin/`` (built when missing: a Debian trixie rootfs by ``mmdebstrap``, imported, then its
+   Containerfile). The stand-in is for offline builds only and is never pushed.
+2. The image: the Dockerfile unchanged but for ``BASE_IMAGE``, ``MSDA=cuda`` (the op compiled in the build)
+   for ``--archs`` (default ``8.0``), tagged ``trainstack-training:<git tag>`` (infra/cli/image.py's tag).
+3. In the image: ``python -m trainer.check_install``; ``train`` on the embedded digits for a few steps with the
+   checkpoint in a mounted folder; SIGTERM during training -> exit 75, and a rerun that resumes and finishes;
+   the SageMaker contract (``/opt/ml`` mounted: hyperparameters.json, checkpoints, model, and the failure file
+   of a bad hyperparameter, exit 2); one short step of detection (facemask-coco), segmentation (rid-roofs)
+   and video (clips derived in the image from video-clips) on ``--data`` mounted read-only at /data.
+4. The last line: ``image-smoke: passed <image> <digest> ...`` with the build time and the image size, and a
+   JSON record under ``runs/image-smoke/`` (what docs/training-image.md tabulates).
+
+Build-time bind mounts: the host's CA bundle over the image's (``--ca-bundle``), so pip inside the build trusts
+a TLS-inspecting proxy; nothing of it stays in the image. Exit 2: a bad flag or a missing data folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+from infra.cli import builder as oci
+from infra.cli.image import DOCKERFILE, git_tag
+from infra.cli.session import CliError
+
+REPO = Path(__file__).resolve().parents[2]
+STANDIN_DIR = "images/standin"
+STANDIN_OS = "localhost/trainstack-standin-os:trixie"
+STANDIN = "localhost/trainstack-standin:pytorch-2.13.0"
+# Debian packages of the stand-in's rootfs: Python with headers and venv, the C++ compiler the op needs, CAs
+STANDIN_PACKAGES = "python3,python3-dev,python3-venv,g++,ca-certificates"
+DEBIAN_MIRROR = "http://deb.debian.org/debian"
+
+
+# The compiled extension loads, and the custom operator is registered and runs (CPU: the reference kernel)
+OP_CHECK = """
+import torch
+from trainer.ops import msda
+from trainer.ops.msda import library
+ext = msda.load_extension()
+assert ext is not None, msda.extension_error()
+value, shapes, start = torch.rand(1, 6, 2, 4), torch.tensor([[2, 3]]), torch.tensor([0])
+loc, attn = torch.rand(1, 5, 2, 1, 2, 2), torch.rand(1, 5, 2, 1, 2)
+out = torch.ops.trainstack.ms_deform_attn(value, shapes, start, loc, attn, 64, [2, 3])
+ref = msda.ms_deform_attn_core_pytorch(value, shapes, loc, attn)
+assert out.shape == (1, 5, 8) and torch.allclose(out, ref, atol=1e-6), (out.shape, (out - ref).abs().max())
+print("trainstack::ms_deform_attn matches the reference; extension", ext.__file__)
+"""
+
+
+class SmokeFailure(Exception):
+    """A step of the smoke test failed; the message names the step and ends with the command's output."""
+
+
+def _say(msg: str) -> None:
+    print(f"image-smoke: {msg}", flush=True)
+
+
+def ensure_standin(b: oci.Builder, mounts: list[oci.Mount], work: Path) -> str:
+    """Builds the stand-in base unless it is in the builder's store (its OS layer too); returns its name.
+    Raises CliError when mmdebstrap is missing or a build fails."""
+    if not b.exists(STANDIN_OS):
+        tarball = work / "standin-rootfs.tar"
+        _say(f"writing the stand-in's Debian trixie rootfs ({STANDIN_PACKAGES}) with mmdebstrap")
+        cmd = ["mmdebstrap", "--variant=minbase", f"--include={STANDIN_PACKAGES}", "trixie", str(tarball)]
+        try:
+            subprocess.run([*cmd, DEBIAN_MIRROR], check=True)
+        except FileNotFoundError:
+            raise CliError(
+                "mmdebstrap not found", "as root: apt-get install mmdebstrap (make image-smoke does)"
+            ) from None
+        except subprocess.CalledProcessError as e:
+            raise CliError(f"mmdebstrap failed with exit {e.returncode}") from None
+        b.import_rootfs(tarball, STANDIN_OS)
+        tarball.unlink()
+    _say(f"stand-in base {STANDIN} (images/standin/Containerfile, layers cached)")
+    b.build(REPO / STANDIN_DIR, "Containerfile", STANDIN, {"OS_IMAGE": STANDIN_OS}, mounts)
+    return STANDIN
+
+
+class Smoke:
+    """The in-image checks of one built ``image``; ``work`` is a host folder mounted read-write at /work."""
+
+    def __init__(self, b: oci.Builder, image: str, work: Path, data: Path):
+        self.b, self.image, self.work, self.data = b, image, work, data
+
+    def run(
+        self,
+        step: str,
+        argv: list[str],
+        *,
+        expect: int = 0,
+        mounts: tuple[oci.Mount, ...] = (),
+        signal_after: Optional[str] = None,
+        timeout: float = 900,
+    ) -> str:
+        """Runs ``argv`` in the image with /work (rw) and /data (ro) mounted and one process per node; with
+        ``signal_after``, sends SIGTERM once a line starts with it. Returns the output; raises SmokeFailure
+        unless the exit status is ``expect``."""
+        log = self.work / f"{re.sub(r'[^a-z0-9]+', '-', step.lower())}.log"
+        base = (oci.Mount(str(self.work), "/work", rw=True), oci.Mount(str(self.data), "/data"))
+        env = {"TRAINSTACK_NPROC_PER_NODE": "1", "OMP_NUM_THREADS": "2"}
+        start = time.monotonic()
+        with open(log, "w") as out:
+            c = self.b.start(self.image, argv, [*base, *mounts], env, stdout=subprocess.PIPE)
+            signalled = False
+            for line in c.proc.stdout:
+                out.write(line)
+                if signal_after and not signalled and line.startswith(signal_after):
+                    c.signal()
+                    signalled = True
+                if time.monotonic() - start > timeout:
+                    c.signal(9)
+            rc = c.wait(timeout=60)
+        text = log.read_text()
+        if rc != expect or (signal_after and not signalled):
+            why = "never saw " + repr(signal_after) if signal_after and not signalled else f"exit {rc}"
+            raise SmokeFailure(f"{step}: {why}, expected exit {expect} ({log}):\n{text[-4000:]}")
+        _say(f"{step}: exit {rc} as expected ({time.monotonic() - start:.0f} s)")
+        return text
+
+    def write(self, name: str, content: dict) -> str:
+        """A config file in /work (JSON is YAML); returns its path inside the container."""
+        (self.work / name).write_text(json.dumps(content, indent=1))
+        return f"/work/{name}"
+
+    def all(self, only: str = "all") -> None:
+        """Every check of the module docstring's step 3, in order (``only``: one group: install, digits,
+        sagemaker or tasks)."""
+        if only == "sagemaker":
+            return self._sagemaker()
+        if only == "tasks":
+            return self._tasks()
+        self.run("check_install", ["python3", "-m", "trainer.check_install"])
+        self.run("op extension and custom operator", ["python3", "-c", OP_CHECK])
+        digits = [
+            "train", "--config", "configs/digits.yaml", "--device", "cpu", "--model", "resnet18",
+            "--image-size", "32", "--batch-size", "32", "--num-workers", "0", "--log-every-steps", "1", "--warmup-epochs", "0",
+        ]  # fmt: skip
+        if only == "install":
+            return None
+        ck = ["--checkpoint-dir", "/work/digits/ckpt", "--log-dir", "/work/digits/logs"]
+        self.run("digits train", [*digits, *ck, "--epochs", "1", "--max-steps-per-epoch", "4"])
+        if not (self.work / "digits" / "ckpt" / "latest").is_file():
+            raise SmokeFailure("digits train: no checkpoint in the mounted folder /work/digits/ckpt")
+
+        ck = ["--checkpoint-dir", "/work/stop/ckpt", "--log-dir", "/work/stop/logs"]
+        long = [*digits, *ck, "--epochs", "1", "--max-steps-per-epoch", "12"]  # the stop writes the checkpoint
+        self.run("SIGTERM during training", long, expect=75, signal_after="step=")
+        marker = json.loads((self.work / "stop" / "ckpt" / "interrupted.json").read_text())
+        out = self.run("rerun after SIGTERM", long)
+        if "checkpoint: resuming from" not in out:
+            raise SmokeFailure(f"rerun after SIGTERM: no 'checkpoint: resuming from' line:\n{out[-2000:]}")
+        _say(f"rerun resumed from {marker['checkpoint']} (step {marker['global_step']}) and finished")
+        if only == "digits":
+            return None
+
+        self._sagemaker()
+        self._tasks()
+
+    def _sagemaker(self) -> None:
+        root = self.work / "opt_ml"
+        (root / "input" / "config").mkdir(parents=True)
+        hps = {"data_dir": '"builtin:digits"', "epochs": "1", "max_steps_per_epoch": "3", "device": '"cpu"'}
+        hps |= {"model": '"resnet18"', "image_size": "32", "batch_size": "32", "num_workers": "0", "warmup_epochs": "0"}
+        (root / "input" / "config" / "hyperparameters.json").write_text(json.dumps(hps))
+        sm = (oci.Mount(str(root), "/opt/ml", rw=True),)
+        self.run("SageMaker job (hyperparameters.json)", ["train"], mounts=sm)
+        model = json.loads((root / "model" / "model.json").read_text())
+        for path in (root / "model" / model["checkpoint"] / "state.pt", root / "checkpoints" / "latest"):
+            if not path.is_file():
+                raise SmokeFailure(f"SageMaker job: {path} missing after exit 0")
+        (root / "input" / "config" / "hyperparameters.json").write_text(json.dumps({"learning_rate": "0.1"}))
+        self.run("SageMaker bad hyperparameter", ["train"], mounts=sm, expect=2)
+        failure = (root / "output" / "failure").read_text()
+        if "unknown hyperparameter 'learning_rate'" not in failure:
+            raise SmokeFailure(f"SageMaker bad hyperparameter: output/failure says {failure!r}")
+        _say("SageMaker failure file names the key")
+
+    def _tasks(self) -> None:
+        short = {"epochs": 1, "max_steps_per_epoch": 1, "device": "cpu", "num_workers": 0, "precision": "32"}
+        short |= {"channels_last": False}
+        facemask = json.loads((self.data / "facemask-coco" / "annotations" / "custom_train.json").read_text())
+        images = facemask["images"][:4]
+        ids = {i["id"] for i in images}
+        subset = {"images": images, "categories": facemask["categories"]}
+        subset["annotations"] = [a for a in facemask["annotations"] if a["image_id"] in ids]
+        (self.work / "facemask" / "annotations").mkdir(parents=True)
+        for split in ("train", "val"):  # 4 images, both splits: one step and a short evaluation
+            (self.work / "facemask" / "annotations" / f"instances_{split}.json").write_text(json.dumps(subset))
+        det = {"task": "detection", "data_dir": "/work/facemask", "coco_images": "/data/facemask-coco/train2017"}
+        det |= dict(model="resnet18", min_scale=64, max_scale=64, max_size=96, eval_size=64, num_queries=30)
+        det |= dict(num_select=30, dn_number=10, hidden_dim=32, dim_feedforward=64, enc_layers=1, dec_layers=2)
+        det |= dict(nheads=4, optimizer="adamw", lr=1e-4, batch_size=2)
+        seg = {"task": "segmentation", "data_dir": "/data/rid-roofs", "mask_suffix": "_reviewed", "image_size": 64}
+        seg |= {"model": "unet", "encoder": "resnet18", "val_fraction": 0.25, "max_samples": 8, "batch_size": 2}
+        seg["classes"] = [
+            "pvmodule",
+            "dormer",
+            "window",
+            "ladder",
+            "chimney",
+            "shadow",
+            "tree",
+            "unknown",
+            "background",
+        ]
+        for name, cfg in (("detection", det), ("segmentation", seg)):
+            path = self.write(f"{name}.yaml", {**cfg, **short})
+            self.run(f"{name} step", ["train", "--config", path, "--checkpoint-dir", f"/work/{name}/ckpt"])
+        derive = (
+            "import glob; from trainer.data.formats.video.derived import write_clip_sets; "
+            "print(write_clip_sets(sorted(glob.glob('/data/video-clips/*')), '/work/clips', size=32))"
+        )
+        self.run("video clips decoded in the image", ["python3", "-c", derive])
+        vid = {"task": "video", "model": "frame_transformer", "video_format": "arrays"}
+        vid |= {"data_dir": "/work/clips/clip-source", "num_frames": 8, "image_size": 32, "batch_size": 4}
+        vid |= dict(temporal_dim=64, temporal_layers=2, temporal_heads=4, temporal_mlp_dim=128)
+        path = self.write("video.yaml", {**vid, **short})
+        self.run("video step", ["train", "--config", path, "--checkpoint-dir", "/work/video/ckpt"])
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m infra.cli.smoke", description=__doc__.split("\n\n")[0])
+    p.add_argument("--builder", help="docker, podman or buildah binary (default: the first found)")
+    p.add_argument("--base-image", help="BASE_IMAGE (default: the stand-in of images/standin, built when missing)")
+    p.add_argument("--msda", choices=("cuda", "reference"), default="cuda", help="MSDA build argument")
+    p.add_argument("--archs", default="8.0", help="TORCH_CUDA_ARCH_LIST of the op (default 8.0)")
+    data = os.environ.get("TRAINSTACK_DATA", str(REPO.parent / "shared" / "data"))
+    p.add_argument(
+        "--data", default=data, help="datasets, mounted read-only (default: TRAINSTACK_DATA, ../shared/data)"
+    )
+    p.add_argument("--ca-bundle", default="/etc/ssl/certs/ca-certificates.crt", help="bind-mounted over the base's")
+    p.add_argument("--build-only", action="store_true", help="build, print the image line, run nothing")
+    p.add_argument("--only", choices=("all", "install", "digits", "sagemaker", "tasks"), default="all", help="checks")
+    args = p.parse_args(argv)
+    data = Path(args.data).resolve()
+    for sub in ("facemask-coco", "rid-roofs", "video-clips"):
+        if not args.build_only and not (data / sub).is_dir():
+            print(
+                f"error: --data {data}: no {sub}/ folder; expected ../shared/data with the shared datasets",
+                file=sys.stderr,
+            )
+            return 2
+    try:
+        b = oci.find(args.builder)
+    except CliError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        mounts = oci.ca_mounts(b, args.ca_bundle)  # docker: none, the machine must reach PyPI without them
+        tag = git_tag(REPO)
+        image = f"trainstack-training:{tag}"
+        # a docker engine's containers write root-owned files into the mounted folder: never fail on its removal
+        with tempfile.TemporaryDirectory(prefix="image-smoke-", ignore_cleanup_errors=True) as tmp:
+            work = Path(tmp)
+            started = time.monotonic()
+            base = args.base_image or ensure_standin(b, mounts, work)
+            base_s = time.monotonic() - started
+            _say(f"building {image} FROM {base} with {b.kind} (MSDA={args.msda}, TORCH_CUDA_ARCH_LIST={args.archs})")
+            started = time.monotonic()
+            build_args = {"BASE_IMAGE": base, "MSDA": args.msda, "TORCH_CUDA_ARCH_LIST": args.archs}
+            b.build(REPO, DOCKERFILE, image, build_args, mounts)
+            build_s = time.monotonic() - started
+            digest, size = b.image_digest(image), b.image_size(image)
+            _say(f"built in {build_s:.0f} s (base {base_s:.0f} s), {size / 2**30:.2f} GiB")
+            if not args.build_only:
+                started = time.monotonic()
+                Smoke(b, image, work, data).all(args.only)
+                checks_s = time.monotonic() - started
+            else:
+                checks_s = None
+    except (CliError, SmokeFailure) as e:
+        print(f"image-smoke: FAILED: {e}", file=sys.stderr)
+        return 1
+    record = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "machine": _cpu_model(),
+        "builder": b.kind,
+        "image": image,
+        "digest": digest,
+        "base": base,
+        "base_s": round(base_s, 1),
+        "build_s": round(build_s, 1),
+        "checks_s": None if checks_s is None else round(checks_s, 1),
+        "size_bytes": size,
+        "archs": args.archs,
+    }
+    out = REPO / "runs" / "image-smoke"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{time.strftime('%Y%m%d-%H%M%S')}.json").write_text(json.dumps(record, indent=1) + "\n")
+    checks = "" if checks_s is None else f", checks {checks_s:.0f} s"
+    print(f"image-smoke: passed {image} {digest} (build {build_s:.0f} s, base {base_s:.0f} s{checks}, "
+          f"{size / 2**30:.2f} GiB)")  # fmt: skip
+    return 0
+
+
+def _cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if os.path.exists("/proc/cpuinfo") else []:
+        if line.startswith("model name"):
+            return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} vCPUs"
+    return platform.processor() or "unknown"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

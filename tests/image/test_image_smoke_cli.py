@@ -1,0 +1,32 @@
+"""``python -m infra.cli.smoke`` (make image-smoke) refuses bad input before building anything: exit 2 and one
+line naming the flag and what was expected. The smoke itself builds a 6 GiB image and is not part of make test
+(docs/training-image.md)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.infra_helpers import REPO
+
+
+def _smoke(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "infra.cli.smoke", *args]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def test_a_data_folder_without_the_shared_datasets_is_named(tmp_path):
+    res = _smoke("--data", str(tmp_path))
+    assert res.returncode == 2 and res.stdout == ""
+    assert res.stderr.count("\n") == 1 and f"--data {tmp_path}: no facemask-coco/ folder" in res.stderr
+
+
+def test_a_builder_that_is_not_there_is_named(tmp_path):
+    res = _smoke("--builder", str(tmp_path / "podman"), "--build-only")
+    assert res.returncode == 2 and res.stdout == ""
+    assert res.stderr.count("\n") == 1 and f"--builder {tmp_path / 'podman'}: not an executable" in res.stderr
+
+
+def test_an_unknown_msda_value_is_refused_by_the_parser():
+    res = _smoke("--msda", "fast", "--build-only")
+    assert res.returncode == 2 and "--msda" in res.stderr and "'cuda', 'reference'" in res.stderr

@@ -1,0 +1,142 @@
+"""push-image for real: the OCI builder this machine has builds, logs in with the ECR token and pushes to a real
+OCI registry (the distribution registry, Debian's ``docker-registry``, on 127.0.0.1), and the digest push-image
+prints is the one the registry serves (``skopeo inspect``) and the one ``launch`` and ``submit`` pin.
+
+The ECR API (tag lookup, GetAuthorizationToken, the stacks) is moto's, in process. moto has no registry endpoint,
+so the test hands the manifest the local registry received to moto's PutImage with its digest: what ECR's own
+registry front end records when a client PUTs a manifest. Nothing leaves 127.0.0.1.
+
+The image is small (``FROM scratch`` and two files of this checkout) so that this runs in ``make test``; the
+training image itself goes through the same push in ``make image-smoke``'s build (docs/training-image.md).
+``make test`` installs buildah, skopeo and docker-registry (``make image-tools``, as root) and sets
+TRAINSTACK_REQUIRE_IMAGE_TOOLS=1, so there a missing tool fails the test instead of skipping it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from infra.cli.main import main
+from tests import moto_env
+from tests.infra.test_infra_cli import E, _instances, aws, templates  # noqa: F401  (fixtures)
+from tests.infra_helpers import REPO as REPO_ROOT
+
+TOOLS = ("skopeo", "docker-registry")
+
+
+def _builder_or_skip():
+    from infra.cli import builder
+    from infra.cli.session import CliError
+
+    missing = [t for t in TOOLS if not shutil.which(t)]
+    try:
+        b = builder.find()
+    except CliError:
+        b, missing = None, [*missing, "an OCI builder (buildah)"]
+    if missing:
+        if os.environ.get("TRAINSTACK_REQUIRE_IMAGE_TOOLS") == "1":
+            pytest.fail(f"missing {', '.join(missing)}: run `make image-tools` as root")
+        pytest.skip(f"needs {', '.join(missing)} (make image-tools, as root)")
+    return b
+
+
+@contextlib.contextmanager
+def local_registry(tmp_path: Path):
+    """A distribution registry serving on 127.0.0.1:<free port> from ``tmp_path``; yields ``127.0.0.1:PORT``."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = tmp_path / "registry.yml"
+    config.write_text(
+        json.dumps(
+            {
+                "version": 0.1,
+                "log": {"level": "warn"},
+                "storage": {"filesystem": {"rootdirectory": str(tmp_path / "registry")}},
+                "http": {"addr": f"127.0.0.1:{port}"},
+            }
+        )
+    )
+    log = open(tmp_path / "registry.log", "w")
+    proc = subprocess.Popen(["docker-registry", "serve", str(config)], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError((tmp_path / "registry.log").read_text()) from None
+                time.sleep(0.2)
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        log.close()
+
+
+def _skopeo(*args: str) -> bytes:
+    return subprocess.run(["skopeo", *args], check=True, capture_output=True).stdout
+
+
+def test_push_image_to_a_real_registry_records_the_digest_launch_and_submit_pin(aws, tmp_path, capsys):  # noqa: F811
+    from infra.cli import image
+    from infra.cli.outputs import load as load_outputs
+    from infra.cli.session import open_session
+
+    b = _builder_or_skip()
+    containerfile = tmp_path / "Containerfile"
+    containerfile.write_text("ARG BASE_IMAGE=scratch\nFROM ${BASE_IMAGE}\nCOPY README.md requirements.txt /\n")
+    session = open_session(moto_env.ENV, None, None)
+    outputs = load_outputs(session)
+    tag = "c0ffee01"
+    with local_registry(tmp_path) as registry:
+        repo = f"{registry}/{outputs.repository_name}"
+        pushed = image.push_image(
+            session,
+            outputs,
+            REPO_ROOT,
+            tag,
+            base_image="scratch",
+            builder=b.binary,
+            push_to=repo,
+            tls_verify=False,
+            dockerfile=str(containerfile),
+        )
+        name, digest = pushed.split("@")
+        assert name == f"{repo}:{tag}" and digest.startswith("sha256:") and len(digest) == 71, pushed
+        ref = f"docker://{repo}:{tag}"
+        served = json.loads(_skopeo("inspect", "--tls-verify=false", ref))
+        raw = _skopeo("inspect", "--raw", "--tls-verify=false", ref)
+        assert served["Digest"] == digest == "sha256:" + hashlib.sha256(raw).hexdigest()
+        assert len(served["Layers"]) == 1  # the one COPY layer
+        # the registry's side of ECR: the manifest it received becomes the tag's image record
+        ecr = aws.client("ecr")
+        ecr.put_image(
+            repositoryName=outputs.repository_name, imageManifest=raw.decode(), imageTag=tag, imageDigest=digest
+        )
+
+        assert main(E + ["launch", "g5.2xlarge", "--job", "j", "--image-tag", tag]) == 0
+        (inst,) = _instances(aws)
+        assert {t["Key"]: t["Value"] for t in inst["Tags"]}["trainstack:image-digest"] == digest
+        assert main(E + ["submit", "--run-name", "r1", "--image-tag", tag]) == 0
+        arn = capsys.readouterr().out.split("started ")[1].strip()
+        payload = json.loads(aws.client("stepfunctions").describe_execution(executionArn=arn)["input"])
+        assert (payload["image_tag"], payload["image_digest"]) == (tag, digest)
+        # the tag is immutable and there: a second push-image builds and pushes nothing
+        again = image.push_image(session, outputs, REPO_ROOT, tag, base_image="scratch", builder=b.binary, push_to=repo)
+        assert again.endswith(f":{tag} (already pushed)")
+    subprocess.run([b.binary, "rmi", f"{repo}:{tag}"], check=True, capture_output=True)  # leave no image behind
