@@ -1,12 +1,12 @@
 # Trainstack: two commands on a fresh machine (Python 3.11 + venv):
 #   make run    set up .venv and train the embedded default (2 DDP processes on CPU, digit scans)
 #   make test   set up .venv, compile the deformable-attention op (sm_80, no GPU needed), ruff, the op/custom-op
-#               tests and one short training per task on the image's torch (test-image-torch), the image smoke,
-#               then all tests (what .ci/run calls)
+#               tests and one short training per task on the image's torch (test-image-torch), then all tests
+#               (what .ci/run calls)
 #   make ffcv   the optional FFCV extra (apt packages when missing, as root; requirements-ffcv.txt)
 #   make image-smoke  build images/training/Dockerfile with the OCI builder found (buildah installed when none)
-#               FROM the offline stand-in base (images/standin) and run every task inside it; part of `make
-#               test` (3.5 min with a warm layer cache, 13 min cold: docs/training-image.md)
+#               FROM the offline stand-in base (images/standin) and run every task inside it (3.5 min with a
+#               warm layer cache, 13 min cold, ~20 GiB of disk: not part of `make test`, docs/training-image.md)
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 NPROC  ?= 2
@@ -88,19 +88,28 @@ image-cpu: setup image-tools
 
 # The torch the image ships (requirements-image-torch.txt = BASE_IMAGE's torch/torchvision) in a second venv:
 # the op's CPU tests, the custom-operator checks and one short training per task, in a copy of the tree under
-# build/image-torch (the op is built in place, and this tree's build belongs to .venv's torch). No pip config files and
-# no PIP_FIND_LINKS: a local +cpu wheel must not stand in for PyPI's CUDA 13.0 build, the one the stand-in has.
+# build/image-torch (the op is built in place, and this tree's build belongs to .venv's torch). Only torch and
+# torchvision are installed there (PyPI's CUDA 13.0 builds, the stand-in's: no pip config, no PIP_FIND_LINKS, so
+# the local +cpu wheel cannot stand in); every other package, the NVIDIA libraries included, is .venv's (the same
+# requirements-trainer.txt pins), reached through a .pth file after the venv's own site-packages. 1.3 GB instead
+# of a full 5.6 GB venv: CI's disk ran out on the full one (docs/training-image.md).
 IMAGE_TORCH_VENV := .venv-image-torch
 IMAGE_TORCH_TESTS := tests/ops/test_msda_reference.py tests/ops/test_msda_library.py tests/ops/test_msda_build.py \
   tests/ops/test_msda_cuda.py tests/sagemaker/test_entrypoint.py::test_end_to_end_train_on_cpu \
   tests/tasks/test_detection.py::test_a_short_detection_run_through_the_engine \
   tests/tasks/test_segmentation.py::test_a_short_segmentation_run_through_the_engine \
   tests/tasks/test_video.py::test_video_folders_train_predict_and_plan
-$(IMAGE_TORCH_VENV)/.installed: requirements-image-torch.txt requirements-trainer.txt
+$(IMAGE_TORCH_VENV)/.installed: requirements-image-torch.txt $(VENV)/.installed
+	rm -rf $(IMAGE_TORCH_VENV)
 	python3 -m venv $(IMAGE_TORCH_VENV)
-	$(IMAGE_TORCH_VENV)/bin/python -m pip install -q --upgrade pip
-	PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= $(IMAGE_TORCH_VENV)/bin/python -m pip install -q -r requirements-image-torch.txt -r requirements-trainer.txt \
-	  "setuptools>=69" "pytest>=8" pytest-xdist==3.8.0
+	PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= $(IMAGE_TORCH_VENV)/bin/python -m pip install -q --no-cache-dir --no-deps \
+	  -r requirements-image-torch.txt
+	$(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))' \
+	  > "$$($(IMAGE_TORCH_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/zz_trainstack_venv.pth"
+	$(IMAGE_TORCH_VENV)/bin/python -c 'import importlib.metadata as m, torch, torchvision; \
+	  want = dict(l.split("==") for l in open("requirements-image-torch.txt").read().split() if "==" in l); \
+	  got = {"torch": torch.__version__.split("+")[0], "torchvision": torchvision.__version__.split("+")[0]}; \
+	  assert got == want, f"$(IMAGE_TORCH_VENV) has {got}, requirements-image-torch.txt asks {want}"; print("image torch:", got)'
 	touch $@
 test-image-torch: $(IMAGE_TORCH_VENV)/.installed
 	rm -rf build/image-torch && mkdir -p build/image-torch
@@ -118,7 +127,7 @@ format: setup
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-test: setup msda ffcv image-tools lint test-image-torch image-smoke
+test: setup msda ffcv image-tools lint test-image-torch
 	TRAINSTACK_REQUIRE_IMAGE_TOOLS=1 OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=60 tests
 
 clean:

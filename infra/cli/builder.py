@@ -114,6 +114,12 @@ class Builder:
             raise CliError(f"`{shown} ...` failed with exit {proc.returncode}: {(proc.stderr or '')[-500:]}")
         return proc.stdout or ""
 
+    def storage_root(self) -> str:
+        """The folder where the builder keeps image layers (docker's DockerRootDir, podman's and buildah's
+        GraphRoot). Raises CliError when the builder cannot say."""
+        fmt = {"docker": "{{.DockerRootDir}}", "podman": "{{.Store.GraphRoot}}"}.get(self.kind, "{{.store.GraphRoot}}")
+        return self._run(["info", "--format", fmt], quiet=True).strip()
+
     def login(self, registry: str, user: str, password: str, tls_verify: bool = True) -> None:
         """``login --username USER --password-stdin REGISTRY`` (the password never on the command line)."""
         extra = [] if tls_verify or self.kind == "docker" else ["--tls-verify=false"]

@@ -27,6 +27,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -69,6 +70,24 @@ class SmokeFailure(Exception):
 
 def _say(msg: str) -> None:
     print(f"image-smoke: {msg}", flush=True)
+
+
+def check_disk(b: oci.Builder, min_free_gib: float) -> None:
+    """Refuses to start when the builder's store has less than ``min_free_gib`` GiB free (a cold smoke writes
+    the stand-in, 5.8 GB, the image, 6.6 GB, and the copies a build commits: 12 GB in buildah's store after one
+    cold run, 2026-11-27). With the stand-in already stored only the image's layers are new: half the need.
+    Raises CliError naming the folder, what is free and what is needed."""
+    root = b.storage_root()
+    probe = Path(root)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    need = min_free_gib / 2 if b.exists(STANDIN) else min_free_gib
+    free = shutil.disk_usage(probe).free / 2**30
+    if free < need:
+        raise CliError(
+            f"{root}: {free:.1f} GiB free, the image smoke needs about {need:.0f} GiB",
+            "free disk space (buildah rmi --prune, old runs/) or pass --min-free-gib 0 to try anyway",
+        )
 
 
 def ensure_standin(b: oci.Builder, mounts: list[oci.Mount], work: Path) -> str:
@@ -246,6 +265,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         "--data", default=data, help="datasets, mounted read-only (default: TRAINSTACK_DATA, ../shared/data)"
     )
     p.add_argument("--ca-bundle", default="/etc/ssl/certs/ca-certificates.crt", help="bind-mounted over the base's")
+    p.add_argument(
+        "--min-free-gib", type=float, default=20.0, help="refuse to start below this free disk in the builder's store"
+    )
     p.add_argument("--build-only", action="store_true", help="build, print the image line, run nothing")
     p.add_argument("--only", choices=("all", "install", "digits", "sagemaker", "tasks"), default="all", help="checks")
     args = p.parse_args(argv)
@@ -259,6 +281,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 2
     try:
         b = oci.find(args.builder)
+        check_disk(b, args.min_free_gib)
     except CliError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

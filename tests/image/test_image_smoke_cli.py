@@ -30,3 +30,18 @@ def test_a_builder_that_is_not_there_is_named(tmp_path):
 def test_an_unknown_msda_value_is_refused_by_the_parser():
     res = _smoke("--msda", "fast", "--build-only")
     assert res.returncode == 2 and "--msda" in res.stderr and "'cuda', 'reference'" in res.stderr
+
+
+def test_too_little_disk_in_the_builders_store_is_refused_before_any_build(tmp_path):
+    store, calls = tmp_path / "store", tmp_path / "calls.log"
+    store.mkdir()
+    fake = tmp_path / "buildah"
+    fake.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n[ "$1" = info ] && echo {store} && exit 0\nexit 1\n')
+    fake.chmod(0o755)
+    res = _smoke("--builder", str(fake), "--build-only", "--min-free-gib", "1e9")
+    assert res.returncode == 2 and res.stdout == ""
+    assert (
+        res.stderr.count("\n") == 1 and f"error: {store}: " in res.stderr and "needs about 1000000000 GiB" in res.stderr
+    )
+    assert "--min-free-gib 0" in res.stderr
+    assert not any(line.split()[0] in ("bud", "build") for line in calls.read_text().splitlines())
