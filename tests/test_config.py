@@ -490,7 +490,7 @@ def test_decode_device_cuda_only_for_classification_imagefolder():
         TrainConfig(task="detection", decode_device="cuda").validate()
     with pytest.raises(ConfigError, match=r"^decode_device: got 'cuda' with use_ffcv .*; expected cpu"):
         TrainConfig(use_ffcv=True, ffcv_dir="f", decode_device="cuda").validate()
-    from trainer.engine.trainer import _config_diff
+    from trainer.engine.resume import config_diff as _config_diff
 
     # recorded in checkpoints: a change is a config change on resume; an older checkpoint (no field) reads as cpu
     assert _config_diff({"decode_device": "cpu"}, {"decode_device": "cuda"}) == [

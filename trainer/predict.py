@@ -285,7 +285,7 @@ def load_model(path: Path, device, use_ema: bool, state: Optional[dict] = None):
     try:
         model.load_state_dict(weights)
     except RuntimeError as e:
-        from trainer.engine.trainer import state_dict_mismatch
+        from trainer.engine.resume import state_dict_mismatch
 
         why = state_dict_mismatch(model, weights) or str(e).splitlines()[0]
         raise PredictError(f"--checkpoint: {path}: its {which} weights do not fit model {cfg.model}: {why}") from None

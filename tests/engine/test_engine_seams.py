@@ -137,7 +137,7 @@ def test_lr_scales_split_the_parameter_groups_and_a_plain_run_keeps_its_two_grou
 
 def test_a_field_added_after_a_checkpoint_is_no_change_while_it_keeps_its_default():
     from trainer.config import TrainConfig
-    from trainer.engine.trainer import _config_diff
+    from trainer.engine.resume import config_diff as _config_diff
 
     now = TrainConfig().to_dict()
     old = {k: v for k, v in now.items() if k != "label_smoothing"}  # as written before the field existed
