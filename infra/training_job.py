@@ -14,7 +14,8 @@ from infra.config import PHASE_RE
 #: SageMaker MetricDefinitions for the trainer's ``key=value`` epoch lines, every task's keys (catalog/metrics.py).
 METRIC_DEFINITIONS = metric_definitions()
 CHECKPOINT_LOCAL_PATH = "/opt/ml/checkpoints"
-#: Keys of the execution input's ``sweep`` object, each a training-job tag ``trainstack:<key>`` (infra/cli/sweep.py).
+#: Keys of the execution input's ``sweep`` object, each a training-job tag ``trainstack:<key>``
+#: (infra/cli/sweep_plan.py, ``SweepPlan.sweep_tags``).
 SWEEP_TAGS = ("sweep", "trial", "parameters", "objective")
 
 

@@ -37,7 +37,7 @@ from typing import Optional
 from botocore.exceptions import BotoCoreError
 
 from catalog import CatalogError
-from infra.cli import costs, ec2_jobs, image, instances, jobs, logs, sweep
+from infra.cli import costs, ec2_jobs, image, instances, jobs, logs, sweep, sweep_plan, tuning
 from infra.cli.outputs import load as load_outputs
 from infra.cli.session import NETWORK_ERRORS, CliError, open_session, unreachable
 from infra.config import ENV_RE, ENV_RULE
@@ -155,9 +155,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--metric", help="objective (default: the task's headline metric, e.g. val_top1)")
     s.add_argument("--strategy", choices=("jobs", "tuning"), default="jobs")
-    s.add_argument("--tuning-strategy", choices=sweep.TUNING_STRATEGIES, help="override Grid/Bayesian/Random")
+    s.add_argument("--tuning-strategy", choices=sweep_plan.TUNING_STRATEGIES, help="override Grid/Bayesian/Random")
     s.add_argument(
-        "--max-parallel", type=_positive_int, default=sweep.DEFAULT_PARALLEL, help="K trials at once (default 2)"
+        "--max-parallel", type=_positive_int, default=sweep_plan.DEFAULT_PARALLEL, help="K trials at once (default 2)"
     )
     s.add_argument("--image-tag", help="image tag (default: this checkout's commit, as push-image tags it)")
     s.add_argument("--data", help="s3:// URI of the train channel (default: s3://bucket/datasets/)")
@@ -243,13 +243,13 @@ def _ec2_job(aws, outputs, target: Optional[str]):
 
 def run(args: argparse.Namespace) -> int:
     """Run one command: first the checks that need no AWS call, then the session, the stack outputs, the work."""
-    sweep_plan = None
+    planned = None
     if args.command == "submit":
         jobs.check_request(args.run_name, args.config, _kv(args.set), args.data, args.instance_count)
     elif args.command == "launch":
         instances.check_request(args.instance_type, args.job, args.fallback_types)
     elif args.command == "sweep":  # every trial validated before any AWS call
-        sweep_plan = sweep.plan(
+        planned = sweep_plan.plan(
             args.env,
             args.name,
             args.machine,
@@ -266,11 +266,11 @@ def run(args: argparse.Namespace) -> int:
             args.data,
         )
         if args.plan:
-            sweep.check_plan(sweep_plan, args.plan)
+            sweep_plan.check_plan(planned, args.plan)
     if args.command in ("launch", "submit", "sweep") and not args.image_tag:
         args.image_tag = image.git_tag(REPO)  # immutable: a restarted or resubmitted job runs the same image
-    if sweep_plan is not None and args.dry_run:
-        print(json.dumps(sweep.dry_run(sweep_plan, args.image_tag), indent=1))
+    if planned is not None and args.dry_run:
+        print(json.dumps(sweep.dry_run(planned, args.image_tag), indent=1))
         return 0
     aws = open_session(args.env, args.region, args.profile)
     # teardown must also clean up after a deploy that rolled back or a stack deleted half-way
@@ -316,9 +316,9 @@ def run(args: argparse.Namespace) -> int:
         )
         print(f"started {arn}")
     elif cmd == "sweep":
-        p = sweep_plan
+        p = planned
         if p.strategy == "tuning":
-            arn = sweep.submit_tuning(aws, outputs, p, args.image_tag)
+            arn = tuning.submit_tuning(aws, outputs, p, args.image_tag)
             print(
                 f"started tuning job {arn} ({p.tuning_strategy}, {len(p.trials)} trials, {p.max_parallel} at a "
                 f"time, objective {p.metric} {p.mode})"
@@ -332,7 +332,7 @@ def run(args: argparse.Namespace) -> int:
                 f"(at most {p.max_parallel} at a time)"
                 + ("; rerun this command to start the next ones as trials finish" if got["left"] else "")
             )
-        print(sweep.cost_line(p))
+        print(sweep_plan.cost_line(p))
         print(f"results: python -m infra --env {aws.env} sweep-status --name {p.name}")
     elif cmd == "sweep-status":
         from trainer.config.sweep import results_markdown, write_results
@@ -396,11 +396,11 @@ def run(args: argparse.Namespace) -> int:
         elif args.target.startswith("i-"):
             print(f"{instances.stop_instance(aws, args.target)} {args.target}")
         else:
-            print(sweep.stop_tuning_job(aws, args.target) or jobs.stop_run(aws, args.target))
+            print(tuning.stop_tuning_job(aws, args.target) or jobs.stop_run(aws, args.target))
     elif cmd == "teardown":
         found = instances.sweep(aws, outputs, apply=args.yes)
         found["executions"] = jobs.stop_running_executions(aws, outputs, apply=args.yes)
-        found["tuning_jobs"] = sweep.stop_tuning_jobs(aws, apply=args.yes)
+        found["tuning_jobs"] = tuning.stop_tuning_jobs(aws, apply=args.yes)
         verb = "removed" if args.yes else "would remove (run again with --yes)"
         for key, items in found.items():
             print(f"{verb} {len(items)} {key.replace('_', ' ')}: {' '.join(items) or '-'}")

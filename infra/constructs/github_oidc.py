@@ -110,10 +110,10 @@ class GithubOidcDeployRole(Construct):
         self.role.add_to_policy(
             iam.PolicyStatement(actions=["states:StopExecution", "states:DescribeExecution"], resources=[executions])
         )
-        # sweep (infra/cli/sweep.py): the jobs strategy starts the stacks' state machines and reads their definition
-        # (the tuning strategy mirrors its training job); the tuning strategy creates a tuning job, whose Tags need
-        # sagemaker:AddTags on it (SageMaker developer guide, "Grant permission to tag SageMaker AI resources on
-        # creation"), and passes the SageMaker execution role: iam:PassRole to sagemaker.amazonaws.com only, on
+        # sweep (infra/cli/sweep.py, tuning.py): the jobs strategy starts the stacks' state machines and reads their
+        # definition (the tuning strategy mirrors its training job); the tuning strategy creates a tuning job, whose
+        # Tags need sagemaker:AddTags on it (SageMaker developer guide, "Grant permission to tag SageMaker AI resources
+        # on creation"), and passes the SageMaker execution role: iam:PassRole to sagemaker.amazonaws.com only, on
         # the training stacks' roles trainstack-<env>-sagemaker-<region> (one CiStack per account
         # serves every environment, hence trainstack-* rather than one environment's prefix).
         machines = stack.format_arn(

@@ -1,4 +1,4 @@
-"""``python -m infra sweep`` / ``sweep-status`` (infra/cli/sweep.py), offline.
+"""``python -m infra sweep`` / ``sweep-status`` (infra/cli/sweep.py, sweep_plan.py, tuning.py), offline.
 
 Every request the sweep sends (CreateHyperParameterTuningJob, the per-trial StartExecution inputs, Search,
 DescribeHyperParameterTuningJob, ...) goes through botocore ``Stubber``: botocore validates the parameters against
@@ -21,7 +21,7 @@ from botocore.stub import Stubber
 from botocore.validate import validate_parameters
 
 import catalog
-from infra.cli import sweep
+from infra.cli import sweep, sweep_plan, tuning
 from infra.cli.main import main
 from infra.cli.outputs import Outputs
 from infra.cli.session import Aws, CliError
@@ -93,14 +93,14 @@ def _job_parameters() -> dict:
 def _plan(*flags, strategy="tuning", **kw):
     grids = [f for k, f in flags if k == "grid"]
     ranges = [f for k, f in flags if k == "range"]
-    return sweep.plan(
+    return sweep_plan.plan(
         ENV, kw.pop("name", "roofs-lr"), "train-g5-xlarge", ROOFS, {}, grids, ranges, strategy=strategy, **kw
     )
 
 
 # ------------------------------------------------------------------------------------------------- tuning
 def _request(p):
-    return sweep.tuning_request(p, _job_parameters(), f"{REPO_URI}:3f2c1ab", BUCKET)
+    return tuning.tuning_request(p, _job_parameters(), f"{REPO_URI}:3f2c1ab", BUCKET)
 
 
 def test_grid_only_is_a_grid_tuning_job_of_categorical_ranges():
@@ -132,7 +132,7 @@ def test_grid_only_is_a_grid_tuning_job_of_categorical_ranges():
     assert d["Environment"] == {"TRAINSTACK_NPROC_PER_NODE": "1"}
     assert d["AlgorithmSpecification"]["TrainingImage"] == f"{REPO_URI}:3f2c1ab"
     assert d["InputDataConfig"][0]["DataSource"]["S3DataSource"]["S3Uri"] == f"s3://{BUCKET}/datasets/"
-    assert "CheckpointConfig" not in d  # trials would share one prefix (see sweep.tuning_request)
+    assert "CheckpointConfig" not in d  # trials would share one prefix (see tuning.tuning_request)
     # the objective's regex is the training jobs' own, and the definitions fit the tuning job's limit of 20
     defs = d["AlgorithmSpecification"]["MetricDefinitions"]
     assert defs[0]["Name"] == "val_miou" and defs[0] in METRIC_DEFINITIONS and len(defs) <= 20
@@ -175,7 +175,7 @@ def test_random_over_grids_is_random_and_the_strategy_can_be_forced():
 
 
 def test_detection_metric_definitions_are_cut_to_twenty_with_the_objective_kept():
-    p = sweep.plan(
+    p = sweep_plan.plan(
         ENV,
         "dino",
         "train-g5-xlarge",
@@ -222,14 +222,14 @@ def test_submit_tuning_reads_the_state_machine_and_creates_one_tuning_job():
             },
             {"stateMachineArn": MACHINE_ARN},
         )
-        expected = sweep.tuning_request(
+        expected = tuning.tuning_request(
             p, definition["States"]["Train-g5-xlarge"]["Parameters"], f"{REPO_URI}:3f2c1ab", BUCKET
         )
         _valid(expected)
         assert expected["TrainingJobDefinition"]["ResourceConfig"]["VolumeSizeInGB"] == 50  # the deployed value
         arn = f"arn:aws:sagemaker:{REGION}:{ACCOUNT}:hyper-parameter-tuning-job/trainstack-dev-roofs-lr"
         s_sm.add_response("create_hyper_parameter_tuning_job", {"HyperParameterTuningJobArn": arn}, expected)
-        assert sweep.submit_tuning(_aws(), _outputs(), p, "3f2c1ab", sm=sm, sfn=sfn, ecr=ecr) == arn
+        assert tuning.submit_tuning(_aws(), _outputs(), p, "3f2c1ab", sm=sm, sfn=sfn, ecr=ecr) == arn
         s_sm.assert_no_pending_responses()
 
 
@@ -510,7 +510,7 @@ def test_deploy_role_may_run_sweeps(templates):
 
     acct, reg, env = moto_env.ACCOUNT, moto_env.REGION, moto_env.ENV
     st = policy_statements(templates["CiStack"], "GithubDeployRoleDefaultPolicy", acct, reg)
-    tuning = f"arn:aws:sagemaker:{reg}:{acct}:hyper-parameter-tuning-job/trainstack-{env}-roofs-lr"
+    tuning_job = f"arn:aws:sagemaker:{reg}:{acct}:hyper-parameter-tuning-job/trainstack-{env}-roofs-lr"
     for action in (
         "CreateHyperParameterTuningJob",
         "DescribeHyperParameterTuningJob",
@@ -518,8 +518,8 @@ def test_deploy_role_may_run_sweeps(templates):
         "StopHyperParameterTuningJob",
         "AddTags",
     ):
-        assert is_allowed(st, f"sagemaker:{action}", tuning), action
-        assert not is_allowed(st, f"sagemaker:{action}", tuning.replace("trainstack-", "other-")), action
+        assert is_allowed(st, f"sagemaker:{action}", tuning_job), action
+        assert not is_allowed(st, f"sagemaker:{action}", tuning_job.replace("trainstack-", "other-")), action
     machine = f"arn:aws:states:{reg}:{acct}:stateMachine:trainstack-{env}-train-g5-xlarge"
     assert is_allowed(st, "states:StartExecution", machine) and is_allowed(st, "states:DescribeStateMachine", machine)
     assert is_allowed(
@@ -599,20 +599,20 @@ def _plan_file(tmp_path, fits: bool, batch_size: int = 16) -> str:
 def test_plan_file_refuses_a_machine_that_does_not_fit_one_trial(tmp_path):
     p = _plan(("grid", "lr=[0.1, 0.03]"), strategy="jobs")
     with pytest.raises(CliError, match="one trial does not fit ml.g5.xlarge .needs 622.6 GiB per GPU"):
-        sweep.check_plan(p, _plan_file(tmp_path, fits=False))
-    sweep.check_plan(p, _plan_file(tmp_path, fits=True))  # fits: accepted
+        sweep_plan.check_plan(p, _plan_file(tmp_path, fits=False))
+    sweep_plan.check_plan(p, _plan_file(tmp_path, fits=True))  # fits: accepted
     big = _plan(("grid", "batch_size=[16, 32]"), strategy="jobs")
     with pytest.raises(CliError, match="planned for batch_size 16; trial t001 uses 32"):
-        sweep.check_plan(big, _plan_file(tmp_path, fits=True))
+        sweep_plan.check_plan(big, _plan_file(tmp_path, fits=True))
     sizes = _plan(("grid", "image_size=[512, 1024]"), strategy="jobs")
     with pytest.raises(CliError, match="varies image_size"):
-        sweep.check_plan(sizes, _plan_file(tmp_path, fits=True))
-    other = sweep.plan(ENV, "m", "train-m5-xlarge", ROOFS, {}, ["lr=[0.1]"], [])
+        sweep_plan.check_plan(sizes, _plan_file(tmp_path, fits=True))
+    other = sweep_plan.plan(ENV, "m", "train-m5-xlarge", ROOFS, {}, ["lr=[0.1]"], [])
     with pytest.raises(CliError, match="no row for ml.m5.xlarge"):
-        sweep.check_plan(other, _plan_file(tmp_path, fits=True))
+        sweep_plan.check_plan(other, _plan_file(tmp_path, fits=True))
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(CliError, match="not a plan"):
-        sweep.check_plan(p, str(tmp_path / "bad.json"))
+        sweep_plan.check_plan(p, str(tmp_path / "bad.json"))
 
 
 def test_teardown_stops_this_environments_running_tuning_jobs_only():
@@ -652,7 +652,7 @@ def test_teardown_stops_this_environments_running_tuning_jobs_only():
                 st.add_response(
                     "stop_hyper_parameter_tuning_job", {}, {"HyperParameterTuningJobName": "trainstack-dev-a"}
                 )
-            assert sweep.stop_tuning_jobs(_aws(), apply=apply, sm=sm) == ["trainstack-dev-a"]
+            assert tuning.stop_tuning_jobs(_aws(), apply=apply, sm=sm) == ["trainstack-dev-a"]
             st.assert_no_pending_responses()
 
 
@@ -691,7 +691,7 @@ def test_a_trials_execution_input_renders_a_tagged_training_job(templates):
 
     from tests.infra.test_infra_sagemaker_requests import _install_fake_sagemaker_sync
 
-    p = sweep.plan(moto_env.ENV, "roofs-lr", "train-g5-xlarge", ROOFS, {}, ["lr=[0.1, 0.03]"], [])
+    p = sweep_plan.plan(moto_env.ENV, "roofs-lr", "train-g5-xlarge", ROOFS, {}, ["lr=[0.1, 0.03]"], [])
     mp = pytest.MonkeyPatch()
     try:
         moto_env.fake_credentials(mp)
@@ -801,12 +801,12 @@ def test_stop_names_a_tuning_job_of_this_environment():
             st.add_response("list_tags", {"Tags": [{"Key": "trainstack:env", "Value": env_tag}]}, {"ResourceArn": arn})
             if stopped:
                 st.add_response("stop_hyper_parameter_tuning_job", {}, {"HyperParameterTuningJobName": name})
-                assert "stopping tuning job" in sweep.stop_tuning_job(_aws(), name, sm=sm)
+                assert "stopping tuning job" in tuning.stop_tuning_job(_aws(), name, sm=sm)
             else:
                 with pytest.raises(CliError, match="not tagged trainstack:env=dev"):
-                    sweep.stop_tuning_job(_aws(), name, sm=sm)
+                    tuning.stop_tuning_job(_aws(), name, sm=sm)
             st.assert_no_pending_responses()
     with Stubber(sm) as st:  # no such tuning job: a training job name, left to jobs.stop_run
         st.add_client_error("describe_hyper_parameter_tuning_job", "ResourceNotFound", "no such job")
-        assert sweep.stop_tuning_job(_aws(), "trainstack-dev-g5-1a2b3c", sm=sm) is None
-    assert sweep.stop_tuning_job(_aws(), "trainstack-dev-g5-xlarge-1a2b3c4d-long", sm=sm) is None  # > 32: no call
+        assert tuning.stop_tuning_job(_aws(), "trainstack-dev-g5-1a2b3c", sm=sm) is None
+    assert tuning.stop_tuning_job(_aws(), "trainstack-dev-g5-xlarge-1a2b3c4d-long", sm=sm) is None  # > 32: no call
