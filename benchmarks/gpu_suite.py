@@ -216,9 +216,11 @@ def _run_forked(argv: list[str], limit: int, env: dict, capture: Path) -> tuple[
     fork of this process, as the interpreter would run it (``__main__``, ``sys.argv``, ``sys.path[0]``, the
     environment, the repository root as working directory), stdout and stderr into ``capture``; its process group
     is killed after ``limit`` seconds. Returns (exit status or "timeout", output)."""
-    import runpy
     import signal
-    import traceback
+
+    if str(ROOT) not in sys.path:
+        sys.path.append(str(ROOT))
+    from tests.forkserver import exit_like_the_interpreter, run_as_main
 
     sys.stdout.flush()
     sys.stderr.flush()
@@ -234,27 +236,9 @@ def _run_forked(argv: list[str], limit: int, env: dict, capture: Path) -> tuple[
                 sys.stderr.reconfigure(line_buffering=True)
                 os.environ.clear()
                 os.environ.update(env)
-                os.chdir(ROOT)
-                if argv[1] == "-m":
-                    sys.argv, sys.path[0] = [argv[2], *argv[3:]], str(ROOT)
-                    runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
-                elif argv[1] == "-c":
-                    sys.argv, sys.path[0] = ["-c", *argv[3:]], ""
-                    exec(compile(argv[2], "<string>", "exec"), {"__name__": "__main__"})
-                else:
-                    sys.argv, sys.path[0] = argv[1:], str(Path(argv[1]).resolve().parent)
-                    runpy.run_path(argv[1], run_name="__main__")
-                code = 0
-            except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-                if not isinstance(e.code, (int, type(None))):
-                    print(e.code, file=sys.stderr)
-            except BaseException:
-                traceback.print_exc()
+                code = run_as_main(argv, ROOT)
             finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
+                exit_like_the_interpreter(code)
     deadline = time.monotonic() + limit
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from tests import forkserver
+
 REPO = Path(__file__).resolve().parents[1]
 
 #: ``error: <where>: <what>`` where <where> (a field, flag, file or sub-command) is not a Python exception type.
@@ -57,7 +59,7 @@ def run_case(case: Case, tmp: Path) -> subprocess.CompletedProcess:
     """Run ``case`` in ``tmp`` and assert the bad-input contract (see module doc); returns the process."""
     argv = case.setup(tmp)
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **case.env}
-    proc = subprocess.run(argv, cwd=tmp, env=env, capture_output=True, text=True, timeout=case.timeout)
+    proc = forkserver.run(argv, cwd=tmp, env=env, timeout=case.timeout)
     out = proc.stdout + proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert "Traceback (most recent call last)" not in out, f"{case.id}: traceback\n{out[-4000:]}"

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import forkserver
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("TRAINSTACK_DATA", REPO.parent / "shared" / "data"))
 
@@ -77,7 +79,8 @@ def tiny_overrides(data_dir: Path, tmp: Path, **extra) -> dict:
 def run_trainer(
     args: list[str], cwd: Path = REPO, torchrun_nproc: int = 0, timeout: int = 600, env: dict | None = None
 ) -> subprocess.CompletedProcess:
-    """Run ``python -m trainer train ARGS`` (or under torchrun) and return the completed process."""
+    """Run ``python -m trainer train ARGS`` (or under torchrun) and return the completed process; the
+    single-process command is forked from :mod:`tests.forkserver`'s server (a fresh interpreter's behaviour)."""
     if torchrun_nproc:
         cmd = [
             sys.executable,
@@ -94,7 +97,7 @@ def run_trainer(
     else:
         cmd = [sys.executable, "-m", "trainer", "train", *args]
     full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
-    return subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    return forkserver.run(cmd, cwd=cwd, env=full_env, timeout=timeout)
 
 
 #: The markers' one home (pytest.ini declares them): ``slow`` for tests that train, start torchrun, build the op

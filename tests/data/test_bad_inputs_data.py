@@ -9,7 +9,6 @@ writer's watchdog, and the fixed-input-size check.
 from __future__ import annotations
 
 import struct
-import subprocess
 import sys
 import zlib
 from pathlib import Path
@@ -21,6 +20,7 @@ from bad_input_table import REPO, Case, run_case, trainer_cmd
 from conftest import tiny_overrides
 from PIL import Image
 
+from tests import forkserver
 from trainer.config import ConfigError, load_config
 from trainer.data.formats.imagefolder import (
     MAX_IMAGE_PIXELS,
@@ -277,7 +277,7 @@ def test_write_ffcv_16bit_png_is_converted_and_never_hangs(tmp_path):
         "--write-mode",
         "raw",
     )
-    p = subprocess.run(cmd, cwd=tmp_path, env={**_env()}, capture_output=True, text=True, timeout=300)
+    p = forkserver.run(cmd, cwd=tmp_path, env={**_env()}, timeout=300)
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-3000:]
     assert sorted(x.name for x in (tmp_path / "out").iterdir()) == ["train.ffcv", "train.json"]
     from ffcv.reader import Reader
@@ -321,12 +321,10 @@ except WriterFailed as e:
 
 
 def test_writer_worker_failure_ends_instead_of_hanging(tmp_path):
-    p = subprocess.run(
+    p = forkserver.run(
         [sys.executable, "-c", _RAISING_WRITER, str(tmp_path / "x.ffcv")],
         cwd=REPO,
         env=_env(),
-        capture_output=True,
-        text=True,
         timeout=120,
     )
     assert p.returncode == 0, p.stderr[-3000:]

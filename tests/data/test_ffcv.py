@@ -15,6 +15,7 @@ import pytest
 from conftest import REPO, run_trainer
 from test_interruption import _assert_same_state, _cmd, _env, _final_state, _run_until
 
+from tests import forkserver
 from trainer.data.formats.imagefolder import DataError, scan_split
 
 
@@ -34,7 +35,7 @@ def _write(data, out, *extra) -> subprocess.CompletedProcess:
         "2",
         *extra,
     ]
-    return subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    return forkserver.run(cmd, cwd=REPO, env=_env(), timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +87,7 @@ def ffcv_reference(betons, tmp_path_factory):
     """Uninterrupted 2-rank torchrun run on imagenette's .ffcv: 2 epochs x 4 steps at 16 then 32 px, EMA."""
     out = tmp_path_factory.mktemp("ffcv_ref")
     cmd = _cmd(**_flags(betons["imagenette-subset"], out, progressive_stages=2), data=None, out=out, nproc=2)
-    p = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    p = forkserver.run(cmd, cwd=REPO, env=_env(), timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     return p.stdout, _final_state(out), out
 
@@ -108,7 +109,7 @@ def test_ffcv_mid_epoch_resume_is_bit_exact(betons, ffcv_reference, tmp_path):
     assert "interrupted: SIGTERM" in log, log[-3000:]
     ck = tmp_path / "ck"
     assert (ck / (ck / "latest").read_text().strip()).name.endswith("-m")  # a mid-epoch checkpoint
-    p = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    p = forkserver.run(cmd, cwd=REPO, env=_env(), timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     assert "checkpoint: continuing in epoch 1 of 2 at step " in p.stdout
     _assert_same_state(ffcv_reference[1], _final_state(tmp_path))

@@ -23,6 +23,7 @@ import pytest
 import torch
 from bad_input_table import REPO, Case, run_case, trainer_cmd
 
+from tests import forkserver
 from trainer.engine.checkpoint import CheckpointError, CheckpointManager
 
 CLASSES = ("ants", "bees")
@@ -75,7 +76,7 @@ def _env() -> dict:
 def _train(tmp: Path, prefix: list[str] | None = None, **extra) -> subprocess.CompletedProcess:
     """A run that must succeed (``prefix``: the command before ``train``, default ``python -m trainer``)."""
     argv = [*(prefix or trainer_cmd()), "train", *flags(tmp, **extra)]
-    p = subprocess.run(argv, cwd=tmp, env=_env(), capture_output=True, text=True, timeout=600)
+    p = forkserver.run(argv, cwd=tmp, env=_env(), timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     return p
 
@@ -262,12 +263,10 @@ def test_onecycle_short_runs_train(extra: list[str], tmp_path: Path):
         warmup_epochs=None if "--config" in extra else 0,
         lr=None if "--config" in extra else 0.01,
     )
-    p = subprocess.run(
+    p = forkserver.run(
         trainer_cmd("train", *extra, *_SHORT, *base),
         cwd=tmp_path,
         env=_env(),
-        capture_output=True,
-        text=True,
         timeout=600,
     )
     out = p.stdout + p.stderr
@@ -454,7 +453,7 @@ def test_world_size_change_is_said(tmp_path: Path):
     """A 2-rank checkpoint resumed by 1 process: one notice saying what changes."""
     tiny_data(tmp_path / "data")
     args = flags(tmp_path, epochs=2, max_steps_per_epoch=1)
-    p = subprocess.run(
+    p = forkserver.run(
         [
             sys.executable,
             "-m",
@@ -469,17 +468,13 @@ def test_world_size_change_is_said(tmp_path: Path):
         ],
         cwd=tmp_path,
         env=_env(),
-        capture_output=True,
-        text=True,
         timeout=600,
     )
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     ck = tmp_path / "ck"
     shutil.rmtree(ck / "ckpt-000000002")
     (ck / "latest").write_text("ckpt-000000001")
-    p = subprocess.run(
-        trainer_cmd("train", *args), cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600
-    )
+    p = forkserver.run(trainer_cmd("train", *args), cwd=tmp_path, env=_env(), timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     assert (
         "checkpoint: world size changed (checkpoint 2 rank(s) -> now 1): per-rank random streams "

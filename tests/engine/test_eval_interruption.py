@@ -24,6 +24,7 @@ import pytest
 import torch
 from test_interruption import REPO, _assert_same_state, _cmd, _env, _final_state, _run_until
 
+from tests import forkserver
 from trainer.engine.checkpoint import CheckpointManager
 
 EXIT_INTERRUPTED = 75
@@ -102,7 +103,7 @@ def ddp_case(tiny_digits, tmp_path_factory):
     data = _odd_digits(tiny_digits, tmp_path_factory)
     out = tmp_path_factory.mktemp("eval_reference")
     cmd = _cmd(data, out, 2, **SHORT)
-    p = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    p = forkserver.run(cmd, cwd=REPO, env=_env(), timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     assert not [d for d in (out / "ck").iterdir() if d.name.endswith("-m")]  # pre-eval ones pruned
     return data, _final_state(out), _epoch_rows(out)
@@ -145,7 +146,7 @@ def test_sigterm_then_sigkill_during_evaluation_ddp_classification(ddp_case, tmp
     assert manifest["progress"] == {"epoch": 1, "step_in_epoch": 2, "global_step": 4}
 
     # 3. resumed: evaluates epoch 2 only; the end state is the uninterrupted run's
-    p = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    p = forkserver.run(cmd, cwd=REPO, env=_env(), timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     assert "epoch 2 of 2 is trained (global step 4); evaluating it" in p.stdout
     assert _steps_trained(p.stdout) == []  # nothing trained again
@@ -166,13 +167,13 @@ def test_sigterm_during_evaluation_detection(shared_data, tmp_path):
     from test_detection_resume import _command
 
     ref = _command(shared_data, tmp_path, "reference", n_train=4, n_val=6, eval_batch_size=1)
-    p = subprocess.run(ref, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    p = forkserver.run(ref, cwd=REPO, env=env, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     cmd = _command(shared_data, tmp_path, "interrupted", n_train=4, n_val=6, eval_batch_size=1)
     rc, log = _run_until(cmd, 0, signal.SIGTERM, env=env, pattern=r"^evaluating epoch 1 of 2", grace=GRACE_S)
     assert rc == EXIT_INTERRUPTED and "its evaluation not finished" in log, log[-3000:]
     assert (tmp_path / "interrupted" / "ck" / "latest").read_text() == "ckpt-000000002-m"
-    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    p = forkserver.run(cmd, cwd=REPO, env=env, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     assert "epoch 1 of 2 is trained (global step 2); evaluating it" in p.stdout
     assert min(_steps_trained(p.stdout)) == 3

@@ -24,6 +24,7 @@ import pytest
 import torch
 from conftest import REPO
 
+from tests import forkserver
 from trainer.engine.checkpoint import CheckpointManager
 from trainer.engine.interruption import SignalHandlers, SpotNoticePoller, StopFlag
 
@@ -252,7 +253,7 @@ def _assert_same_state(a: dict, b: dict) -> None:
 def reference(tiny_digits, tmp_path_factory):
     """Uninterrupted 2-rank run: 3 epochs x 9 steps, sizes 16, 24, 32 px."""
     out = tmp_path_factory.mktemp("reference")
-    p = subprocess.run(_cmd(tiny_digits, out, 2), cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    p = forkserver.run(_cmd(tiny_digits, out, 2), cwd=REPO, env=_env(), timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     return _final_state(out)
 
@@ -272,7 +273,7 @@ def test_sigterm_torture_resume_is_bit_exact(tiny_digits, tmp_path, reference):
         # loses at most the steps since the notice: + the steps run while this test reads the step line and
         # signals (~0.15 s each with ShuffleNetV2 x0.5 on 2 vCPUs; 8 steps ~ the 1.5 s that +3 allowed ResNet-18)
         assert marker["global_step"] <= step + 8
-    p = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    p = forkserver.run(cmd, cwd=REPO, env=_env(), timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     assert "the previous run was interrupted: SIGTERM" in p.stdout
     _assert_same_state(reference, _final_state(out))
@@ -290,7 +291,7 @@ def test_single_process_exit_code_and_resume(tiny_digits, tmp_path, writer):
     assert f"checkpoint: writer {writer}" in log
     name = (out / "ck" / "latest").read_text()
     assert name.endswith("-m")
-    p = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    p = forkserver.run(cmd, cwd=REPO, env=_env(), timeout=600)
     assert p.returncode == 0 and f"resuming from {out / 'ck' / name}" in p.stdout, p.stdout[-2000:]
     assert not (out / "ck" / "interrupted.json").exists()
 
@@ -319,7 +320,7 @@ def test_sigkill_during_checkpoint_write(tiny_digits, tmp_path, reference):
     assert (ck / ".tmp-ckpt-000000012-m").is_dir()  # the half-written one
     assert (ck / "latest").read_text() == "ckpt-000000009"  # epoch end after step 8's periodic one
     normal = _cmd(tiny_digits, out, 2, checkpoint_every_steps=4)
-    r = subprocess.run(normal, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    r = forkserver.run(normal, cwd=REPO, env=_env(), timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "resuming from" in r.stdout and "ckpt-000000009" in r.stdout
     assert not any(p.name.startswith(".tmp-") for p in ck.iterdir())

@@ -19,6 +19,8 @@ import pytest
 from conftest import REPO, tiny_overrides
 from test_entrypoint import make_root
 
+from tests import forkserver
+
 DOCKERFILE = REPO / "images" / "training" / "Dockerfile"
 
 
@@ -115,7 +117,7 @@ def image_tree(tmp_path_factory) -> tuple[Path, dict]:
 
 
 def _run(cmd: list[str], workdir: Path, env: dict, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout)
+    return forkserver.run(cmd, cwd=workdir, env=env, timeout=timeout)
 
 
 def test_dockerfile_parser_sees_the_shipped_tree():
@@ -155,7 +157,7 @@ def test_train_without_arguments_runs_the_embedded_default(image_tree, tmp_path)
     """``python -m trainer train`` in the image, from another folder, trains configs/digits.yaml (capped here to
     one step) and writes where that file says, relative to the working directory."""
     workdir, env = image_tree
-    res = subprocess.run(
+    res = forkserver.run(
         [
             sys.executable,
             "-m",
@@ -170,8 +172,6 @@ def test_train_without_arguments_runs_the_embedded_default(image_tree, tmp_path)
         ],
         cwd=tmp_path,
         env=env,
-        capture_output=True,
-        text=True,
         timeout=600,
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

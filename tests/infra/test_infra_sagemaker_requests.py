@@ -27,7 +27,7 @@ import regex  # botocore's patterns are Java regexes (\p{L}, \p{Alnum}); `regex`
 from botocore.validate import validate_parameters
 from moto import mock_aws
 
-from tests import moto_env
+from tests import forkserver, moto_env
 
 TINY_HPS = {
     "model": "shufflenet_v2_x0_5",  # 1.4 M parameters: each phase's steps and checkpoint writes are cheap
@@ -228,9 +228,7 @@ def _run_phase(request: dict, opt_ml: Path, s3: Path, data: Path) -> subprocess.
         "TRAINSTACK_SM_ROOT": str(opt_ml),
         "TRAINSTACK_NPROC_PER_NODE": request["Environment"]["TRAINSTACK_NPROC_PER_NODE"],
     }
-    return subprocess.run(
-        [sys.executable, str(TRAIN)], cwd=TRAIN.parents[2], env=env, capture_output=True, text=True, timeout=600
-    )
+    return forkserver.run([sys.executable, str(TRAIN)], cwd=TRAIN.parents[2], env=env, timeout=600)
 
 
 def test_gpu_phase_starts_fresh_with_its_own_checkpoint_prefix(executions, tiny_digits, tmp_path):

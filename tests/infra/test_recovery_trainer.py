@@ -27,7 +27,7 @@ import pytest
 from test_interruption import EXIT_INTERRUPTED, _assert_same_state, _cmd, _env, _final_state, _run_until
 
 from infra import job_record as jr
-from tests import moto_env
+from tests import forkserver, moto_env
 from tests.infra.test_recovery import (
     Clock,
     _controller,
@@ -147,7 +147,7 @@ def test_spot_interrupted_job_relaunched_by_the_controller_ends_bit_identical(re
     # the relaunched instance runs the same command on the same volume: it resumes and finishes
     again = _launched_command(aws, second, volume)
     assert again == cmd
-    p = subprocess.run(again, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    p = forkserver.run(again, cwd=REPO, env=_env(), timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
     assert "the previous run was interrupted: SIGTERM" in p.stdout and "resuming from" in p.stdout
     _assert_same_state(ref_state(), _final_state(volume / "checkpoints", JOB))

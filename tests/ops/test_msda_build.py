@@ -7,7 +7,6 @@ GPU-less machine, that its argument checks answer clearly, and that the script i
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 
@@ -15,6 +14,7 @@ import pytest
 import torch
 from conftest import REPO
 
+from tests import forkserver
 from trainer.ops.msda import build as msda_build
 
 BUILD_CMD = "TORCH_CUDA_ARCH_LIST=8.0 bash images/build_msda.sh"
@@ -48,9 +48,7 @@ def test_built_library_loads_and_checks_arguments(library):
 def test_build_script_is_idempotent(library):
     env = {**os.environ, "PYTHON": sys.executable, "TORCH_CUDA_ARCH_LIST": msda_build.built_arch_list()}
     t0 = time.monotonic()
-    res = subprocess.run(
-        ["bash", "images/build_msda.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
-    )
+    res = forkserver.run(["bash", "images/build_msda.sh"], cwd=REPO, env=env, timeout=600)
     assert res.returncode == 0, res.stderr
     assert "build_msda: up to date" in res.stdout, res.stdout + res.stderr
     assert time.monotonic() - t0 < 60

@@ -11,6 +11,7 @@ import pytest
 import yaml
 from bad_input_table import REPO, Case, run_case, trainer_cmd
 
+from tests import forkserver
 from trainer.config import load_config
 from trainer.planning.scale import load_plan
 from trainer.planning.scale_report import evaluate
@@ -157,10 +158,8 @@ def test_criteria_definitions():
 
 
 def _run(argv: list[str], tmp: Path):
-    import subprocess
-
     env = {**os.environ, "PYTHONPATH": str(REPO), **ENV}
-    return subprocess.run(argv, cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
+    return forkserver.run(argv, cwd=tmp, env=env, timeout=300)
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ import sys
 import pytest
 from bad_input_table import REPO, check_error_line
 
+from tests import forkserver
 from trainer.config import load_config
 from trainer.config.sweep import (
     parse_grid,
@@ -133,7 +134,7 @@ GRID = ["--grid", "lr=[0.02, 0.005]"]
 def _sweep(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "trainer", "sweep", "--config", str(BASE), *args]
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return forkserver.run(cmd, cwd=REPO, env=env, timeout=timeout)
 
 
 def _interrupted_sweep(args: list[str]) -> tuple[int, str]:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, tiny_overrides
 
+from tests import forkserver
 from trainer.sagemaker import entrypoint
 from trainer.sagemaker.job import JobConfigError, data_dir_for, hyperparameter_flags, read_job_env
 
@@ -276,7 +277,7 @@ def _sm_job(tmp_path: Path, tiny_digits: Path, **extra) -> tuple[Path, dict]:
 
 def test_end_to_end_train_on_cpu(tmp_path, tiny_digits):
     root, env = _sm_job(tmp_path, tiny_digits, epochs=1)
-    res = subprocess.run([sys.executable, str(TRAIN)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    res = forkserver.run([sys.executable, str(TRAIN)], cwd=REPO, env=env, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "--standalone" in res.stdout and f"--data-dir {root}/input/data/training" in res.stdout
     model = json.loads((root / "model" / "model.json").read_text())

@@ -5,12 +5,13 @@ uninterrupted run (same machine, same thread count)."""
 from __future__ import annotations
 
 import signal
-import subprocess
 import sys
 
 import yaml
 from test_detection import _cfg, facemask_subset
 from test_interruption import REPO, _assert_same_state, _env, _final_state, _run_until
+
+from tests import forkserver
 
 
 def _command(shared_data, tmp_path, name: str, n_train: int = 6, n_val: int = 2, **extra) -> list[str]:
@@ -41,13 +42,13 @@ def _command(shared_data, tmp_path, name: str, n_train: int = 6, n_val: int = 2,
 def test_detection_sigterm_resume_is_bit_exact(shared_data, tmp_path):
     env = _env(OMP_NUM_THREADS="1")
     ref = _command(shared_data, tmp_path, "reference")
-    p = subprocess.run(ref, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    p = forkserver.run(ref, cwd=REPO, env=env, timeout=900)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     cmd = _command(shared_data, tmp_path, "interrupted")
     for step in (2, 4):  # mid-epoch 1 (3 steps per epoch), mid-epoch 2
         rc, log = _run_until(cmd, step, signal.SIGTERM, env=env, timeout=900)
         assert rc == 75 and "interrupted: SIGTERM" in log, log[-3000:]
-    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    p = forkserver.run(cmd, cwd=REPO, env=env, timeout=900)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     assert "the previous run was interrupted: SIGTERM" in p.stdout
     ref, resumed = _final_state(tmp_path / "reference"), _final_state(tmp_path / "interrupted")

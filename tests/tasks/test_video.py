@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import pytest
 import torch
 import yaml
 
+from tests import forkserver
 from trainer.config import load_config
 from trainer.engine.distributed import DistInfo
 from trainer.tasks import build_task
@@ -169,12 +169,12 @@ def test_video_sigterm_resume_is_bit_exact(clip_sets, tmp_path):
         return [sys.executable, "-m", "trainer", "train", "--config", str(out / "c.yaml")]
 
     env = _env(OMP_NUM_THREADS="1")
-    p = subprocess.run(command("reference"), cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    p = forkserver.run(command("reference"), cwd=REPO, env=env, timeout=900)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     cmd = command("interrupted")
     rc, log = _run_until(cmd, 4, signal.SIGTERM, env=env, timeout=900)  # global step 4: inside the second epoch
     assert rc == 75 and "interrupted: SIGTERM" in log, log[-3000:]
-    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    p = forkserver.run(cmd, cwd=REPO, env=env, timeout=900)
     assert p.returncode == 0 and "the previous run was interrupted: SIGTERM" in p.stdout, p.stderr[-3000:]
     ref, resumed = _final_state(tmp_path / "reference"), _final_state(tmp_path / "interrupted")
     _assert_same_state(ref, resumed)
