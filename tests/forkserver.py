@@ -10,10 +10,12 @@ its stdout and stderr come back as a :class:`subprocess.CompletedProcess`, exact
 capture_output=True, text=True)`` returns them. The server never runs a torch operation, so no thread pool
 exists when it forks.
 
-A command that needs a fresh interpreter runs as a real subprocess instead: another program or module, an
-environment that changes how an interpreter starts (``PYTHON*`` but PYTHONUNBUFFERED, ``LD_*``, a PYTHONPATH other
-than the repository), or ``TRAINSTACK_TEST_FORK=0`` (the whole suite the old way: what to set to rule the server
-out when a test fails only here). ``OMP_NUM_THREADS`` is applied with ``torch.set_num_threads`` in the child.
+``PYTHONPATH`` is applied as a fresh interpreter applies it: ``sys.path`` = the working directory, its entries,
+then the interpreter's own (the server's without its ``PYTHONPATH``). A command that needs a fresh interpreter
+runs as a real subprocess instead: another program or module, a ``PYTHONPATH`` folder holding a top-level module
+the server already imported (the image-layout test's copy of ``trainer``, say), an environment that changes how
+an interpreter starts (``PYTHON*`` but PYTHONPATH and PYTHONUNBUFFERED, ``LD_*``), or ``TRAINSTACK_TEST_FORK=0``
+(the whole suite the old way: what to set to rule the server out when a test fails only here). ``OMP_NUM_THREADS`` is applied with ``torch.set_num_threads`` in the child.
 ``benchmarks/gpu_suite.py --small`` forks its steps with :func:`run_as_main` and
 :func:`exit_like_the_interpreter`, the same child body.
 """
@@ -33,7 +35,7 @@ from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 _START_KEYS = ("PYTHON", "LD_")
-_IGNORED = {"PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE"}
+_IGNORED = {"PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE"}
 
 
 def run_as_main(argv: list[str], cwd: Path) -> int:
@@ -95,6 +97,7 @@ def _child(req: dict) -> None:
         sys.stderr.reconfigure(line_buffering=True)
         os.environ.clear()
         os.environ.update(req["env"])
+        sys.path[:] = ["", *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p), *_BASE_PATH]
         import random
 
         import torch
@@ -127,6 +130,29 @@ def _wait(pid: int, timeout: float) -> Optional[int]:
         time.sleep(0.02)
 
 
+def _entries(pythonpath: str) -> list[str]:
+    """The absolute folders a ``PYTHONPATH`` value puts on ``sys.path``, in order."""
+    return [os.path.abspath(p) for p in pythonpath.split(os.pathsep) if p]
+
+
+def _top_level_names(folder: str) -> set[str]:
+    """Names ``import NAME`` could find in ``folder``: packages, namespace folders, modules, extensions."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return set()
+    out = set()
+    for n in names:
+        if os.path.isdir(os.path.join(folder, n)):
+            out.add(n)
+        elif n.endswith((".py", ".so", ".pyc")):
+            out.add(n.split(".")[0])
+    return out
+
+
+_BASE_PATH: list[str] = []
+
+
 def serve() -> None:
     """The server's loop: import torch, torchvision and the trainer's command line once, then one JSON request
     per stdin line (argv, cwd, env, timeout, stdout and stderr paths) answered by one JSON line ``{"rc": N}``
@@ -137,7 +163,10 @@ def serve() -> None:
     import trainer.cli  # noqa: F401
     import trainer.engine.trainer  # noqa: F401
 
+    own = set(_entries(os.environ.get("PYTHONPATH", "")))
+    _BASE_PATH[:] = [p for p in sys.path[1:] if os.path.abspath(p or ".") not in own]
     out = sys.stdout
+    out.write(json.dumps({"modules": sorted({m.split(".")[0] for m in sys.modules})}) + "\n")
     for line in sys.stdin:
         req = json.loads(line)
         out.flush()
@@ -160,6 +189,8 @@ class _Server:
             [sys.executable, "-c", code], cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
         atexit.register(self.close)
+        first = self.proc.stdout.readline()
+        self.imported = set(json.loads(first)["modules"]) if first else set()
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -174,7 +205,10 @@ class _Server:
         if os.environ.get("TRAINSTACK_TEST_FORK", "1") == "0" or argv[:3] != [sys.executable, "-m", "trainer"]:
             return False
         keys = {k for k in (*env, *self.env) if k.startswith(_START_KEYS) and k not in _IGNORED}
-        return all(env.get(k) == self.env.get(k) for k in keys) and self.proc.poll() is None
+        if not all(env.get(k) == self.env.get(k) for k in keys) or self.proc.poll() is not None:
+            return False
+        extra = set(_entries(env.get("PYTHONPATH", ""))) - set(_entries(self.env["PYTHONPATH"]))
+        return not any(_top_level_names(folder) & self.imported for folder in extra)
 
     def run(self, argv: list[str], cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
         with tempfile.TemporaryDirectory(prefix="forked-") as tmp:
