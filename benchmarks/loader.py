@@ -29,13 +29,8 @@ from torch.utils.data import BatchSampler, DataLoader
 from torchvision import datasets
 from torchvision import transforms as T
 
-from trainer.data.formats.imagefolder import (
-    ImageFolderDataset,
-    collate_encoded,
-    collate_skip_bad,
-    decode_on_device,
-    scan_split,
-)
+from trainer.data.formats.device_jpeg import collate_encoded, decode_on_device
+from trainer.data.formats.imagefolder import ImageFolderDataset, collate_skip_bad, scan_split
 from trainer.data.sampler import EpochSampler
 from trainer.data.transforms import IMAGENET_MEAN, IMAGENET_STD, normalize_on_device, train_transform
 

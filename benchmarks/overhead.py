@@ -47,7 +47,8 @@ from profiling import (  # noqa: E402
 )
 
 from trainer.config import load_config  # noqa: E402
-from trainer.data.formats.imagefolder import decode_file, scan_split  # noqa: E402
+from trainer.data.formats.image_decode import decode_file  # noqa: E402
+from trainer.data.formats.imagefolder import scan_split  # noqa: E402
 from trainer.data.transforms import normalize_on_device, val_transform  # noqa: E402
 from trainer.engine.distributed import DistInfo  # noqa: E402
 from trainer.engine.trainer import Trainer  # noqa: E402

@@ -22,17 +22,8 @@ from PIL import Image
 
 from tests import forkserver
 from trainer.config import ConfigError, load_config
-from trainer.data.formats.imagefolder import (
-    MAX_IMAGE_PIXELS,
-    BadSample,
-    DataError,
-    ImageFolderDataset,
-    ImageTooLargeError,
-    check_split,
-    decode_file,
-    scan_split,
-    to_uint8,
-)
+from trainer.data.formats.image_decode import MAX_IMAGE_PIXELS, ImageTooLargeError, decode_file, to_uint8
+from trainer.data.formats.imagefolder import BadSample, DataError, ImageFolderDataset, check_split, scan_split
 from trainer.engine.distributed import DistInfo
 
 CPU = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))

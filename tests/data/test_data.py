@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from trainer.data.formats.image_decode import decode_file
 from trainer.data.formats.imagefolder import (
     BadSample,
     DataError,
     ImageFolderDataset,
     check_same_classes,
     collate_skip_bad,
-    decode_file,
     scan_split,
 )
 from trainer.data.sampler import EpochSampler

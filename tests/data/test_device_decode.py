@@ -14,15 +14,8 @@ import pytest
 import torch
 from PIL import Image
 
-from trainer.data.formats.imagefolder import (
-    EncodedJpeg,
-    ImageFolderDataset,
-    collate_encoded,
-    collate_skip_bad,
-    decode_on_device,
-    jpeg_list,
-    scan_split,
-)
+from trainer.data.formats.device_jpeg import EncodedJpeg, collate_encoded, decode_on_device, jpeg_list
+from trainer.data.formats.imagefolder import ImageFolderDataset, collate_skip_bad, scan_split
 from trainer.data.sampler import EpochSampler
 from trainer.data.transforms import train_transform, val_transform
 
@@ -173,7 +166,7 @@ def test_nvjpeg_never_writes_into_memory_the_training_stream_still_reads(shared_
     a private one): tensors with known values are freed while reductions that read them wait behind a long
     kernel on the training stream; a decode then runs. Every reduction must still see its own values, and the
     decoded images must equal a decode done with the GPU idle."""
-    from trainer.data.formats.imagefolder import _decode_jpegs
+    from trainer.data.formats.device_jpeg import _decode_jpegs
 
     files = sorted((shared_data / "imagenette-subset" / "train").glob("*/*"))[:64]
     data = [torch.frombuffer(bytearray(f.read_bytes()), dtype=torch.uint8) for f in files]
@@ -197,10 +190,10 @@ def test_nvjpeg_never_writes_into_memory_the_training_stream_still_reads(shared_
 
 def test_decode_jpegs_on_cpu_takes_no_stream(shared_data):
     """On the CPU the decode runs as it is (no CUDA stream is made or asked for)."""
-    from trainer.data.formats import imagefolder
+    from trainer.data.formats import device_jpeg
 
     files = sorted((shared_data / "imagenette-subset" / "val").glob("*/*"))[:4]
     data = [torch.frombuffer(bytearray(f.read_bytes()), dtype=torch.uint8) for f in files]
-    images, failed = imagefolder._decode_jpegs(data, [str(f) for f in files], CPU)
+    images, failed = device_jpeg._decode_jpegs(data, [str(f) for f in files], CPU)
     assert failed == [] and len(images) == 4 and all(i.dtype == torch.uint8 and i.shape[0] == 3 for i in images)
-    assert imagefolder._DECODE_STREAMS == {}
+    assert device_jpeg._DECODE_STREAMS == {}

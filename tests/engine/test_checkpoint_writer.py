@@ -15,7 +15,8 @@ import torch
 
 from trainer.config.schema import CHECKPOINT_WRITERS
 from trainer.engine import checkpoint as ckpt
-from trainer.engine.checkpoint import CheckpointManager, StagingBuffers
+from trainer.engine.checkpoint import CheckpointManager
+from trainer.engine.staging import StagingBuffers
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="the writer process needs memfd (Linux)")
 

@@ -187,7 +187,8 @@ def test_staging_buffers_are_reused_copies(tmp_path):
     """A periodic checkpoint stages the state into host buffers kept across checkpoints (no allocation after the
     first: issue 24's stall), and what it writes is the value at save time even though training goes on changing
     the tensors before the writer thread gets to them."""
-    from trainer.engine.checkpoint import CheckpointManager, StagingBuffers
+    from trainer.engine.checkpoint import CheckpointManager
+    from trainer.engine.staging import StagingBuffers
 
     w = {"model": {"w": torch.arange(6.0).reshape(2, 3)}, "opt": [torch.ones(4), 3], "step": 1}
     staging = StagingBuffers()

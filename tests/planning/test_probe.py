@@ -143,7 +143,8 @@ def test_probe_command_end_to_end_with_a_simulated_limit(tiny_digits, tmp_path, 
 
 def test_loader_probe_times_the_device_side_of_gpu_decoding(shared_data):
     from trainer.config import TrainConfig
-    from trainer.data.formats.imagefolder import ImageFolderDataset, collate_encoded, decode_on_device, scan_split
+    from trainer.data.formats.device_jpeg import collate_encoded, decode_on_device
+    from trainer.data.formats.imagefolder import ImageFolderDataset, scan_split
     from trainer.data.transforms import train_transform
     from trainer.planning.loader_probe import measure_loader
 

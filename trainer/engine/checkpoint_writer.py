@@ -1,7 +1,7 @@
 """A checkpoint writer in its own process: serialisation, SHA-256, write and fsync of ``state.pt`` off the training
 process, so they compete with the training step for neither the GIL nor (on a GPU host with spare cores) its CPU.
 
-How the state gets there without a copy through a pipe: :class:`~trainer.engine.checkpoint.StagingBuffers` in
+How the state gets there without a copy through a pipe: :class:`~trainer.engine.staging.StagingBuffers` in
 shared mode stages every tensor into one flat shared-memory buffer (:func:`shared_buffer`; on a GPU also page-locked with
 ``cudaHostRegister`` so the device-to-host copies stay asynchronous). The buffer is handed to the writer process
 once (a file descriptor over a Unix socket), and again only when the state's layout changes. Per

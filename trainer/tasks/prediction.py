@@ -52,10 +52,10 @@ def draw_labelled_boxes(image, boxes, labels: list[str], colors: list[str], min_
 
 def read_images(paths: list[str]) -> tuple[list[str], list, list]:
     """Decode ``paths`` for prediction: ``(decoded paths, uint8 (3, H, W) images, BadSample per unreadable
-    file)``. The header is checked with PIL first (:func:`~trainer.data.formats.imagefolder.check_header`), so a
+    file)``. The header is checked with PIL first (:func:`~trainer.data.formats.image_decode.check_header`), so a
     file that is not an image is named by PIL's message instead of reaching the decoders (libpng prints to
-    stderr); then :func:`~trainer.data.formats.imagefolder.decode_file`. Never raises for a bad file."""
-    from trainer.data.formats.imagefolder import check_header, decode_file
+    stderr); then :func:`~trainer.data.formats.image_decode.decode_file`. Never raises for a bad file."""
+    from trainer.data.formats.image_decode import check_header, decode_file
     from trainer.data.samples import BadSample, describe_error
 
     kept, images, bad = [], [], []

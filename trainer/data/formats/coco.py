@@ -30,7 +30,7 @@ expected, in one line; for per-entry problems the count and the first 3 examples
   ``max_bad_fraction`` of the split's images (or all of them) -> :class:`DataError` naming examples; below it the
   images are left out and :attr:`CocoSplit.report` lists them (one line for the log).
 * **While loading**: a file that cannot be decoded (corrupt, truncated, over
-  :data:`~trainer.data.formats.imagefolder.MAX_IMAGE_PIXELS`) or whose decoded size differs from the JSON's
+  :data:`~trainer.data.formats.image_decode.MAX_IMAGE_PIXELS`) or whose decoded size differs from the JSON's
   ``width``/``height`` (its boxes would land on the wrong pixels) is a :class:`BadSample`, as in ImageFolder:
   replaced by the next good image in training, dropped in evaluation, counted by the loop under
   ``max_bad_fraction``. :func:`check_coco_files` finds them up front for the validation split.

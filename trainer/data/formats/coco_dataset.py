@@ -31,7 +31,7 @@ from torchvision.transforms.v2 import functional as F
 
 from trainer.data.formats.canvases import fit_canvas
 from trainer.data.formats.coco import CocoSplit
-from trainer.data.formats.imagefolder import decode_file
+from trainer.data.formats.image_decode import decode_file
 from trainer.data.samples import BadSample, decode_or_replace, describe_error, seeded_for_sample
 
 #: DINO's defaults (``make_coco_transforms``): training shorter-side scales, longest side, the crop branch's

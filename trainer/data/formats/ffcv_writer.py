@@ -7,7 +7,7 @@ defaults are ffcv-imagenet's published ResNet-50 files (``train_500_0.50_90.ffcv
 ``proportion`` mode with half the images JPEG-compressed at quality 90, the rest stored raw.
 
 Files are read in :func:`trainer.data.formats.imagefolder.scan_split` order (so FFCV index i is ImageFolder index i)
-and decoded by :func:`trainer.data.formats.imagefolder.decode_file` (the ImageFolder path's decoder: GIF, PNG named
+and decoded by :func:`trainer.data.formats.image_decode.decode_file` (the ImageFolder path's decoder: GIF, PNG named
 .jpg, CMYK JPEG, 16-bit PNG scaled to 8 bits, the pixel limit...). A file that cannot be decoded fails the
 conversion, naming it, and no ``.ffcv`` is left behind. Next to each ``<split>.ffcv`` a ``<split>.json``
 records the class names, the sample count and the options, so the trainer can check that train and val agree
@@ -36,7 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
-from trainer.data.formats.imagefolder import DataError, SplitScan, decode_file, scan_split
+from trainer.data.formats.image_decode import decode_file
+from trainer.data.formats.imagefolder import DataError, SplitScan, scan_split
 from trainer.errors import error_detail
 
 WRITE_MODES = ("proportion", "smart", "jpg", "raw")

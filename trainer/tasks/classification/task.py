@@ -14,15 +14,9 @@ from torch import nn
 from torchvision.transforms import v2
 
 from trainer.config import BUILTIN_DIGITS, ConfigError
+from trainer.data.formats.device_jpeg import collate_encoded, decode_on_device
 from trainer.data.formats.digits import ensure_digits
-from trainer.data.formats.imagefolder import (
-    ImageFolderDataset,
-    check_same_classes,
-    check_split,
-    collate_encoded,
-    decode_on_device,
-    scan_split,
-)
+from trainer.data.formats.imagefolder import ImageFolderDataset, check_same_classes, check_split, scan_split
 from trainer.data.samples import collate_skip_bad
 from trainer.data.transforms import normalize_on_device, train_size_for_epoch, train_transform, val_transform
 from trainer.engine.evaluation import SumEvaluator
@@ -95,7 +89,7 @@ class _ValTransformForEpoch:
 
 class ClassificationTask(Task):
     """ImageFolder classification. Batches: ``image`` uint8 (B,3,H,W), ``label`` int64 (B,); with
-    ``decode_device: cuda`` the encoded batch of :func:`~trainer.data.formats.imagefolder.collate_encoded`,
+    ``decode_device: cuda`` the encoded batch of :func:`~trainer.data.formats.device_jpeg.collate_encoded`,
     decoded on the device by :meth:`train_batch` / :meth:`eval_batch`.
 
     Targets in training are int64 class indices, or float32 (B, num_classes) soft labels when MixUp/CutMix

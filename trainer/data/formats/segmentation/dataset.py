@@ -14,7 +14,7 @@ from torch.utils.data import Dataset
 from torchvision import tv_tensors
 from torchvision.transforms import v2
 
-from trainer.data.formats.imagefolder import decode_file
+from trainer.data.formats.image_decode import decode_file
 from trainer.data.formats.segmentation.pairs import SegSplit, decode_mask
 from trainer.data.samples import BadSample, decode_or_replace, describe_error, seeded_for_sample
 
