@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -201,9 +202,22 @@ def pytest_runtest_logreport(report):
     _file_seconds[path] = _file_seconds.get(path, 0.0) + report.duration
 
 
+def pytest_configure(config):
+    """The controller (or the only process) names this test run for :mod:`tests.shared_once` before any
+    pytest-xdist worker starts; the workers inherit the name."""
+    if not hasattr(config, "workerinput") and "TRAINSTACK_TEST_RUN" not in os.environ:
+        import uuid
+
+        os.environ["TRAINSTACK_TEST_RUN"] = uuid.uuid4().hex[:12]
+
+
 def pytest_sessionfinish(session):
-    """With ``TRAINSTACK_TEST_DURATIONS=FILE``, write the per-file seconds of this run to FILE (the controller
-    only, under pytest-xdist), longest first."""
+    """On the controller (or the only process): remove the run's :mod:`tests.shared_once` directory; with
+    ``TRAINSTACK_TEST_DURATIONS=FILE``, write the per-file seconds of this run to FILE, longest first."""
+    if not hasattr(session.config, "workerinput"):
+        from tests.shared_once import run_dir
+
+        shutil.rmtree(run_dir(), ignore_errors=True)
     out = os.environ.get("TRAINSTACK_TEST_DURATIONS")
     if out and not hasattr(session.config, "workerinput") and _file_seconds:
         ranked = dict(sorted(((k, round(v, 1)) for k, v in _file_seconds.items()), key=lambda kv: -kv[1]))

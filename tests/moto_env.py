@@ -45,11 +45,20 @@ GITHUB_REPO = "acme/trainstack"
 
 def synthesize(outdir: Path, **context) -> dict[str, dict]:
     """The templates for environment ``test`` (construct id -> template); ``context`` adds CDK context
-    (``github_repo=GITHUB_REPO`` adds the CiStack with the GitHub deploy role, which :func:`deploy` skips)."""
+    (``github_repo=GITHUB_REPO`` adds the CiStack with the GitHub deploy role, which :func:`deploy` skips).
+    Synthesized once per test run and context, shared by every module and pytest-xdist worker that asks
+    (:func:`tests.shared_once.shared_once`): a synthesis costs 10-40 s of the 2 vCPUs."""
     from tests.infra_helpers import synth
+    from tests.shared_once import shared_once
 
-    _, _, raw = synth({"env": ENV, "ami_parameter": AMI_PARAMETER, **context}, outdir)
-    return raw
+    full = {"env": ENV, "ami_parameter": AMI_PARAMETER, **context}
+    key = "synth-" + "-".join(f"{k}={full[k]}" for k in sorted(full)).replace("/", "_")
+
+    def make(folder: Path) -> None:
+        _, _, raw = synth(full, outdir)
+        (folder / "templates.json").write_text(json.dumps(raw))
+
+    return json.loads((shared_once(key, make) / "templates.json").read_text())
 
 
 #: Stands in for imports of the dropped KMS key's ARN (the recovery role's grant to publish to the topic).
