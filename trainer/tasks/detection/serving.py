@@ -1,0 +1,157 @@
+"""The serving half of the detection task: ``python -m trainer predict`` (decode, evaluation resize, pad and
+collate files; COCO-results records and drawn boxes) and ``python -m trainer export`` (DINO on a fixed square
+canvas as a graph with its post-processing: :mod:`trainer.tasks.detection.export`). :class:`DetectionServing` is
+mixed into :class:`~trainer.tasks.detection.task.DetectionTask`, which holds the training and evaluation half."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+
+
+class DetectionServing:
+    """:class:`~trainer.tasks.base.Task`'s prediction and export hooks for DINO. Expects the task's ``cfg``
+    (eval_size, max_size, pad_to_multiple, num_select, val_split, train_split), ``eval_batch`` and
+    ``split_paths``; ``export_metadata`` extends the next class's in the MRO (the base Task's)."""
+
+    # .. prediction (python -m trainer predict) .............................................................
+    def predict_inputs(self, paths: list[str], *, first_index: int = 0) -> dict:
+        """Decode, evaluation resize (shorter side ``eval_size``, longer at most ``max_size``), pad and collate
+        (:func:`~trainer.data.formats.coco_dataset.collate_detection`, no boxes), :meth:`eval_batch`: ``orig_size`` holds
+        each file's (H, W), so :meth:`predict` gives boxes in its pixels; ``image_ids`` = ``first_index + i``
+        (the input's position). Plus ``"paths"``, ``"bad"`` and ``"originals"`` (decoded uint8 (3, H, W))."""
+        from torchvision import tv_tensors
+
+        from trainer.data.formats.coco_dataset import collate_detection, eval_transform
+        from trainer.tasks.prediction import read_images
+
+        transform = eval_transform(self.cfg.eval_size, self.cfg.max_size)
+        kept, originals, bad = read_images(paths)
+        items = []
+        for path, img in zip(kept, originals):
+            h, w = int(img.shape[-2]), int(img.shape[-1])
+            none = {
+                "boxes": tv_tensors.BoundingBoxes(torch.zeros((0, 4)), format="XYXY", canvas_size=(h, w)),
+                "labels": torch.zeros((0,), dtype=torch.int64),
+            }
+            image, target = transform(tv_tensors.Image(img), none)
+            target.update(image_id=first_index + paths.index(path), orig_size=(h, w))
+            items.append((image, target, ()))
+        batch = self.eval_batch(collate_detection(items, self.cfg.pad_to_multiple))
+        batch.update(paths=kept, bad=bad, originals=originals)
+        return batch
+
+    def render_predictions(
+        self,
+        paths: list[str],
+        batch: dict,
+        outputs: list[dict],
+        label_space: dict,
+        out_dir: str,
+        score_threshold: float,
+        *,
+        out_names: Optional[list[str]] = None,
+    ) -> list[dict]:
+        """Records in COCO results format, one per detection scoring at least ``score_threshold``:
+        ``{"file", "image_id" (the input's position), "category_id" (the annotations' JSON id), "category",
+        "bbox" [x, y, w, h] in pixels of the file (clipped to it), "score"}``; each input drawn with those boxes,
+        captioned ``"<category> 0.87"``, one colour per category."""
+        from trainer.tasks.prediction import color_of, draw_labelled_boxes, save_png
+
+        names = list(label_space.get("categories") or [])
+        ids = list(label_space.get("category_ids") or range(len(names)))
+        records = []
+        for i, (path, det) in enumerate(zip(paths, outputs)):
+            img = batch["originals"][i]
+            h, w = int(img.shape[-2]), int(img.shape[-1])
+            keep = det["scores"] >= score_threshold
+            scores = det["scores"][keep].float().cpu()
+            labels = det["labels"][keep].cpu().tolist()
+            boxes = det["boxes"][keep].float().cpu().reshape(-1, 4)
+            boxes = torch.stack(
+                [boxes[:, 0].clamp(0, w), boxes[:, 1].clamp(0, h), boxes[:, 2].clamp(0, w), boxes[:, 3].clamp(0, h)], 1
+            )
+            boxes[:, 2:] = torch.maximum(boxes[:, 2:], boxes[:, :2])
+            captions = []
+            for (x0, y0, x1, y1), label, score in zip(boxes.tolist(), labels, scores.tolist()):
+                name = names[label] if label < len(names) else str(label)
+                captions.append(f"{name} {score:.2f}")
+                records.append(
+                    {
+                        "file": Path(path).name,
+                        "image_id": int(batch["image_ids"][i]),
+                        "category_id": int(ids[label]) if label < len(ids) else int(label),
+                        "category": name,
+                        "bbox": [round(x0, 2), round(y0, 2), round(x1 - x0, 2), round(y1 - y0, 2)],
+                        "score": round(score, 4),
+                    }
+                )
+            drawn = draw_labelled_boxes(img, boxes, captions, [color_of(label) for label in labels])
+            save_png(drawn, Path(out_dir) / (out_names[i] if out_names else f"{Path(path).stem}.png"))
+        return records
+
+    # .. export (python -m trainer export) ..................................................................
+    export_input_names = ("image", "image_size")
+    export_output_names = ("scores", "labels", "boxes")
+
+    def _canvas(self) -> int:
+        from trainer.tasks.detection.export import canvas_side
+
+        return canvas_side(max(self.cfg.eval_size, self.cfg.max_size), self.cfg.pad_to_multiple)
+
+    def export_sample_dirs(self, root: Path) -> list[Path]:
+        """The image folders of the validation, then the training split (``coco_images``)."""
+        return [self.split_paths(self.cfg.val_split)[1], self.split_paths(self.cfg.train_split)[1]]
+
+    def export_module(self, model: nn.Module) -> nn.Module:
+        """:class:`~trainer.tasks.detection.export.DinoExport`: ``(image (B, 3, S, S), image_size (B, 2))`` ->
+        ``(scores, labels, boxes)``, the top ``num_select`` detections, boxes normalised xyxy."""
+        from trainer.tasks.detection.export import DinoExport
+
+        return DinoExport(model, self.cfg.num_select)
+
+    def export_example(self, batch_size: int) -> tuple[torch.Tensor, ...]:
+        """Seeded random pixels on the S x S canvas; image ``i`` occupies the whole canvas (even ``i``) or its top
+        three quarters (odd ``i``), so the padding mask is exercised."""
+        g = torch.Generator().manual_seed(0)
+        s = self._canvas()
+        image = torch.randint(0, 256, (batch_size, 3, s, s), generator=g).float()
+        sizes = torch.tensor([[s if i % 2 == 0 else 3 * s // 4, s] for i in range(batch_size)], dtype=torch.int64)
+        return image, sizes
+
+    def export_inputs(self, batch: dict) -> tuple[torch.Tensor, ...]:
+        """The evaluation-resized images of a :meth:`predict_inputs` batch on the canvas, and their sizes."""
+        from trainer.tasks.base import denormalize
+        from trainer.tasks.detection.export import place_on_canvas
+
+        return place_on_canvas(denormalize(batch["image"]), batch["mask"].cpu(), self._canvas())
+
+    def export_agreement(self, reference: list, exported: list) -> str:
+        """Detections matched: same label and box IoU >= 0.9 (per image, as sets: tied scores may rank apart)."""
+        from trainer.tasks.detection.export import match_detections
+
+        matched, total = match_detections(reference, exported)
+        return f"detection agreement {100.0 * matched / max(total, 1):.1f} % ({matched}/{total})"
+
+    def export_metadata(self, label_space: dict) -> dict:
+        """The default facts plus DINO's serving contract: the canvas, ``num_select`` (detections kept per image),
+        the score threshold ``predict`` applies by default (0.3), boxes normalised xyxy, COCO category ids per
+        class (``class_ids``)."""
+        cfg = self.cfg
+        s = self._canvas()
+        return {
+            **super().export_metadata(label_space),
+            "input_layout": "image: B,3,S,S RGB float32 pixel values in [0, 255], the resized image at the top-left "
+            "(the rest is set to black in the graph); image_size: B,2 int64 (h, w) of the image on the canvas",
+            "input_size": [s, s],
+            "preprocess": f"resize shorter side to {cfg.eval_size} (longer side at most {cfg.max_size}), place at the "
+            f"top-left of the {s}x{s} canvas",
+            "num_select": cfg.num_select,
+            "score_threshold": 0.3,
+            "postprocess": "in the graph: sigmoid scores, top num_select over queries x classes (sorted); boxes "
+            "(x1, y1, x2, y2) normalised to [0, 1] of the image: multiply by the original (W, H, W, H) for pixels; "
+            "keep scores >= score_threshold; labels index classes / class_ids",
+        }
