@@ -34,11 +34,16 @@ def shared_data() -> Path:
 @pytest.fixture(scope="session")
 def tiny_digits(tmp_path_factory) -> Path:
     """Small real ImageFolder: 30 train + 8 val scans per digit from scikit-learn's digits (PNG, 8x8)."""
+    return write_tiny_digits(tmp_path_factory.mktemp("tiny_digits"))
+
+
+def write_tiny_digits(root: Path) -> Path:
+    """Writes :func:`tiny_digits`' ImageFolder (``train/`` and ``val/``) under ``root``; returns ``root``."""
     import numpy as np
     from PIL import Image
     from sklearn.datasets import load_digits
 
-    root = tmp_path_factory.mktemp("tiny_digits")
+    root.mkdir(parents=True, exist_ok=True)
     d = load_digits()
     counts: dict = {}
     for i, (img, label) in enumerate(zip(d.images, d.target)):

@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 import torch
 from bad_input_table import Case, run_case, trainer_cmd
-from conftest import tiny_overrides
+from conftest import tiny_overrides, write_tiny_digits
 from PIL import Image
 from test_detection import TINY as TINY_DINO
 
+from tests.shared_once import shared_once
 from trainer.cli import main
 from trainer.config import load_config
 from trainer.engine.distributed import DistInfo
@@ -33,16 +34,22 @@ def _fit(cfg):
 
 
 @pytest.fixture(scope="module")
-def digits_run(tiny_digits, tmp_path_factory):
-    """(checkpoint_dir of a 1-epoch digits run with EMA, a folder of 4 val digit PNGs)."""
-    tmp = tmp_path_factory.mktemp("digits_run")
-    _fit(load_config(None, tiny_overrides(tiny_digits, tmp, epochs=1, use_ema=True, ema_decay=0.9)))
-    pngs = tmp / "pngs"
-    pngs.mkdir()
-    for c in ("1", "7"):
-        for f in sorted((tiny_digits / "val" / c).iterdir())[:2]:
-            shutil.copy(f, pngs / f"d{c}_{f.name}")
-    return tmp / "ckpt", pngs
+def digits_run():
+    """(checkpoint_dir of a 1-epoch digits run with EMA, a folder of 4 val digit PNGs): trained once per test
+    run, with its own copy of the tiny digits, for every module and worker (:mod:`tests.shared_once`); the
+    tests only read it (one copies it before corrupting the copy)."""
+
+    def make(folder: Path) -> None:
+        data = write_tiny_digits(folder / "data")
+        _fit(load_config(None, tiny_overrides(data, folder, epochs=1, use_ema=True, ema_decay=0.9)))
+        pngs = folder / "pngs"
+        pngs.mkdir()
+        for c in ("1", "7"):
+            for f in sorted((data / "val" / c).iterdir())[:2]:
+                shutil.copy(f, pngs / f"d{c}_{f.name}")
+
+    folder = shared_once("digits_run", make)
+    return folder / "ckpt", folder / "pngs"
 
 
 def test_classification_predicts_top5_class_names_and_draws_each_image(digits_run, tmp_path, capsys):
