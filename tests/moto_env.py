@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import json
 import os
 from collections.abc import Iterator
@@ -52,7 +53,7 @@ def synthesize(outdir: Path, **context) -> dict[str, dict]:
     from tests.shared_once import shared_once
 
     full = {"env": ENV, "ami_parameter": AMI_PARAMETER, **context}
-    key = "synth-" + "-".join(f"{k}={full[k]}" for k in sorted(full)).replace("/", "_")
+    key = "synth-" + hashlib.sha256(json.dumps(full, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     def make(folder: Path) -> None:
         _, _, raw = synth(full, outdir)

@@ -20,8 +20,12 @@ def run_dir() -> Path:
 
 
 def shared_once(key: str, make: Callable[[Path], None]) -> Path:
-    """The folder for ``key``, made by ``make(folder)`` the first time any worker asks in this test run. A
-    ``make`` that raises leaves no folder behind, so the next caller tries again (and fails the same way)."""
+    """The folder for ``key`` (a short file name: hash long identities), made by ``make(folder)`` the first time
+    any worker asks in this test run. A ``make`` that raises leaves no folder behind, so the next caller tries
+    again (and fails the same way). Raises ValueError for a key that is not one plain file name of at most
+    100 characters."""
+    if len(key) > 100 or "/" in key or key in ("", ".", ".."):
+        raise ValueError(f"shared_once key {key!r}: expected one file name of at most 100 characters")
     root = run_dir()
     root.mkdir(parents=True, exist_ok=True)
     folder, done = root / key, root / f"{key}.done"
