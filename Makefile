@@ -128,6 +128,7 @@ format: setup
 	$(VENV)/bin/ruff format .
 
 test: setup msda ffcv image-tools lint test-image-torch
+	@df -h . | sed 's/^/make test: disk: /'  # what the venvs left free (a full disk once stopped CI)
 	TRAINSTACK_REQUIRE_IMAGE_TOOLS=1 OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=60 tests
 
 clean:

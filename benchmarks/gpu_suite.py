@@ -216,11 +216,10 @@ def _run_forked(argv: list[str], limit: int, env: dict, capture: Path) -> tuple[
     fork of this process, as the interpreter would run it (``__main__``, ``sys.argv``, ``sys.path[0]``, the
     environment, the repository root as working directory), stdout and stderr into ``capture``; its process group
     is killed after ``limit`` seconds. Returns (exit status or "timeout", output)."""
-    import signal
 
     if str(ROOT) not in sys.path:
         sys.path.append(str(ROOT))
-    from tests.forkserver import exit_like_the_interpreter, run_as_main
+    from tests.forkserver import exit_like_the_interpreter, run_as_main, wait_child
 
     sys.stdout.flush()
     sys.stderr.flush()
@@ -239,18 +238,8 @@ def _run_forked(argv: list[str], limit: int, env: dict, capture: Path) -> tuple[
                 code = run_as_main(argv, ROOT)
             finally:
                 exit_like_the_interpreter(code)
-    deadline = time.monotonic() + limit
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            rc = os.waitstatus_to_exitcode(status)
-            break
-        if time.monotonic() > deadline:
-            os.killpg(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            rc = "timeout"
-            break
-        time.sleep(0.05)
+    rc = wait_child(pid, limit)
+    rc = "timeout" if rc is None else rc
     text = capture.read_text(errors="replace")
     capture.unlink()
     return rc, text

@@ -110,7 +110,7 @@ def _child(req: dict) -> None:
         exit_like_the_interpreter(code)
 
 
-def _wait(pid: int, timeout: float) -> Optional[int]:
+def wait_child(pid: int, timeout: float) -> Optional[int]:
     """The child's exit status (negative: killed by that signal), or None after killing its process group
     when ``timeout`` seconds pass."""
     import signal
@@ -174,7 +174,7 @@ def serve() -> None:
         pid = os.fork()
         if pid == 0:
             _child(req)
-        out.write(json.dumps({"rc": _wait(pid, req["timeout"])}) + "\n")
+        out.write(json.dumps({"rc": wait_child(pid, req["timeout"])}) + "\n")
         out.flush()
 
 
@@ -200,10 +200,9 @@ class _Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
 
-    def forkable(self, argv: list[str], env: dict) -> bool:
-        """Whether ``argv`` with ``env`` runs the same in a fork of the server as in a fresh interpreter."""
-        if os.environ.get("TRAINSTACK_TEST_FORK", "1") == "0" or argv[:3] != [sys.executable, "-m", "trainer"]:
-            return False
+    def forkable(self, env: dict) -> bool:
+        """Whether a ``python -m trainer`` command with ``env`` runs the same in a fork of the server as in a fresh
+        interpreter (:func:`run` checks the command and ``TRAINSTACK_TEST_FORK``)."""
         keys = {k for k in (*env, *self.env) if k.startswith(_START_KEYS) and k not in _IGNORED}
         if not all(env.get(k) == self.env.get(k) for k in keys) or self.proc.poll() is not None:
             return False
@@ -236,6 +235,6 @@ def run(argv: list[str], cwd: Path, env: dict, timeout: float) -> subprocess.Com
     if argv[:3] == [sys.executable, "-m", "trainer"] and os.environ.get("TRAINSTACK_TEST_FORK", "1") != "0":
         if _server is None or _server.proc.poll() is not None:
             _server = _Server()
-        if _server.forkable(argv, env):
+        if _server.forkable(env):
             return _server.run(argv, cwd, env, timeout)
     return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
