@@ -12,7 +12,8 @@
 # Steps: op build for this GPU (when missing), op tests, op table (ours / upstream / reference, fp32 and bf16, wall
 # and GPU time), DINO-4scale R50 TrainStep at 800 px bf16 (ms/step at batch 2/4/8 and on real facemask batches; the
 # CPU proxy's counts and GPU kernel times), eager then --compile; the real loop on facemask (STEPS steps, batch 2)
-# with GPU busy % from nvidia-smi, eager then --compile; BASE's profile last.
+# with GPU busy % from nvidia-smi: per-batch padding, fixed canvases (`--canvases auto`), canvases and a static-size
+# denoising part (`--dn-max-boxes 100`), each eager then --compile; BASE's profile last.
 set -u
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
@@ -68,24 +69,26 @@ DINO=(benchmarks/dino_step.py --device cuda --model resnet50 --image-size 800 --
   --data "$DATA/facemask-coco" --steps 5)
 step dino_step 120 $PY "${DINO[@]}" --time-batches 2,4,8
 step dino_step_compiled 180 $PY "${DINO[@]}" --time-batches 2 --compile
-train() {  # train NAME [extra flags]: the real loop on facemask, GPU busy % from nvidia-smi into $OUT/NAME.busy
+train() {  # train NAME [extra flags]: the real loop on facemask, GPU busy % (benchmarks/gpu_busy.py) into $OUT/NAME.busy
   local name=$1; shift
+  if [[ ",${SKIP:-}," == *",$name,"* ]]; then echo "=== $name skipped: SKIP"; return 0; fi
   nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu --format=csv -lms 500 > "$OUT/$name.smi.csv" 2>&1 &
-  local smi=$! t_start t_end
-  t_start=$(date '+%Y/%m/%d %T')
+  local smi=$!
   step "$name" 240 $PY -m trainer train --config configs/dino_4scale_coco.yaml --data-dir "$DATA/facemask-coco" \
     --train-split train --val-split val --coco-annotations 'annotations/custom_{split}.json' \
     --coco-images '{split}2017' --batch-size 2 --epochs 1 --max-steps-per-epoch "$STEPS" --num-workers 8 \
     --log-every-steps 20 --device cuda --checkpoint-dir "/tmp/gpu-dino/$name/ck" --log-dir "/tmp/gpu-dino/$name/logs" \
     --no-auto-resume "$@"
-  t_end=$(date '+%Y/%m/%d %T')
   kill $smi 2>/dev/null
   echo "GPU busy % during $name (nvidia-smi every 0.5 s, samples with memory in use):"
-  awk -F', ' -v a="$t_start" -v b="$t_end" 'NR > 1 && $1 >= a && $1 <= b && $2+0 > 1000 {u += $3; n++}
-    END {if (n) printf "%.1f %% over %d samples\n", u/n, n}' "$OUT/$name.smi.csv" | tee "$OUT/$name.busy"
+  $PY benchmarks/gpu_busy.py "$OUT/$name.smi.csv" "$OUT/$name.log" | tee "$OUT/$name.busy"
 }
-train dino_train
-train dino_train_compiled --compile
+train dino_train --canvases '' --dn-max-boxes 0
+train dino_train_canvases --canvases auto --dn-max-boxes 0
+train dino_train_compiled --canvases '' --dn-max-boxes 0 --compile
+train dino_train_canvases_compiled --canvases auto --dn-max-boxes 0 --compile
+train dino_train_static --canvases auto --dn-max-boxes 100
+train dino_train_static_compiled --canvases auto --dn-max-boxes 100 --compile
 if [[ -n ${BASE:-} && -n ${PROFILE:-} ]]; then
   (cd "$BASE" && PYTHONPATH=$PWD${extra_path:+:$extra_path} step dino_profile_base 120 $PY "$PROFILE")
 fi

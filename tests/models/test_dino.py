@@ -134,7 +134,7 @@ def test_dn_attention_mask_hand_checked():
     _, _, targets = inputs()
     enc = nn.Embedding(K + 1, 8)
     label, bbox, mask, meta = prepare_for_cdn(targets, 1, 0.5, 0.4, 3, K, 8, enc)
-    assert meta == {"pad_size": 8, "num_dn_group": 2}
+    assert meta == {"pad_size": 8, "num_dn_group": 2, "padded_size": 8, "max_boxes": 0}
     assert torch.equal(mask, expected)
     assert label.shape == (2, 8, 8) and bbox.shape == (2, 8, 4)
     # image 1 has one box: its rows 1, 3, 5, 7 are padding (zero embedding, anchor logit 0)

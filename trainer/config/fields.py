@@ -270,6 +270,13 @@ class TrainConfig:
     dn_number: int = _det(100, "Contrastive denoising queries (0 = no denoising).")
     dn_box_noise_scale: float = _det(0.4, "Denoising box noise scale (negatives get up to twice as much).")
     dn_label_noise_ratio: float = _det(0.5, "Share of denoising labels flipped to a random class.")
+    dn_max_boxes: int = _det(
+        0,
+        "0 = the denoising part sized per batch from its largest image's box count (upstream); N > 0 = padded with "
+        "inert queries to one size for every batch (200 for dn_number 100 and N <= 100), so with canvases the "
+        "decoder's shapes depend on the canvas alone; an image's boxes past N get no denoising query "
+        "(docs/detection.md).",
+    )
     hidden_dim: int = _det(256, "Transformer width.")
     dim_feedforward: int = _det(2048, "Transformer feed-forward width.")
     nheads: int = _det(8, "Attention heads.")

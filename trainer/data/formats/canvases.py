@@ -19,6 +19,7 @@ the collate pads it as without canvases (one more shape) rather than fail.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 from trainer.data.sampler import EpochSampler
@@ -108,12 +109,17 @@ def fit_canvas(h: int, w: int, canvases: Sequence[Canvas]) -> Canvas | None:
 def pick_canvases(batch_sizes: Sequence[Canvas], cover: Canvas, k: int, multiple: int) -> list[Canvas]:
     """At most ``k`` canvases for batches of largest image sizes ``batch_sizes`` ((h, w) pixels each): always
     ``cover``, then greedily the candidate (a batch's size rounded up to ``multiple``) that most reduces the
-    summed canvas area over ``batch_sizes``, while one does. Sorted by area."""
-    need = [(round_up(h, multiple), round_up(w, multiple)) for h, w in batch_sizes]
+    summed canvas area over ``batch_sizes``, while one does. Sorted by area. The batches are counted per distinct
+    rounded size first, so the work grows with the distinct sizes (hundreds on COCO), not the batches."""
+    need = Counter((round_up(h, multiple), round_up(w, multiple)) for h, w in batch_sizes)
     chosen = [cover]
 
     def cost(cs: list[Canvas]) -> int:
-        return sum(a * b for a, b in (fit_canvas(h, w, cs) for h, w in need))
+        total = 0
+        for (h, w), n in need.items():
+            a, b = fit_canvas(h, w, cs)
+            total += a * b * n
+        return total
 
     best_cost = cost(chosen)
     candidates = sorted(set(need) - {cover})

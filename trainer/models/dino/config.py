@@ -81,6 +81,7 @@ class DinoConfig:
     dn_number: int = 100
     dn_box_noise_scale: float = 0.4
     dn_label_noise_ratio: float = 0.5
+    dn_max_boxes: int = 0
     aux_loss: bool = True
     focal_alpha: float = 0.25
     set_cost_class: float = 2.0
@@ -121,6 +122,8 @@ class DinoConfig:
                 raise ValueError(f"DinoConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.dn_number < 0:
             raise ValueError(f"DinoConfig.dn_number must be >= 0, got {self.dn_number}")
+        if self.dn_max_boxes < 0:
+            raise ValueError(f"DinoConfig.dn_max_boxes must be >= 0, got {self.dn_max_boxes}")
         if not 0.0 <= self.dn_label_noise_ratio <= 1.0 or self.dn_box_noise_scale < 0:
             raise ValueError(
                 "DinoConfig.dn_label_noise_ratio must be in [0, 1] and dn_box_noise_scale >= 0, got "

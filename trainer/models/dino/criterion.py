@@ -82,7 +82,11 @@ def _dn_single_pad(dn_meta: Mapping, sizes: Sequence[int]) -> tuple[int, int]:
 
 
 def _dn_pairs(dn_meta: Mapping, sizes: Sequence[int]) -> list[tuple[np.ndarray, np.ndarray]]:
-    """:func:`dn_positive_indices` as numpy arrays from the target counts alone (no tensor is read)."""
+    """:func:`dn_positive_indices` as numpy arrays from the target counts alone (no tensor is read); with a
+    static-size part (``dn_meta["max_boxes"]`` > 0) an image's targets past that many have no denoising query."""
+    cap = int(dn_meta.get("max_boxes") or 0)
+    if cap > 0:
+        sizes = [min(n, cap) for n in sizes]
     single_pad, groups = _dn_single_pad(dn_meta, sizes)
     out = []
     for n in sizes:
@@ -280,7 +284,8 @@ class DinoCriterion(nn.Module):
         terms = self.set_terms(logits, boxes, _flat_pairs(matched, device), tgt_labels, tgt_boxes, num_boxes)
         groups = [([f"{key}{sfx}" for sfx in suffixes], per_set) for key, per_set in terms.items()]
 
-        # Denoising: positive dn queries against their own targets, normalised by num_boxes * num_dn_group.
+        # Denoising: positive dn queries against their own targets, normalised by num_boxes * num_dn_group
+        # (num_boxes counts every box, also those a static-size part leaves out: the same normaliser as without).
         dn_meta = outputs.get("dn_meta")
         dn_suffixes = ["_dn", *(f"_dn_{i}" for i in range(len(aux)))]
         if dn_meta is not None and sum(sizes) > 0:

@@ -10,6 +10,15 @@ start its negatives; the rows past an image's own box count are zero padding (la
 Number of groups (upstream's rule, kept): with ``d = 2 * dn_number``: ``d // (2 * max_gt)`` when ``d >= 100``
 (so DINO-4scale's 100 gives ``100 // max_gt`` groups, at least 1), ``d`` itself when ``0 < d < 100`` (upstream
 quirk: a small ``dn_number`` means that many pairs of groups, whatever ``max_gt``), 1 for a batch with no boxes.
+
+Static size (``max_boxes`` > 0, the config's ``dn_max_boxes``): the groups are still upstream's for the batch, but
+the part is padded with inert rows to :func:`static_dn_rows` rows on every batch, so the decoder's input length
+(``rows + num_queries``) and its attention mask's shape no longer depend on the batch's box counts -- with fixed
+canvases the model's shapes then depend on the canvas alone (one ``torch.compile`` graph or CUDA graph per
+canvas). An inert row has label embedding 0 and anchor logit 0 like the padding slots; it sees only the inert
+rows and the matching queries, and no other query sees it, so the real rows and the matching queries compute what
+they compute without it. An image with more than ``max_boxes`` boxes puts only its first ``max_boxes`` in the
+denoising part (the matching part and its loss still see every box).
 """
 
 from __future__ import annotations
@@ -33,19 +42,37 @@ def num_dn_groups(dn_number: int, max_gt: int) -> int:
     return max(d, 1)
 
 
-def dn_attention_mask(num_groups: int, single_pad: int, num_queries: int, device=None) -> Tensor:
-    """Decoder self-attention mask, (pad + Q, pad + Q) bool, True = may NOT attend; pad = groups * 2 * single_pad.
+def static_dn_rows(dn_number: int, max_boxes: int) -> int:
+    """Rows of the denoising part at a static size: the most that any batch whose largest image has at most
+    ``max_boxes`` boxes needs, ``max over m in [0, max_boxes] of 2 m num_dn_groups(dn_number, m)`` (200 for
+    DINO-4scale's ``dn_number`` 100 and any ``max_boxes`` <= 100). 0 when ``dn_number`` or ``max_boxes`` is 0."""
+    if dn_number <= 0 or max_boxes <= 0:
+        return 0
+    return max(2 * m * num_dn_groups(dn_number, m) for m in range(max_boxes + 1))
+
+
+def dn_attention_mask(
+    num_groups: int, single_pad: int, num_queries: int, device=None, padded_size: int | None = None
+) -> Tensor:
+    """Decoder self-attention mask, (P + Q, P + Q) bool, True = may NOT attend; P = ``padded_size`` or, when None,
+    pad = groups * 2 * single_pad.
 
     Matching queries cannot see any denoising query (no ground truth leaks); each denoising group sees itself
-    and the matching queries but no other group. Built from each row's group id (matching queries: group
-    ``num_groups``) in a fixed number of operator calls, whatever the number of groups.
+    and the matching queries but no other group; the inert rows past ``pad`` (static size, module docstring) are
+    one more such group. Built from each row's group id (inert rows: ``num_groups``, matching queries:
+    ``num_groups + 1``) in a fixed number of operator calls, whatever the number of groups.
     """
     group = 2 * single_pad
     pad = num_groups * group
-    gid = torch.arange(pad + num_queries, device=device).div(max(group, 1), rounding_mode="floor")
-    gid = gid.clamp(max=num_groups)
-    # row r may not attend column c when c is a denoising query of another group than r's
-    return (gid[None, :] < num_groups) & (gid[:, None] != gid[None, :])
+    rows = pad if padded_size is None else int(padded_size)
+    if rows < pad:
+        raise ValueError(f"dn_attention_mask: padded_size {rows} is smaller than the {pad} denoising rows")
+    idx = torch.arange(rows + num_queries, device=device)
+    gid = idx.div(max(group, 1), rounding_mode="floor").clamp(max=num_groups)
+    gid = torch.where(idx >= pad, num_groups, gid)
+    gid = torch.where(idx >= rows, num_groups + 1, gid)
+    # row r may not attend column c when c is a denoising (or inert) query of another group than r's
+    return (gid[None, :] <= num_groups) & (gid[:, None] != gid[None, :])
 
 
 def prepare_for_cdn(
@@ -58,6 +85,7 @@ def prepare_for_cdn(
     hidden_dim: int,
     label_enc: nn.Embedding,
     generator: torch.Generator | None = None,
+    max_boxes: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor, dict]:
     """Noised ground truth as denoising queries (DINO sec. 3.2), the attention mask and ``dn_meta``.
 
@@ -75,29 +103,36 @@ def prepare_for_cdn(
         targets: per image {"labels": int64 (N_b,) in [0, num_classes), "boxes": float (N_b, 4) cxcywh in [0, 1]}.
         label_enc: ``nn.Embedding(num_classes + 1, hidden_dim)`` (row ``num_classes`` is never used by noise).
         generator: optional RNG for the noise (default: the global one).
+        max_boxes: 0 = the part sized for this batch (upstream); > 0 = padded to :func:`static_dn_rows` rows
+            whatever the batch, an image's boxes past the first ``max_boxes`` left out of it (module docstring).
 
     Returns:
-        input_query_label (B, pad_size, hidden_dim), input_query_bbox (B, pad_size, 4) unsigmoid,
-        attn_mask (pad_size + num_queries,) * 2 bool, dn_meta {"pad_size", "num_dn_group"}.
+        input_query_label (B, P, hidden_dim), input_query_bbox (B, P, 4) unsigmoid, attn_mask (P + num_queries,)
+        * 2 bool, dn_meta {"pad_size": the real rows, "num_dn_group", "padded_size": P, "max_boxes"}; P =
+        pad_size without ``max_boxes``.
     """
     device = label_enc.weight.device
     batch_size = len(targets)
     counts = [int(t["labels"].numel()) for t in targets]
+    if max_boxes > 0:
+        counts = [min(n, max_boxes) for n in counts]
     max_gt = max(counts, default=0)
     groups = num_dn_groups(dn_number, max_gt)
     single_pad = max_gt
     pad_size = single_pad * 2 * groups
+    padded_size = static_dn_rows(dn_number, max_boxes) if max_boxes > 0 else pad_size
     weight = label_enc.weight
-    input_query_label = weight.new_zeros(batch_size, pad_size, hidden_dim)
-    input_query_bbox = torch.zeros(batch_size, pad_size, 4, device=device)
-    attn_mask = dn_attention_mask(groups, single_pad, num_queries, device)
-    meta = {"pad_size": pad_size, "num_dn_group": groups}
+    input_query_label = weight.new_zeros(batch_size, padded_size, hidden_dim)
+    input_query_bbox = torch.zeros(batch_size, padded_size, 4, device=device)
+    attn_mask = dn_attention_mask(groups, single_pad, num_queries, device, padded_size)
+    meta = {"pad_size": pad_size, "num_dn_group": groups, "padded_size": padded_size, "max_boxes": max_boxes}
     n_boxes = sum(counts)
     if n_boxes == 0:
         return input_query_label, input_query_bbox, attn_mask, meta
 
-    labels = torch.cat([t["labels"].reshape(-1) for t in targets]).to(device=device, dtype=torch.long)
-    boxes = torch.cat([t["boxes"].reshape(-1, 4) for t in targets]).to(device=device, dtype=torch.float32)
+    labels = torch.cat([t["labels"].reshape(-1)[:n] for t, n in zip(targets, counts)])
+    boxes = torch.cat([t["boxes"].reshape(-1, 4)[:n] for t, n in zip(targets, counts)])
+    labels, boxes = labels.to(device=device, dtype=torch.long), boxes.to(device=device, dtype=torch.float32)
     # 2 * groups blocks (positive, negative, positive, ...), each the batch's boxes in order; per row: its image,
     # its slot in the image's group block, and whether it is a negative -- from the counts alone, on the host.
     blocks = 2 * groups
@@ -136,15 +171,17 @@ def dn_post_process(outputs_class: Tensor, outputs_coord: Tensor, dn_meta: dict,
         outputs_class: (n_dec, B, pad + Q, num_classes) logits; outputs_coord: (n_dec, B, pad + Q, 4) boxes.
         dn_meta: from :func:`prepare_for_cdn`; gains "output_known_lbs_bboxes" {"pred_logits" (B, pad, K),
             "pred_boxes" (B, pad, 4), "aux_outputs" [per earlier layer {"pred_logits", "pred_boxes"}]}, also when
-            pad_size is 0 (0-row tensors; upstream leaves the key out then).
+            pad_size is 0 (0-row tensors; upstream leaves the key out then). The inert rows of a static-size part
+            (between ``pad_size`` and ``padded_size``) go to neither.
 
     Returns:
         (outputs_class, outputs_coord) of the matching queries, (n_dec, B, Q, ...).
     """
     pad = dn_meta["pad_size"]
+    rows = dn_meta.get("padded_size", pad)
     known_class, known_coord = outputs_class[:, :, :pad], outputs_coord[:, :, :pad]
     out = {"pred_logits": known_class[-1], "pred_boxes": known_coord[-1]}
     if aux_loss:
         out["aux_outputs"] = [{"pred_logits": c, "pred_boxes": b} for c, b in zip(known_class[:-1], known_coord[:-1])]
     dn_meta["output_known_lbs_bboxes"] = out
-    return outputs_class[:, :, pad:], outputs_coord[:, :, pad:]
+    return outputs_class[:, :, rows:], outputs_coord[:, :, rows:]

@@ -46,6 +46,7 @@ class DINO(nn.Module):
         self.dn_number = cfg.dn_number
         self.dn_box_noise_scale = cfg.dn_box_noise_scale
         self.dn_label_noise_ratio = cfg.dn_label_noise_ratio
+        self.dn_max_boxes = cfg.dn_max_boxes
         self.label_enc = nn.Embedding(num_classes + 1, hidden_dim)
 
         in_channels = backbone.num_channels
@@ -134,6 +135,7 @@ class DINO(nn.Module):
                 self.num_classes,
                 self.hidden_dim,
                 self.label_enc,
+                max_boxes=self.dn_max_boxes,
             )
         else:
             input_query_label = input_query_bbox = attn_mask = dn_meta = None

@@ -129,6 +129,8 @@ class DetectionTask(DetectionServing, Task):
                 "dn_number must be >= 0, dn_label_noise_ratio in [0, 1], dn_box_noise_scale >= 0; got "
                 f"{cfg.dn_number}, {cfg.dn_label_noise_ratio}, {cfg.dn_box_noise_scale}"
             )
+        if cfg.dn_max_boxes < 0:
+            raise ConfigError(f"dn_max_boxes: got {cfg.dn_max_boxes}; must be >= 0 (0 = sized per batch)")
         if not 0 <= cfg.backbone_lr_scale <= 1:
             raise ConfigError(f"backbone_lr_scale: got {cfg.backbone_lr_scale}; must be in [0, 1]")
         if cfg.pretrained_backbone and not Path(cfg.pretrained_backbone).is_file():
@@ -243,6 +245,7 @@ class DetectionTask(DetectionServing, Task):
             dn_number=cfg.dn_number,
             dn_box_noise_scale=cfg.dn_box_noise_scale,
             dn_label_noise_ratio=cfg.dn_label_noise_ratio,
+            dn_max_boxes=cfg.dn_max_boxes,
         )
 
     def compile_model(self, model: nn.Module) -> None:
