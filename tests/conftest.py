@@ -214,12 +214,15 @@ def pytest_configure(config):
         import uuid
 
         os.environ["TRAINSTACK_TEST_RUN"] = uuid.uuid4().hex[:12]
+        config._trainstack_names_the_run = True  # so only this process removes the run's directory
 
 
 def pytest_sessionfinish(session):
-    """On the controller (or the only process): remove the run's :mod:`tests.shared_once` directory; with
-    ``TRAINSTACK_TEST_DURATIONS=FILE``, write the per-file seconds of this run to FILE, longest first."""
-    if not hasattr(session.config, "workerinput"):
+    """On the controller (or the only process) that named the run: remove the run's :mod:`tests.shared_once`
+    directory (a pytest that a test starts, e.g. ``gpu_suite``'s op step, inherits the name and must leave the
+    directory to the run that is still reading it); with ``TRAINSTACK_TEST_DURATIONS=FILE``, write the per-file
+    seconds of this run to FILE, longest first."""
+    if getattr(session.config, "_trainstack_names_the_run", False):
         from tests.shared_once import run_dir
 
         shutil.rmtree(run_dir(), ignore_errors=True)
