@@ -15,7 +15,7 @@ NPROC  ?= 2
 TEST_WORKERS ?= 2
 SHELL  := /bin/bash
 
-.PHONY: setup run test test-installs image-torch-op clean msda image image-cpu image-smoke image-tools test-image-torch ffcv lint format
+.PHONY: setup run test clean msda image image-cpu image-smoke image-tools test-image-torch ffcv lint format
 MSDA_ARCHS ?= 8.0
 
 export JSII_SILENCE_WARNING_DEPRECATED_NODE_VERSION := 1
@@ -99,13 +99,11 @@ IMAGE_TORCH_TESTS := tests/ops/test_msda_reference.py tests/ops/test_msda_librar
   tests/tasks/test_detection.py::test_a_short_detection_run_through_the_engine \
   tests/tasks/test_segmentation.py::test_a_short_segmentation_run_through_the_engine \
   tests/tasks/test_video.py::test_video_folders_train_predict_and_plan
-$(IMAGE_TORCH_VENV)/.torch: requirements-image-torch.txt
+$(IMAGE_TORCH_VENV)/.installed: requirements-image-torch.txt $(VENV)/.installed
 	rm -rf $(IMAGE_TORCH_VENV)
 	python3 -m venv $(IMAGE_TORCH_VENV)
 	PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= $(IMAGE_TORCH_VENV)/bin/python -m pip install -q --no-cache-dir --no-deps \
 	  -r requirements-image-torch.txt
-	touch $@
-$(IMAGE_TORCH_VENV)/.installed: $(IMAGE_TORCH_VENV)/.torch $(VENV)/.installed
 	$(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))' \
 	  > "$$($(IMAGE_TORCH_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/zz_trainstack_venv.pth"
 	$(IMAGE_TORCH_VENV)/bin/python -c 'import importlib.metadata as m, torch, torchvision; \
@@ -113,21 +111,12 @@ $(IMAGE_TORCH_VENV)/.installed: $(IMAGE_TORCH_VENV)/.torch $(VENV)/.installed
 	  got = {"torch": torch.__version__.split("+")[0], "torchvision": torchvision.__version__.split("+")[0]}; \
 	  assert got == want, f"$(IMAGE_TORCH_VENV) has {got}, requirements-image-torch.txt asks {want}"; print("image torch:", got)'
 	touch $@
-# the copy of the tree and its op build (image-torch-op), then the tests (IMAGE_TORCH_PYTEST)
-IMAGE_TORCH_PYTEST = cd build/image-torch && TRAINSTACK_DATA=$${TRAINSTACK_DATA:-$(CURDIR)/../shared/data} \
-  OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(CURDIR)/$(IMAGE_TORCH_VENV)/bin/python -m pytest -q -p no:cacheprovider \
-  -n $(TEST_WORKERS) --dist loadfile $(IMAGE_TORCH_TESTS)
-image-torch-op: $(IMAGE_TORCH_VENV)/.installed
+test-image-torch: $(IMAGE_TORCH_VENV)/.installed
 	rm -rf build/image-torch && mkdir -p build/image-torch
 	git ls-files -z --cached --others --exclude-standard | xargs -0 cp --parents -t build/image-torch
 	cd build/image-torch && TORCH_CUDA_ARCH_LIST="$(MSDA_ARCHS)" PYTHON=$(CURDIR)/$(IMAGE_TORCH_VENV)/bin/python bash images/build_msda.sh
-test-image-torch: image-torch-op
-	$(IMAGE_TORCH_PYTEST)
-
-test-installs: setup
-	$(MAKE) --no-print-directory ffcv
-	$(MAKE) --no-print-directory image-tools
-	$(MAKE) --no-print-directory image-torch-op
+	cd build/image-torch && TRAINSTACK_DATA=$${TRAINSTACK_DATA:-$(CURDIR)/../shared/data} OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} \
+	  $(CURDIR)/$(IMAGE_TORCH_VENV)/bin/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile $(IMAGE_TORCH_TESTS)
 
 # ruff.toml: formatter and linter with a fixed line length; `make format` rewrites, `make lint` only checks.
 lint: setup
@@ -138,13 +127,7 @@ format: setup
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-# The prerequisites in parallel lanes: .venv beside the image-torch venv's download; then the op build and lint
-# beside the network- and dpkg-bound installs (ffcv, the image tools; one after another, apt holds a lock) and the
-# image-torch copy's op build. Then the image-torch tests, then the suite.
-test:
-	$(MAKE) --no-print-directory -j 2 setup $(IMAGE_TORCH_VENV)/.torch
-	$(MAKE) --no-print-directory -j 3 msda lint test-installs
-	$(IMAGE_TORCH_PYTEST)
+test: setup msda ffcv image-tools lint test-image-torch
 	@df -h . | sed 's/^/make test: disk: /'  # what the venvs left free (a full disk once stopped CI)
 	TRAINSTACK_REQUIRE_IMAGE_TOOLS=1 OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=60 tests
 

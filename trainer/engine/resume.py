@@ -17,6 +17,7 @@ import torch
 from trainer.config import FIELDS, NON_TRAJECTORY_FIELDS
 from trainer.engine import distributed as dist
 from trainer.engine.checkpoint import CheckpointError, CheckpointManager
+from trainer.models.local_weights import state_dict_diff
 
 
 def config_diff(saved: dict, current: dict) -> list[str]:
@@ -68,14 +69,7 @@ def label_space_diff(saved: dict, current: dict) -> list[str]:
 def state_dict_mismatch(model: torch.nn.Module, saved: dict, first: int = 3) -> Optional[str]:
     """Summary of why ``saved`` cannot be loaded into ``model`` (missing, unexpected and differently shaped
     keys, the first ``first`` of each), or None when every key and shape matches."""
-    mine = model.state_dict()
-    missing = [k for k in mine if k not in saved]
-    unexpected = [k for k in saved if k not in mine]
-    shapes = [
-        f"{k} {tuple(saved[k].shape)} vs {tuple(v.shape)}"
-        for k, v in mine.items()
-        if k in saved and isinstance(saved[k], torch.Tensor) and saved[k].shape != v.shape
-    ]
+    missing, unexpected, shapes = state_dict_diff(model.state_dict(), saved)
     parts = []
     for label, items in (
         ("missing in the checkpoint", missing),

@@ -48,6 +48,20 @@ def read_state_dict(path: str | Path, field: str, unwrap: tuple[str, ...] = ()) 
     return state
 
 
+def state_dict_diff(own: Mapping[str, torch.Tensor], state: Mapping) -> tuple[list[str], list[str], list[str]]:
+    """(keys of ``own`` missing in ``state``, keys of ``state`` not in ``own``, ``"key (file shape) vs (own
+    shape)"`` for the tensors whose shapes differ), each in key order; values of ``state`` that are not tensors
+    are not shape-checked."""
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    shapes = [
+        f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}"
+        for k, v in own.items()
+        if k in state and isinstance(state[k], torch.Tensor) and state[k].shape != v.shape
+    ]
+    return missing, unexpected, shapes
+
+
 def load_checked(module: nn.Module, state: Mapping[str, torch.Tensor], path: str | Path, field: str, what: str) -> None:
     """``module.load_state_dict(state, strict=True)`` after checking every key and shape.
 
@@ -55,14 +69,7 @@ def load_checked(module: nn.Module, state: Mapping[str, torch.Tensor], path: str
         ConfigError: ``<field>: <path> does not match <what>: N missing keys (first: ...); N unexpected keys
             (first: ...); N shape mismatches, file vs model (first: ...)`` (the first three of each).
     """
-    own = module.state_dict()
-    missing = [k for k in own if k not in state]
-    unexpected = [k for k in state if k not in own]
-    shapes = [
-        f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}"
-        for k, v in own.items()
-        if k in state and state[k].shape != v.shape
-    ]
+    missing, unexpected, shapes = state_dict_diff(module.state_dict(), state)
     problems = []
     if missing:
         problems.append(f"{len(missing)} missing keys (first: {', '.join(missing[:3])})")
