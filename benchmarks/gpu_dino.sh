@@ -28,9 +28,10 @@ if [[ ! -d $DATA/facemask-coco ]]; then
   echo "error: DATA=$DATA holds no facemask-coco/ (set DATA to the folder that has it)" >&2
   exit 2
 fi
+skipped() { [[ ",${SKIP:-}," == *",$1,"* ]] && echo "=== $1 skipped: SKIP"; }
 step() {  # step NAME LIMIT CMD...: runs CMD under min(LIMIT, time left), log in $OUT/NAME.log
   local name=$1 t=$2; shift 2
-  if [[ ",${SKIP:-}," == *",$name,"* ]]; then echo "=== $name skipped: SKIP"; return 98; fi
+  skipped "$name" && return 98
   local left=$((BUDGET - SECONDS))
   if ((left < 20)); then echo "=== $name skipped: budget spent"; return 99; fi
   ((t > left)) && t=$left
@@ -71,7 +72,7 @@ step dino_step 120 $PY "${DINO[@]}" --time-batches 2,4,8
 step dino_step_compiled 180 $PY "${DINO[@]}" --time-batches 2 --compile
 train() {  # train NAME [extra flags]: the real loop on facemask, GPU busy % (benchmarks/gpu_busy.py) into $OUT/NAME.busy
   local name=$1; shift
-  if [[ ",${SKIP:-}," == *",$name,"* ]]; then echo "=== $name skipped: SKIP"; return 0; fi
+  skipped "$name" && return 0
   nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu --format=csv -lms 500 > "$OUT/$name.smi.csv" 2>&1 &
   local smi=$!
   step "$name" 240 $PY -m trainer train --config configs/dino_4scale_coco.yaml --data-dir "$DATA/facemask-coco" \

@@ -23,6 +23,7 @@ denoising part (the matching part and its loss still see every box).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -42,6 +43,7 @@ def num_dn_groups(dn_number: int, max_gt: int) -> int:
     return max(d, 1)
 
 
+@functools.cache
 def static_dn_rows(dn_number: int, max_boxes: int) -> int:
     """Rows of the denoising part at a static size: the most that any batch whose largest image has at most
     ``max_boxes`` boxes needs, ``max over m in [0, max_boxes] of 2 m num_dn_groups(dn_number, m)`` (200 for
