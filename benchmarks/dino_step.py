@@ -11,8 +11,9 @@ Per step it prints:
   CPU they make no ATen call); on the CPU every such call is counted, although on a GPU a call on a tensor that
   already lives on the host would not sync, so the CPU figure is an upper bound of the GPU's;
 - ATen operator calls (every ``aten::`` event, forward and backward: a proxy for CUDA kernel launches);
-- the Hungarian matcher's share of the step's wall time (its ``linear_sum_assignment`` runs on the host; on a GPU
-  the share includes the wait for the forward pass at its one device-to-host copy).
+- the Hungarian matcher's share of the step's wall time (``--matcher scipy``: its ``linear_sum_assignment`` runs on
+  the host; on a GPU the share includes the wait for the forward pass at its one device-to-host copy; ``--matcher
+  batched``: torch-linear-assignment on the device, no copy on CUDA).
 
 The counts do not depend on the machine or the thread count: ``tests/tasks/test_dino_step_proxy.py`` pins them.
 It ends with one line ``host_syncs_per_step=N aten_calls_per_step=M`` (the larger of the two batch kinds).
@@ -69,6 +70,7 @@ def build(args) -> tuple:
         "num_workers": 0,
         "channels_last": False,
         "compile": args.compile,
+        "matcher": args.matcher,
     }
     if args.hidden_dim:
         over.update(hidden_dim=args.hidden_dim, dim_feedforward=args.dim_feedforward)
@@ -95,7 +97,7 @@ def profile_steps(rig, batches: list, steps: int, device: str) -> dict:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     matcher = rig.task.criterion.matcher
     match_s = [0.0]
-    original = matcher.match_stacked  # what the criterion calls (matcher.forward wraps it for one set)
+    original = matcher.match_pairs  # what the criterion calls
 
     def timed(*a, **kw):
         t0 = time.perf_counter()
@@ -107,7 +109,7 @@ def profile_steps(rig, batches: list, steps: int, device: str) -> dict:
     for b in batches:  # warm-up: allocator, oneDNN primitives, compiled graphs
         rig.step(b)
     host = {}
-    matcher.match_stacked = timed
+    matcher.match_pairs = timed
     try:
         with count_host_copies(host), profile(activities=activities) as prof:
             t0 = time.perf_counter()
@@ -117,7 +119,7 @@ def profile_steps(rig, batches: list, steps: int, device: str) -> dict:
                 torch.cuda.synchronize()
             wall = time.perf_counter() - t0
     finally:
-        del matcher.match_stacked  # the instance attribute: the class's method shows through again
+        del matcher.match_pairs  # the instance attribute: the class's method shows through again
     calls, aten = count_calls(prof.events())
     syncs = {k: calls.get(k, 0) for k in SYNC_OPS}
     result = {
@@ -212,6 +214,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=int, default=2, help="profiled steps per batch kind")
     ap.add_argument("--real-batches", type=int, default=2)
     ap.add_argument("--compile", action="store_true", help="torch.compile as the trainer's --compile does")
+    ap.add_argument("--matcher", default="scipy", help="the config's matcher: scipy, batched or auto")
     ap.add_argument("--hidden-dim", type=int, help="narrower transformer (the counts do not change; the test's speed)")
     ap.add_argument("--dim-feedforward", type=int, default=2048)
     ap.add_argument("--time-batches", default="", help="comma list of batch sizes to time without the profiler")

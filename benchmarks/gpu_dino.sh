@@ -11,9 +11,11 @@
 #   SKIP=a,b       step names not to run (e.g. SKIP=dino_step_compiled,dino_train_compiled when GPU minutes are few)
 # Steps: op build for this GPU (when missing), op tests, op table (ours / upstream / reference, fp32 and bf16, wall
 # and GPU time), DINO-4scale R50 TrainStep at 800 px bf16 (ms/step at batch 2/4/8 and on real facemask batches; the
-# CPU proxy's counts and GPU kernel times), eager then --compile; the real loop on facemask (STEPS steps, batch 2)
-# with GPU busy % from nvidia-smi: per-batch padding, fixed canvases (`--canvases auto`), canvases and a static-size
-# denoising part (`--dn-max-boxes 100`), each eager then --compile; BASE's profile last.
+# CPU proxy's counts and GPU kernel times), eager, --compile, then with the batched GPU matcher (`--matcher batched`)
+# and its SciPy-parity tests on CUDA; the real loop on facemask (STEPS steps, batch 2) with GPU busy % from
+# nvidia-smi: per-batch padding, fixed canvases (`--canvases auto`), canvases and a static-size denoising part
+# (`--dn-max-boxes 100`), each eager then --compile, then canvases + static part + batched matcher; BASE's profile
+# last.
 set -u
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
@@ -70,6 +72,8 @@ DINO=(benchmarks/dino_step.py --device cuda --model resnet50 --image-size 800 --
   --data "$DATA/facemask-coco" --steps 5)
 step dino_step 120 $PY "${DINO[@]}" --time-batches 2,4,8
 step dino_step_compiled 180 $PY "${DINO[@]}" --time-batches 2 --compile
+step dino_step_batched_matcher 120 $PY "${DINO[@]}" --time-batches 2 --matcher batched
+step matcher_tests 120 $PY -m pytest -q -x -p no:cacheprovider tests/models/test_dino_matcher_batched.py
 train() {  # train NAME [extra flags]: the real loop on facemask, GPU busy % (benchmarks/gpu_busy.py) into $OUT/NAME.busy
   local name=$1; shift
   skipped "$name" && return 0
@@ -90,6 +94,7 @@ train dino_train_compiled --canvases '' --dn-max-boxes 0 --compile
 train dino_train_canvases_compiled --canvases auto --dn-max-boxes 0 --compile
 train dino_train_static --canvases auto --dn-max-boxes 100
 train dino_train_static_compiled --canvases auto --dn-max-boxes 100 --compile
+train dino_train_static_batched_matcher --canvases auto --dn-max-boxes 100 --matcher batched
 if [[ -n ${BASE:-} && -n ${PROFILE:-} ]]; then
   (cd "$BASE" && PYTHONPATH=$PWD${extra_path:+:$extra_path} step dino_profile_base 120 $PY "$PROFILE")
 fi

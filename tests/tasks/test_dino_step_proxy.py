@@ -70,3 +70,21 @@ def test_the_counting_rule_counts_a_multi_tensor_op_once():
     events += [E("cudaLaunchKernel", fused)]
     calls, aten = dino_step.count_calls(events)
     assert aten == 2 and calls.get("aten::_local_scalar_dense", 0) == 0 and calls["cudaLaunchKernel"] == 1
+
+
+def test_the_batched_matcher_reads_nothing_back(monkeypatch):
+    """``--matcher batched`` (issue 37 item 4): the matcher's own code makes no host read, so with the solver
+    standing in on the device (on CUDA torch-linear-assignment's Triton kernel, which reads nothing back with its
+    validation off; on the CPU the package would loop over SciPy) a step has no host copy and no sync at all."""
+    from trainer.models.dino import matcher
+
+    monkeypatch.setattr(matcher, "_solve_batched", lambda cost: cost.argmin(-1))
+    args = dino_step.parser().parse_args(
+        ["--image-size", "128", "--num-queries", "100", "--steps", "1", "--hidden-dim", "32", "--dim-feedforward", "64"]
+        + ["--matcher", "batched"]
+    )
+    results = dino_step.measure(args)
+    assert set(results) == {"example"}  # 8 boxes per image: the matcher pads nothing away, the count is the same
+    for kind, r in results.items():
+        assert r["syncs"] == {"aten::_local_scalar_dense": 0, "aten::nonzero": 0}, kind
+        assert r["host_copies"] == {"tolist": 0, "numpy": 0, "cpu": 0}, kind

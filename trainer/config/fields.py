@@ -277,6 +277,14 @@ class TrainConfig:
         "decoder's shapes depend on the canvas alone; an image's boxes past N get no denoising query "
         "(docs/detection.md).",
     )
+    matcher: str = _det(
+        "scipy",
+        "Hungarian matching solver: scipy = one device-to-host copy of the costs, SciPy per image and prediction set "
+        "(the reference); batched = every image and set at once on the training device with torch-linear-assignment "
+        "(Triton on CUDA: no host read; its SciPy loop on the CPU); auto = batched on CUDA when its Triton solver "
+        "imports, else scipy (docs/detection.md).",
+        choices=("scipy", "batched", "auto"),
+    )
     hidden_dim: int = _det(256, "Transformer width.")
     dim_feedforward: int = _det(2048, "Transformer feed-forward width.")
     nheads: int = _det(8, "Attention heads.")

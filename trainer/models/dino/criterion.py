@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torchvision.ops import sigmoid_focal_loss
 
-from trainer.models.dino.matcher import MatchIndices, pad_targets
+from trainer.models.dino.matcher import MatchIndices, flat_pairs, pad_targets
 from trainer.models.dino.utils import box_giou, cxcywh_to_xyxy
 
 __all__ = ["DinoCriterion", "dino_weight_dict", "dn_positive_indices", "LOSS_KEYS"]
@@ -131,25 +131,13 @@ def _num_boxes(sizes: Sequence[int], device: torch.device) -> Tensor:
     return n.clamp(min=1.0)
 
 
-def _flat_pairs(pairs: Sequence[Sequence[tuple[np.ndarray, np.ndarray]]], device: torch.device) -> Tensor:
-    """(set, image) -> (query idx, target idx) arrays as one int64 (4, K) device tensor of rows (set, image, query,
-    target): built on the host, one host-to-device copy."""
-    cols = [
-        np.stack([np.full_like(q, s), np.full_like(q, i), q, t])
-        for s, per_image in enumerate(pairs)
-        for i, (q, t) in enumerate(per_image)
-    ]
-    flat = np.concatenate(cols, 1) if cols else np.zeros((4, 0), dtype=np.int64)
-    return torch.from_numpy(np.ascontiguousarray(flat, dtype=np.int64)).to(device, non_blocking=True)
-
-
 class DinoCriterion(nn.Module):
     """DINO's training loss (see the module docstring for formulas).
 
     Args:
         num_classes: C, the width of ``pred_logits`` (upstream: max category id + 1, e.g. 91 for COCO).
         matcher: :class:`~trainer.models.dino.matcher.HungarianMatcher` (DINO-4scale costs 2 / 5 / 2), or any module
-            with its ``match_stacked`` method.
+            with its ``match_pairs`` method.
         weight_dict: weight of every loss key that can be produced (see :func:`dino_weight_dict`); a missing key is an
             error rather than a silently dropped term. Weight 0 keeps a term logged but out of the total.
         focal_alpha: alpha of the sigmoid focal loss (DINO-4scale: 0.25); gamma is 2 as upstream.
@@ -162,8 +150,8 @@ class DinoCriterion(nn.Module):
     ``dn_meta`` is None or the batch has no targets), so the logged key set is stable from step to step.
 
     The prediction sets are stacked and every term is computed for all of them at once (one matcher pass with one
-    device-to-host copy, one focal loss over (S, B, Q, C), one gather of matched boxes): the number of operator
-    calls does not grow with the number of decoder layers, and nothing but the matcher's copy reads the device.
+    device-to-host copy, none with the matcher's batched solver; one focal loss over (S, B, Q, C), one gather of matched boxes): the number of operator
+    calls does not grow with the number of decoder layers, and nothing but the SciPy matcher's copy reads the device.
     """
 
     def __init__(
@@ -280,8 +268,8 @@ class DinoCriterion(nn.Module):
 
         logits = torch.stack([x["pred_logits"] for x in sets])
         boxes = torch.stack([x["pred_boxes"] for x in sets])
-        matched = self.matcher.match_stacked(logits, boxes, tgt_labels, tgt_boxes, sizes)
-        terms = self.set_terms(logits, boxes, _flat_pairs(matched, device), tgt_labels, tgt_boxes, num_boxes)
+        pairs = self.matcher.match_pairs(logits, boxes, tgt_labels, tgt_boxes, sizes)
+        terms = self.set_terms(logits, boxes, pairs, tgt_labels, tgt_boxes, num_boxes)
         groups = [([f"{key}{sfx}" for sfx in suffixes], per_set) for key, per_set in terms.items()]
 
         # Denoising: positive dn queries against their own targets, normalised by num_boxes * num_dn_group
@@ -294,7 +282,7 @@ class DinoCriterion(nn.Module):
             if len(dn_aux) != len(aux):
                 raise ValueError(f"dn_meta has {len(dn_aux)} aux layers but outputs has {len(aux)}")
             dn_sets = [known, *dn_aux]
-            pairs = _flat_pairs([_dn_pairs(dn_meta, sizes)] * len(dn_sets), device)
+            pairs = flat_pairs([_dn_pairs(dn_meta, sizes)] * len(dn_sets), device)
             dn_logits = torch.stack([x["pred_logits"] for x in dn_sets])
             dn_boxes = torch.stack([x["pred_boxes"] for x in dn_sets])
             dn_norm = num_boxes * int(dn_meta["num_dn_group"])

@@ -15,6 +15,12 @@ of assigning prediction ``q`` to target ``j`` (label ``c_j``, box ``b_j``) is, a
 
 DINO-4scale (upstream ``config/DINO/DINO_4scale.py``) uses ``cost_class=2.0, cost_bbox=5.0, cost_giou=2.0,
 focal_alpha=0.25`` and ``gamma=2``.
+
+Two solvers, one cost (``solver``): ``scipy`` copies the cost blocks to the host once and solves each (set, image)
+with :func:`scipy.optimize.linear_sum_assignment` (the reference); ``batched`` solves every (set, image) at once on
+the cost's device with torch-linear-assignment (Triton on CUDA, its SciPy loop elsewhere), the cost padded to the
+batch's largest per-image target count T (RF-DETR's padding; the padded targets cost 0 against every query, so
+with Q >= T they take queries no real target needs and change neither the real targets' optimum nor its cost).
 """
 
 from __future__ import annotations
@@ -28,7 +34,10 @@ from torch import Tensor, nn
 
 from trainer.models.dino.utils import box_giou, cxcywh_to_xyxy, has_values
 
-__all__ = ["HungarianMatcher", "MatchIndices", "pad_targets"]
+__all__ = ["SOLVERS", "HungarianMatcher", "MatchIndices", "batched_solver_missing", "flat_pairs", "pad_targets"]
+
+#: ``solver`` values of :class:`HungarianMatcher`.
+SOLVERS = ("scipy", "batched")
 
 #: One image's assignment: (prediction indices into Q, target indices into N), both int64 on the CPU, equal length.
 MatchIndices = tuple[Tensor, Tensor]
@@ -46,6 +55,60 @@ def pad_targets(targets: Sequence[Mapping[str, Tensor]], device: torch.device) -
     return pad(labels, batch_first=True), pad(boxes, batch_first=True)
 
 
+def flat_pairs(pairs: Sequence[Sequence[tuple[np.ndarray, np.ndarray]]], device: torch.device) -> Tensor:
+    """(set, image) -> (query idx, target idx) int64 arrays as one int64 (4, K) device tensor of rows (set, image,
+    query, target): built on the host, one host-to-device copy."""
+    cols = [
+        np.stack([np.full_like(q, s), np.full_like(q, i), q, t])
+        for s, per_image in enumerate(pairs)
+        for i, (q, t) in enumerate(per_image)
+    ]
+    flat = np.concatenate(cols, 1) if cols else np.zeros((4, 0), dtype=np.int64)
+    return torch.from_numpy(np.ascontiguousarray(flat, dtype=np.int64)).to(device, non_blocking=True)
+
+
+def batched_solver_missing(cuda: bool) -> str | None:
+    """None when the batched solver can run (torch-linear-assignment importable, and on CUDA its Triton module),
+    else why not (one line)."""
+    try:
+        import torch_linear_assignment  # noqa: F401
+
+        if cuda:
+            import torch_linear_assignment._triton  # noqa: F401
+    except ImportError as e:
+        what = "torch-linear-assignment's Triton solver" if cuda else "torch-linear-assignment"
+        return f"{what} does not import ({e})"
+    return None
+
+
+def _check_sizes(sizes: Sequence[int], batch: int, num_queries: int) -> None:
+    """ValueError unless there is one target count per image and each is at most the number of queries."""
+    if len(sizes) != batch:
+        raise ValueError(f"HungarianMatcher: {len(sizes)} targets for a batch of {batch} predictions")
+    for i, n in enumerate(sizes):
+        if n > num_queries:
+            raise ValueError(
+                f"HungarianMatcher: image {i} has {n} targets but the model has only {num_queries} queries; "
+                "one-to-one matching needs num_queries >= targets per image (raise num_queries or cap targets)"
+            )
+
+
+def _solve_batched(cost: Tensor) -> Tensor:
+    """Row-to-column assignment of N cost matrices at once: cost (N, R, C) float32 with R <= C and every entry
+    finite -> (N, R) int64 column per row, on the cost's device.
+
+    On CUDA torch-linear-assignment's Triton kernel (one program per matrix) runs with its validation off: its
+    public entry point reads the device twice (a NaN scan and an infeasibility flag), and a finite dense matrix
+    with R <= C is always feasible. Elsewhere its public entry point (SciPy per matrix)."""
+    import torch_linear_assignment
+
+    if cost.is_cuda:
+        from torch_linear_assignment import _triton
+
+        return _triton.batch_linear_assignment(cost, validation="off")
+    return torch_linear_assignment.batch_linear_assignment(cost)
+
+
 class HungarianMatcher(nn.Module):
     """Optimal one-to-one assignment of queries to targets, per image (DETR's bipartite matching with DINO's costs).
 
@@ -55,6 +118,8 @@ class HungarianMatcher(nn.Module):
         cost_giou: weight of the negative generalised-IoU cost on xyxy boxes (DINO-4scale: 2.0).
         focal_alpha: focal-loss alpha of the class cost (DINO-4scale: 0.25).
         focal_gamma: focal-loss gamma of the class cost (upstream hard-codes 2.0).
+        solver: ``"scipy"`` (the reference: one device-to-host copy, SciPy per set and image) or ``"batched"``
+            (every set and image at once on the cost's device, :meth:`match_pairs`; needs torch-linear-assignment).
 
     The costs run without gradients, in float32 (even under autocast), for every prediction set of a step at once
     (:meth:`match_stacked`: the decoder layers and the encoder proposals, stacked): the cost blocks of all sets and
@@ -69,8 +134,12 @@ class HungarianMatcher(nn.Module):
         cost_giou: float = 1.0,
         focal_alpha: float = 0.25,
         focal_gamma: float = 2.0,
+        solver: str = "scipy",
     ) -> None:
         super().__init__()
+        if solver not in SOLVERS:
+            raise ValueError(f"HungarianMatcher: solver must be one of {SOLVERS}, got {solver!r}")
+        self.solver = solver
         if cost_class == 0 and cost_bbox == 0 and cost_giou == 0:
             raise ValueError("HungarianMatcher: cost_class, cost_bbox and cost_giou cannot all be 0")
         self.cost_class = float(cost_class)
@@ -82,7 +151,7 @@ class HungarianMatcher(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"cost_class={self.cost_class}, cost_bbox={self.cost_bbox}, cost_giou={self.cost_giou}, "
-            f"focal_alpha={self.focal_alpha}, focal_gamma={self.focal_gamma}"
+            f"focal_alpha={self.focal_alpha}, focal_gamma={self.focal_gamma}, solver={self.solver}"
         )
 
     def batched_cost(self, logits: Tensor, boxes: Tensor, tgt_labels: Tensor, tgt_boxes: Tensor) -> Tensor:
@@ -138,14 +207,7 @@ class HungarianMatcher(nn.Module):
                 (e.g. a diverged model).
         """
         s, b, num_queries, num_classes = logits.shape
-        if len(sizes) != b:
-            raise ValueError(f"HungarianMatcher: {len(sizes)} targets for a batch of {b} predictions")
-        for i, n in enumerate(sizes):
-            if n > num_queries:
-                raise ValueError(
-                    f"HungarianMatcher: image {i} has {n} targets but the model has only {num_queries} queries; "
-                    "one-to-one matching needs num_queries >= targets per image (raise num_queries or cap targets)"
-                )
+        _check_sizes(sizes, b, num_queries)
         empty = np.zeros(0, dtype=np.int64)
         if sum(sizes) == 0:
             return [[(empty, empty) for _ in sizes] for _ in range(s)]
@@ -177,6 +239,45 @@ class HungarianMatcher(nn.Module):
                 rows, cols = linear_sum_assignment(block[k])
                 result[k].append((rows.astype(np.int64), cols.astype(np.int64)))
         return result
+
+    @torch.no_grad()
+    def match_pairs(
+        self, logits: Tensor, boxes: Tensor, tgt_labels: Tensor, tgt_boxes: Tensor, sizes: Sequence[int]
+    ) -> Tensor:
+        """The matched pairs of S prediction sets as one int64 (4, K) tensor on ``logits.device``, rows (set, image,
+        query, target index into the padded targets), ``K = S * sum(sizes)`` (what the criterion gathers with).
+
+        ``solver="scipy"``: :meth:`match_stacked` then one host-to-device copy of the pairs. ``solver="batched"``:
+        the (S, B, Q, T) cost with the padded targets' columns set to 0 and non-finite entries to +-1e8
+        (``nan_to_num``), transposed to (S * B, T, Q) and solved at once (:func:`_solve_batched`); the real targets'
+        rows are picked by indices built on the host from ``sizes``, so the matcher itself never reads the device.
+        A pair's query is optimal for the image's real targets (equal total cost to SciPy's; with tied costs the
+        queries may differ). The label range and a non-finite cost are not checked on this path (no read-back):
+        the data layer maps every label into [0, C), and a non-finite prediction makes the loss non-finite, which
+        the engine stops on.
+
+        Args and Raises: as :meth:`match_stacked` (``solver="scipy"``); ``"batched"`` raises only for an image
+        with more targets than queries.
+        """
+        device = logits.device
+        if self.solver == "scipy" or not has_values(logits):
+            return flat_pairs(self.match_stacked(logits, boxes, tgt_labels, tgt_boxes, sizes), device)
+        s, b, num_queries, _ = logits.shape
+        _check_sizes(sizes, b, num_queries)
+        if sum(sizes) == 0:
+            return torch.zeros(4, 0, dtype=torch.int64, device=device)
+        t = tgt_labels.shape[-1]
+        real = np.arange(t)[None, :] < np.asarray(sizes)[:, None]  # (B, T) on the host
+        with torch.autocast(device_type=device.type, enabled=False):
+            cost = self.batched_cost(logits, boxes, tgt_labels, tgt_boxes)
+            keep = torch.from_numpy(real).to(device, non_blocking=True)
+            cost = torch.nan_to_num(cost.masked_fill(~keep[None, :, None, :], 0.0), nan=1e8, posinf=1e8, neginf=-1e8)
+            query_of = _solve_batched(cost.flatten(0, 1).transpose(1, 2).contiguous()).view(s, b, t)
+        img, tgt = (np.repeat(x[None], s, 0) for x in np.nonzero(real))
+        sets = np.repeat(np.arange(s), img.shape[1])
+        index = torch.from_numpy(np.stack([sets, img.reshape(-1), tgt.reshape(-1)])).to(device, non_blocking=True)
+        query = query_of[index[0], index[1], index[2]]
+        return torch.stack([index[0], index[1], query, index[2]])
 
     @torch.no_grad()
     def forward(self, outputs: Mapping[str, Tensor], targets: Sequence[Mapping[str, Tensor]]) -> list[MatchIndices]:

@@ -131,6 +131,7 @@ class DetectionTask(DetectionServing, Task):
             )
         if cfg.dn_max_boxes < 0:
             raise ConfigError(f"dn_max_boxes: got {cfg.dn_max_boxes}; must be >= 0 (0 = sized per batch)")
+        self.matcher_solver()
         if not 0 <= cfg.backbone_lr_scale <= 1:
             raise ConfigError(f"backbone_lr_scale: got {cfg.backbone_lr_scale}; must be in [0, 1]")
         if cfg.pretrained_backbone and not Path(cfg.pretrained_backbone).is_file():
@@ -223,6 +224,26 @@ class DetectionTask(DetectionServing, Task):
                 f"pad_to_multiple {m}) gives only {tokens} encoder tokens to select them from; use num_queries <= "
                 f"{tokens} (and num_select <= num_queries) or larger images"
             )
+
+    def matcher_solver(self) -> str:
+        """The :class:`~trainer.models.dino.matcher.HungarianMatcher` solver of this run: ``matcher`` with ``auto``
+        resolved (``batched`` on CUDA when torch-linear-assignment's Triton solver imports, else ``scipy``).
+
+        Raises:
+            ConfigError: ``batched`` cannot run here (the package, or on CUDA its Triton solver, does not import);
+                a value outside scipy / batched / auto is refused by the config's choices before this.
+        """
+        from trainer.models.dino.matcher import batched_solver_missing
+
+        choice, cuda = self.cfg.matcher, self.dist.device.type == "cuda"
+        if choice == "scipy":
+            return "scipy"
+        missing = batched_solver_missing(cuda)
+        if choice == "auto":
+            return "batched" if cuda and missing is None else "scipy"
+        if missing:
+            raise ConfigError(f"matcher: batched: {missing}")
+        return "batched"
 
     def dino_config(self):
         """The :class:`~trainer.models.dino.DinoConfig` of this run (upstream defaults, the config's overrides)."""
@@ -397,7 +418,9 @@ class DetectionTask(DetectionServing, Task):
         from trainer.models.dino.postprocess import PostProcess
 
         d = self.dino_config()
-        matcher = HungarianMatcher(d.set_cost_class, d.set_cost_bbox, d.set_cost_giou, d.focal_alpha)
+        matcher = HungarianMatcher(
+            d.set_cost_class, d.set_cost_bbox, d.set_cost_giou, d.focal_alpha, solver=self.matcher_solver()
+        )
         weights = dino_weight_dict(
             d.dec_layers,
             d.cls_loss_coef,
