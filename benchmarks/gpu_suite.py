@@ -58,7 +58,7 @@ def plan(device: str, small: bool, data: Path, work: Path) -> list[tuple[str, in
         cls = f"--data {inet} --model resnet18 --size 64 --batch 4 --steps 2 --rounds 1"
         seg = "--size 64 --batch 2 --steps 2 --rounds 1"
         vid = "--batch 4 --steps 2 --rounds 1 --size 32"
-        ckpt = "--model resnet18 --size 32 --batch 4 --steps 10 --every 4 --signal-after 2 --rounds 1"
+        ckpt = "--model shufflenet_v2_x0_5 --size 32 --batch 4 --steps 10 --every 4 --signal-after 2 --rounds 1"
         frames, px = 8, 32
     else:
         mem_cases = [
