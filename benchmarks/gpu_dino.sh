@@ -14,8 +14,8 @@
 # CPU proxy's counts and GPU kernel times), eager, --compile, then with the batched GPU matcher (`--matcher batched`)
 # and its SciPy-parity tests on CUDA; the real loop on facemask (STEPS steps, batch 2) with GPU busy % from
 # nvidia-smi: per-batch padding, fixed canvases (`--canvases auto`), canvases and a static-size denoising part
-# (`--dn-max-boxes 100`), each eager then --compile, then canvases + static part + batched matcher; BASE's profile
-# last.
+# (`--dn-max-boxes 100`), each eager then --compile, then canvases + static part with the batched matcher, with
+# CUDA graphs (`--cuda-graphs`, and its tests on CUDA) and with both; BASE's profile last.
 set -u
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
@@ -74,6 +74,7 @@ step dino_step 120 $PY "${DINO[@]}" --time-batches 2,4,8
 step dino_step_compiled 180 $PY "${DINO[@]}" --time-batches 2 --compile
 step dino_step_batched_matcher 120 $PY "${DINO[@]}" --time-batches 2 --matcher batched
 step matcher_tests 120 $PY -m pytest -q -x -p no:cacheprovider tests/models/test_dino_matcher_batched.py
+step graphs_tests 150 $PY -m pytest -q -x -p no:cacheprovider tests/models/test_dino_graphs.py
 train() {  # train NAME [extra flags]: the real loop on facemask, GPU busy % (benchmarks/gpu_busy.py) into $OUT/NAME.busy
   local name=$1; shift
   skipped "$name" && return 0
@@ -95,6 +96,8 @@ train dino_train_canvases_compiled --canvases auto --dn-max-boxes 0 --compile
 train dino_train_static --canvases auto --dn-max-boxes 100
 train dino_train_static_compiled --canvases auto --dn-max-boxes 100 --compile
 train dino_train_static_batched_matcher --canvases auto --dn-max-boxes 100 --matcher batched
+train dino_train_static_graphs --canvases auto --dn-max-boxes 100 --cuda-graphs
+train dino_train_static_graphs_batched_matcher --canvases auto --dn-max-boxes 100 --cuda-graphs --matcher batched
 if [[ -n ${BASE:-} && -n ${PROFILE:-} ]]; then
   (cd "$BASE" && PYTHONPATH=$PWD${extra_path:+:$extra_path} step dino_profile_base 120 $PY "$PROFILE")
 fi

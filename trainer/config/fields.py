@@ -285,6 +285,12 @@ class TrainConfig:
         "imports, else scipy (docs/detection.md).",
         choices=("scipy", "batched", "auto"),
     )
+    cuda_graphs: bool = _det(
+        False,
+        "Replay DINO's forward and backward (backbone to heads) from CUDA graphs, one captured per canvas; "
+        "denoising's layout, the matcher, the loss and the optimizer stay eager. Needs one CUDA process, canvases, "
+        "dn_max_boxes > 0 (with denoising), no compile and accumulate_grad_batches 1 (docs/detection.md).",
+    )
     hidden_dim: int = _det(256, "Transformer width.")
     dim_feedforward: int = _det(2048, "Transformer feed-forward width.")
     nheads: int = _det(8, "Attention heads.")
@@ -445,6 +451,7 @@ class TrainConfig:
 #: Also used to filter the keys of a saved config dict on resume, so it keeps ``target_accuracy`` (the name of
 #: ``target_value`` in checkpoints written before the rename): its presence there is not a config change.
 NON_TRAJECTORY_FIELDS = (
+    "cuda_graphs",
     "checkpoint_dir",
     "log_dir",
     "auto_resume",

@@ -122,24 +122,57 @@ class DINO(nn.Module):
         """
         if mask is None:
             mask = torch.zeros(images.shape[0], *images.shape[-2:], dtype=torch.bool, device=images.device)
+        label, bbox, attn_mask, dn_meta = self.denoising_queries(targets)
+        return self.pack(self.dense(images, mask, label, bbox, attn_mask), dn_meta)
+
+    def denoising_queries(
+        self, targets: Sequence[dict] | None
+    ) -> tuple[Tensor | None, Tensor | None, Tensor | None, dict | None]:
+        """Contrastive denoising's queries for ``targets`` (:func:`~trainer.models.dino.dn.prepare_for_cdn`):
+        (label embeddings (B, pad, C) float, unsigmoid anchors (B, pad, 4) float, attention mask (pad + Q,) * 2
+        bool, dn_meta), or four Nones when no denoising runs (eval, no targets, ``dn_number`` 0). Runs eagerly:
+        its layout depends on the box counts, read on the host.
+
+        Raises:
+            ValueError: a target label outside [0, num_classes).
+        """
+        if not (self.training and targets is not None and self.dn_number > 0):
+            return None, None, None, None
+        return prepare_for_cdn(
+            targets,
+            self.dn_number,
+            self.dn_label_noise_ratio,
+            self.dn_box_noise_scale,
+            self.num_queries,
+            self.num_classes,
+            self.hidden_dim,
+            self.label_enc,
+            max_boxes=self.dn_max_boxes,
+        )
+
+    def dense(
+        self,
+        images: Tensor,
+        mask: Tensor,
+        input_query_label: Tensor | None = None,
+        input_query_bbox: Tensor | None = None,
+        attn_mask: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """Backbone, encoder, query selection, decoder and heads: tensors in, tensors out, shapes fixed by the
+        inputs' shapes, no host read (what ``cuda_graphs`` captures, :mod:`trainer.models.dino.graphs`).
+
+        Args:
+            images: float (B, 3, H, W) normalised; mask: bool (B, H, W), True on padding.
+            input_query_label, input_query_bbox, attn_mask: :meth:`denoising_queries`' first three (or None).
+
+        Returns:
+            outputs_class (n_dec, B, pad + Q, K) raw logits, outputs_coord (n_dec, B, pad + Q, 4) sigmoid cxcywh,
+            interm_class (B, Q, K), ref_enc (B, Q, 4) and init_box_proposal (B, Q, 4) of the encoder proposals.
+
+        Raises:
+            ValueError: fewer encoder tokens than ``num_queries``.
+        """
         srcs, masks, poss = self._features(images, mask)
-
-        use_dn = self.training and targets is not None and self.dn_number > 0
-        if use_dn:
-            input_query_label, input_query_bbox, attn_mask, dn_meta = prepare_for_cdn(
-                targets,
-                self.dn_number,
-                self.dn_label_noise_ratio,
-                self.dn_box_noise_scale,
-                self.num_queries,
-                self.num_classes,
-                self.hidden_dim,
-                self.label_enc,
-                max_boxes=self.dn_max_boxes,
-            )
-        else:
-            input_query_label = input_query_bbox = attn_mask = dn_meta = None
-
         hs, reference, hs_enc, ref_enc, init_box_proposal = self.transformer(
             srcs, masks, poss, input_query_bbox, input_query_label, attn_mask
         )
@@ -161,15 +194,19 @@ class DINO(nn.Module):
             outputs_class = self.class_embed[0](hs)
         else:
             outputs_class = torch.stack([cls_embed(layer_hs) for cls_embed, layer_hs in zip(self.class_embed, hs)])
+        interm_class = self.transformer.enc_out_class_embed(hs_enc)
+        return outputs_class, outputs_coord, interm_class, ref_enc, init_box_proposal
+
+    def pack(self, dense: Sequence[Tensor], dn_meta: dict | None) -> dict:
+        """:meth:`forward`'s dict from :meth:`dense`'s tensors (the denoising rows split off with ``dn_meta``)."""
+        outputs_class, outputs_coord, interm_class, ref_enc, init_box_proposal = dense
         if dn_meta is not None:
             outputs_class, outputs_coord = dn_post_process(outputs_class, outputs_coord, dn_meta, self.aux_loss)
-
         out = {"pred_logits": outputs_class[-1], "pred_boxes": outputs_coord[-1]}
         if self.aux_loss:
             out["aux_outputs"] = [
                 {"pred_logits": c, "pred_boxes": b} for c, b in zip(outputs_class[:-1], outputs_coord[:-1])
             ]
-        interm_class = self.transformer.enc_out_class_embed(hs_enc)
         out["interm_outputs"] = {"pred_logits": interm_class, "pred_boxes": ref_enc}
         out["interm_outputs_for_matching_pre"] = {"pred_logits": interm_class, "pred_boxes": init_box_proposal}
         out["dn_meta"] = dn_meta

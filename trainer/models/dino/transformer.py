@@ -26,6 +26,7 @@ from trainer.models.dino.utils import (
     MLP,
     gen_encoder_output_proposals,
     gen_sineembed_for_position,
+    has_values,
     inverse_sigmoid,
     level_shapes,
 )
@@ -238,6 +239,7 @@ class DeformableTransformer(nn.Module):
         )
         self.decoder = TransformerDecoder(dec_layer, num_decoder_layers, d_model)
         self.level_embed = nn.Parameter(torch.empty(num_feature_levels, d_model))
+        self._level_tensors: dict[tuple, tuple[Tensor, Tensor]] = {}
         self.tgt_embed = nn.Embedding(num_queries, d_model)
         self.enc_output = nn.Linear(d_model, d_model)
         self.enc_output_norm = nn.LayerNorm(d_model)
@@ -253,6 +255,23 @@ class DeformableTransformer(nn.Module):
             if isinstance(m, MSDeformAttn):
                 m._reset_parameters()
         nn.init.normal_(self.level_embed)
+
+    def level_tensors(self, shapes: list[tuple[int, int]], like: Tensor) -> tuple[Tensor, Tensor]:
+        """``spatial_shapes`` (L, 2) and ``level_start_index`` (L,) int64 on ``like``'s device for the levels'
+        (H_l, W_l) ints. Made once per shapes and device and kept: a host-to-device copy inside a step would stop
+        CUDA graph capture (``cuda_graphs``) and costs a copy per step otherwise. Shape-only tensors (meta, fake:
+        the memory prediction) get fresh ones, never kept."""
+        key = (tuple(shapes), str(like.device))
+        if has_values(like) and key in self._level_tensors:
+            return self._level_tensors[key]
+        starts = [sum(h * w for h, w in shapes[:i]) for i in range(len(shapes))]
+        made = (
+            torch.as_tensor(shapes, dtype=torch.long, device=like.device),
+            torch.as_tensor(starts, dtype=torch.long, device=like.device),
+        )
+        if has_values(like):
+            self._level_tensors[key] = made
+        return made
 
     @staticmethod
     def get_valid_ratio(mask: Tensor) -> Tensor:
@@ -284,9 +303,7 @@ class DeformableTransformer(nn.Module):
             pos_flat.append(pos.flatten(2).transpose(1, 2) + self.level_embed[lvl].view(1, 1, -1))
         src_flatten, mask_flatten = torch.cat(src_flat, 1), torch.cat(mask_flat, 1)
         lvl_pos_embed_flatten = torch.cat(pos_flat, 1)
-        spatial_shapes = torch.as_tensor(shapes, dtype=torch.long, device=src_flatten.device)
-        starts = [sum(h * w for h, w in shapes[:i]) for i in range(len(shapes))]
-        level_start_index = torch.as_tensor(starts, dtype=torch.long, device=src_flatten.device)
+        spatial_shapes, level_start_index = self.level_tensors(shapes, src_flatten)
         valid_ratios = torch.stack([self.get_valid_ratio(m) for m in masks], 1)
 
         memory = self.encoder(

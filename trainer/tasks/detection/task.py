@@ -132,6 +132,7 @@ class DetectionTask(DetectionServing, Task):
         if cfg.dn_max_boxes < 0:
             raise ConfigError(f"dn_max_boxes: got {cfg.dn_max_boxes}; must be >= 0 (0 = sized per batch)")
         self.matcher_solver()
+        self._check_cuda_graphs()
         if not 0 <= cfg.backbone_lr_scale <= 1:
             raise ConfigError(f"backbone_lr_scale: got {cfg.backbone_lr_scale}; must be in [0, 1]")
         if cfg.pretrained_backbone and not Path(cfg.pretrained_backbone).is_file():
@@ -224,6 +225,43 @@ class DetectionTask(DetectionServing, Task):
                 f"pad_to_multiple {m}) gives only {tokens} encoder tokens to select them from; use num_queries <= "
                 f"{tokens} (and num_select <= num_queries) or larger images"
             )
+
+    def _check_cuda_graphs(self) -> None:
+        """``cuda_graphs`` only where every training shape is fixed per canvas and nothing captured reads the host.
+
+        Raises:
+            ConfigError: one line naming what stands in the way (checked in this order: compile, canvases,
+                dn_max_boxes, accumulate_grad_batches, more than one process, a device that is not CUDA).
+        """
+        cfg = self.cfg
+        if not cfg.cuda_graphs:
+            return
+        reasons = [
+            (cfg.compile, "not with compile: true (one or the other: both replace the eager kernel launches)"),
+            (
+                not self.canvas_setting(),
+                "needs fixed canvases (canvases: auto or a list): per-batch padding makes "
+                "a new shape, hence a new capture, every few batches",
+            ),
+            (
+                cfg.dn_number > 0 and cfg.dn_max_boxes == 0,
+                "needs dn_max_boxes > 0 with denoising (dn_number "
+                f"{cfg.dn_number}): the denoising part's size would change with the batch's box count",
+            ),
+            (
+                cfg.accumulate_grad_batches > 1,
+                f"needs accumulate_grad_batches 1, got {cfg.accumulate_grad_batches} "
+                "(a second backward replay overwrites the gradients of the first)",
+            ),
+            (
+                self.dist.world_size > 1,
+                f"runs in one process only, got {self.dist.world_size} (DDP's gradient all-reduce is not captured)",
+            ),
+            (self.dist.device.type != "cuda", f"needs a CUDA device, got {self.dist.device.type}"),
+        ]
+        for failed, why in reasons:
+            if failed:
+                raise ConfigError(f"cuda_graphs: {why}; train without --cuda-graphs")
 
     def matcher_solver(self) -> str:
         """The :class:`~trainer.models.dino.matcher.HungarianMatcher` solver of this run: ``matcher`` with ``auto``
@@ -459,11 +497,26 @@ class DetectionTask(DetectionServing, Task):
     def model_step(self, model: nn.Module, batch: dict) -> StepOutput:
         """DINO's forward with the targets (denoising), then the criterion (float32): the weighted sum and the
         :data:`LOGGED_TERMS` (the criterion is built beside the model by :meth:`build_model`)."""
-        out = model(batch["image"], batch["mask"], batch["targets"])
+        if self.cfg.cuda_graphs and model.training:
+            out = self._graphed_forward(model, batch)
+        else:
+            out = model(batch["image"], batch["mask"], batch["targets"])
         total, losses = self.criterion.loss_and_terms(out, batch["targets"])
         return StepOutput(
             loss=total, outputs=out, n=batch["n"], terms={k: losses[k].detach() for k in LOGGED_TERMS if k in losses}
         )
+
+    def _graphed_forward(self, model: nn.Module, batch: dict) -> dict:
+        """:meth:`model_step`'s forward with ``cuda_graphs``: denoising's queries eagerly, the dense part from the
+        graph of this canvas (:class:`~trainer.models.dino.graphs.GraphedDense`, captured on first sight)."""
+        graphs = getattr(self, "_graphs", None)
+        if graphs is None or graphs.model is not model:
+            from trainer.models.dino.graphs import GraphedDense
+
+            rank0 = self.dist.rank == 0
+            graphs = self._graphs = GraphedDense(model, log=lambda line: print(line, flush=True) if rank0 else None)
+        label, bbox, attn_mask, dn_meta = model.denoising_queries(batch["targets"])
+        return model.pack(graphs(batch["image"], batch["mask"], label, bbox, attn_mask), dn_meta)
 
     def predict(self, model: nn.Module, batch: dict) -> list[dict]:
         """Top-``num_select`` detections per image in pixels of the original image (PostProcess)."""
