@@ -126,3 +126,38 @@ def test_compiled_layers_see_one_shape_whatever_the_box_counts():
         assert dict(counters["graph_break"]) == {}
     assert graphs[6][0] >= 2 and graphs[6] == [graphs[6][0]] * 3  # encoder and decoder layers, once each
     assert graphs[0][-1] > graphs[0][0]  # per-batch sizing: the decoder recompiles for a new box count
+
+
+def test_compiled_layers_compile_once_per_canvas():
+    """Issue 37 items 3 and 5 (``compile: true`` with canvases): over 4 canvases, each seen with two box counts
+    and then seen again, the encoder and decoder layers compile once per canvas (the level shapes are Python ints
+    the layers specialise on), at most 4 graphs each, never for a new box count or a canvas seen before
+    (dynamo's backend "eager", as above)."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    m = build_dino(tiny_cfg(dn_max_boxes=6), num_classes=K).train()
+    g = torch.Generator().manual_seed(0)
+    canvases = [(96, 128), (128, 96), (128, 128), (96, 160)]
+
+    def step(hw, n):
+        images = torch.randn(2, 3, *hw, generator=g)
+        mask = torch.zeros(2, *hw, dtype=torch.bool)
+        mask[1, hw[0] // 2 :] = True
+        m(images, mask, _targets((n, 1), seed=n))["pred_boxes"].sum().backward()
+
+    step(canvases[0], 1)  # eager first: the op's one-time fallback warning is not traced
+    for layer in [*m.transformer.encoder.layers, *m.transformer.decoder.layers]:
+        layer.compile(backend="eager")
+    torch._dynamo.reset()
+    counters.clear()
+    seen = []
+    for hw in canvases:
+        for n in (1, 4):
+            step(hw, n)
+            seen.append(counters["stats"]["unique_graphs"])
+    for hw in canvases:  # the same canvases again
+        step(hw, 2)
+    assert dict(counters["graph_break"]) == {}
+    assert seen == [2, 2, 4, 4, 6, 6, 8, 8], seen  # encoder + decoder layer per canvas; a new box count: nothing
+    assert counters["stats"]["unique_graphs"] == 2 * len(canvases)
