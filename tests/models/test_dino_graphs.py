@@ -121,6 +121,36 @@ def test_past_max_graphs_new_shapes_run_eagerly_with_one_notice():
     assert lines == ["cuda_graphs: 0 shapes captured; new shapes run eagerly"] and graphs.graphs == {}
 
 
+def test_one_capture_per_signature_with_make_graphed_callables_calling_convention(monkeypatch):
+    """The capture path on the CPU, with ``torch.cuda.make_graphed_callables`` replaced by a stand-in that keeps its
+    contract (one callable: ``sample_args`` is the flat tuple of tensors the warm-up calls it with; autocast's
+    cache off): one capture per canvas and ``requires_grad`` signature, none for a canvas seen before."""
+    calls = []
+
+    def fake(module, sample_args, allow_unused_input=False):
+        assert isinstance(sample_args, tuple) and all(isinstance(t, torch.Tensor) for t in sample_args)
+        assert not torch.is_autocast_cache_enabled()
+        assert all(a.grad_fn is None for a in sample_args)  # detached copies, not the step's tensors
+        calls.append([tuple(t.shape) for t in sample_args])
+        module(*sample_args)  # the warm-up's call
+        return module
+
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", fake)
+    torch.manual_seed(0)
+    model = build_dino(tiny_cfg(dn_max_boxes=10), K).train()
+    lines = []
+    graphs = GraphedDense(model, log=lines.append)
+    for size, counts in (((128, 192), (3, 1)), ((192, 128), (2, 5)), ((128, 192), (1, 1))):
+        images, mask, targets = _inputs(model, counts, size)
+        dn = model.denoising_queries(targets)[:3]
+        out = graphs(images, mask, *dn)
+        assert len(out) == 5 and out[0].shape[:2] == (2, 2)  # (n_dec, B, pad + Q, K)
+    assert [c[0] for c in calls] == [(2, 3, 128, 192), (2, 3, 192, 128)] and len(graphs.graphs) == 2
+    assert lines == [
+        f"cuda_graphs: capturing the forward and backward for input 2x3x{h}x{w}" for h, w in ((128, 192), (192, 128))
+    ]
+
+
 @pytest.mark.skipif(not CUDA, reason="needs CUDA (graph capture)")
 @pytest.mark.parametrize("precision", [None, torch.bfloat16])
 def test_a_graphed_step_equals_the_eager_step_on_cuda(precision):

@@ -93,4 +93,4 @@ class GraphedDense:
         self.log(f"cuda_graphs: capturing the forward and backward for input {shape}")
         # make_graphed_callables refuses autocast's weight cache (a cached cast would outlive the capture)
         with torch.autocast("cuda", dtype=dtype, enabled=enabled, cache_enabled=False):
-            return torch.cuda.make_graphed_callables(_Dense(self.model), (sample,), allow_unused_input=True)
+            return torch.cuda.make_graphed_callables(_Dense(self.model), sample, allow_unused_input=True)
