@@ -89,6 +89,19 @@ def test_the_dense_part_reads_nothing_from_the_host(monkeypatch):
     assert not ops & {"aten::_local_scalar_dense", "aten::nonzero", "aten::item"}, ops
 
 
+def test_a_shape_first_seen_in_inference_mode_still_trains():
+    """The kept level tensors of a shape first seen under ``torch.inference_mode`` (an evaluation) must serve a
+    training step's backward at the same shape (autograd cannot save inference tensors)."""
+    torch.manual_seed(0)
+    model = build_dino(tiny_cfg(dn_max_boxes=10), K)
+    images, mask, targets = _inputs(model)
+    with torch.inference_mode():
+        model.eval()(images, mask)
+    out = model.train()(images, mask, targets)
+    (out["pred_boxes"].sum() + out["pred_logits"].sum()).backward()
+    assert model.transformer.level_embed.grad is not None
+
+
 def test_pack_of_dense_is_the_forward():
     """``forward`` = ``denoising_queries`` (eager) + ``dense`` (what is captured) + ``pack``: the same dict."""
     torch.manual_seed(0)

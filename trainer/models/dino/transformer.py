@@ -259,16 +259,18 @@ class DeformableTransformer(nn.Module):
     def level_tensors(self, shapes: list[tuple[int, int]], like: Tensor) -> tuple[Tensor, Tensor]:
         """``spatial_shapes`` (L, 2) and ``level_start_index`` (L,) int64 on ``like``'s device for the levels'
         (H_l, W_l) ints. Made once per shapes and device and kept: a host-to-device copy inside a step would stop
-        CUDA graph capture (``cuda_graphs``) and costs a copy per step otherwise. Shape-only tensors (meta, fake:
+        CUDA graph capture (``cuda_graphs``) and costs a copy per step otherwise. Made outside inference mode, so a
+        shape first seen in an ``inference_mode`` evaluation still serves training. Shape-only tensors (meta, fake:
         the memory prediction) get fresh ones, never kept."""
         key = (tuple(shapes), str(like.device))
         if has_values(like) and key in self._level_tensors:
             return self._level_tensors[key]
         starts = [sum(h * w for h, w in shapes[:i]) for i in range(len(shapes))]
-        made = (
-            torch.as_tensor(shapes, dtype=torch.long, device=like.device),
-            torch.as_tensor(starts, dtype=torch.long, device=like.device),
-        )
+        with torch.inference_mode(False):  # kept tensors must serve a later training step's backward too
+            made = (
+                torch.as_tensor(shapes, dtype=torch.long, device=like.device),
+                torch.as_tensor(starts, dtype=torch.long, device=like.device),
+            )
         if has_values(like):
             self._level_tensors[key] = made
         return made
