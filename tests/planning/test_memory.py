@@ -12,7 +12,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from trainer.config import load_config
 from trainer.engine.precision import Precision
 from trainer.engine.step import build_single_rank_step
-from trainer.planning.memory import MIB, AllocatorModel, predict_loader_ram, predict_step_memory
+from trainer.planning.memory import (
+    MIB,
+    WORKER_SERVER_BYTES,
+    AllocatorModel,
+    predict_loader_ram,
+    predict_step_memory,
+)
 from trainer.planning.probe import cpu_step_peak_bytes
 
 FP32 = Precision("fp32", None, False)
@@ -82,7 +88,11 @@ def test_loader_ram_is_seed_002s_formula_with_uint8_batches():
     ram = predict_loader_ram(256, 224, 12, 3, worker_overhead_bytes=10 * MIB)
     assert ram.batches_in_flight == 36
     assert ram.buffer_bytes == 36 * 256 * 3 * 224 * 224
-    assert ram.total_bytes == ram.buffer_bytes + 12 * 10 * MIB
+    assert ram.total_bytes == ram.buffer_bytes + 12 * 10 * MIB + WORKER_SERVER_BYTES  # the fork server, once
+    measured = predict_loader_ram(256, 224, 12, 3, worker_overhead_bytes=10 * MIB, worker_server_bytes=200 * MIB)
+    assert measured.total_bytes == ram.buffer_bytes + 12 * 10 * MIB + 200 * MIB
+    in_process = predict_loader_ram(256, 224, 0, 3, worker_overhead_bytes=10 * MIB)
+    assert in_process.total_bytes == 256 * 3 * 224 * 224  # no workers: one batch, no server
     assert predict_loader_ram(8, 32, 0, 2).batches_in_flight == 1  # in-process loading: one batch
     measured = predict_loader_ram(8, 32, 2, 2, bytes_per_sample=1000)
     assert measured.buffer_bytes == 4 * 8 * 1000 and measured.bytes_per_sample_source.startswith("measured")

@@ -107,6 +107,9 @@ def test_probe_command_end_to_end_with_a_simulated_limit(tiny_digits, tmp_path, 
     assert r["limit_bytes"] == 0.21875 * 2**30 and r["device"] == "cpu" and r["precision"] == "fp32"
     assert {(x["num_workers"], x["prefetch_factor"]) for x in r["loader"]} == {(0, 2), (1, 2)}
     assert all(x["images_per_s"] > 0 for x in r["loader"])
+    one = next(x for x in r["loader"] if x["num_workers"] == 1)
+    assert one["worker_server_bytes"] > 100 * 2**20 and one["workers_private_bytes"] > 0  # torch imported there
+    assert r["loader_ram_prediction"]["worker_server_bytes"] == one["worker_server_bytes"]
     assert r["loader_ram_prediction"]["bytes_per_sample"] == 3 * 64 * 64  # decoded uint8 sample, measured
     assert r["gpu_waits_on_data"] in (True, False) and "images/s" in r["data_verdict"]
     md = (out / "probe.md").read_text()

@@ -7,12 +7,18 @@ killed by signal" before it can write its stop checkpoint, so workers ignore SIG
 (PyTorch's worker watchdog). Because they ignore SIGTERM, ``multiprocessing``'s exit hook (terminate, then
 join) would wait for them forever: every iterator made by :func:`iterate` is therefore shut down
 gracefully by :func:`shutdown_all`, which also runs at interpreter exit before ``multiprocessing``'s hook.
+
+Workers start from a fork server (:func:`worker_context`), not by forking the training process: a training
+process has threads (gloo's, the checkpoint writer, other loaders' queue feeders), and CPython before 3.13 can
+leave a child forked from a threaded process deadlocked in its after-fork clean-up (see docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import atexit
+import multiprocessing
 import signal
+import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -26,10 +32,42 @@ from trainer.data.sampler import EpochSampler
 _LIVE = weakref.WeakSet()
 
 
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
 def ignore_stop_signals(worker_id: int) -> None:
-    """DataLoader ``worker_init_fn``: the worker ignores SIGTERM and SIGINT (see module doc)."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    """DataLoader ``worker_init_fn``: the worker ignores SIGTERM and SIGINT (see module doc), then unblocks them.
+
+    A worker starts with both blocked (inherited from the fork server, :func:`worker_context`), because torch's
+    worker loop installs a SIGTERM handler that kills the worker before this function runs; a signal that came
+    in between is held pending and discarded here."""
+    for s in _STOP_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+
+
+def worker_context(*objects) -> multiprocessing.context.BaseContext:
+    """The ``multiprocessing`` context loader workers start from: ``forkserver``.
+
+    ``os.fork`` of the training process runs CPython's after-fork clean-up in the child, which takes the
+    runtime's thread-state lock; if another thread held that lock at the fork (a C++ thread of gloo or
+    autograd entering Python), the child waits on it forever. CPython 3.11's ``fork`` does not take the lock
+    first (3.13's does; 3.14 made ``forkserver`` Linux's default start method for this reason). The fork
+    server is a fresh single-threaded interpreter, started once per process on first use, that imports torch,
+    torchvision, the main script (``python script.py``: under its ``if __name__ == "__main__"`` guard, as
+    ``multiprocessing``'s ``spawn`` does; ``python -m trainer`` imports nothing) and the modules of ``objects``
+    (the dataset and collate function) before it forks any worker; a worker then receives its dataset pickled.
+    Modules named after the server started are imported by each worker instead. The server ignores SIGTERM and
+    SIGINT like the workers (importing this module there does it): a signal to the process group must not end
+    it, since each worker watches its parent, the server, and stops when it dies; it ends with its last client.
+    It also blocks them, so that each worker starts with them blocked (see :func:`ignore_stop_signals`).
+    """
+    ctx = multiprocessing.get_context("forkserver")
+    mods = {"__main__", "torch", "torchvision", __name__}
+    for o in objects:
+        mods.add(getattr(getattr(o, "func", o), "__module__", None))  # a functools.partial names its function's
+    ctx.set_forkserver_preload(sorted(m for m in mods if isinstance(m, str)))
+    return ctx
 
 
 def build_loader(
@@ -46,7 +84,8 @@ def build_loader(
 
     The loader gets a private ``torch.Generator``: otherwise every ``iter(loader)`` draws its base seed from
     torch's global generator, which would shift the MixUp/CutMix stream of a resumed run (data order and
-    augmentation come from the sampler keys, never from the loader's seed).
+    augmentation come from the sampler keys, never from the loader's seed). Workers start from
+    :func:`worker_context`; ``dataset`` and ``collate`` must therefore pickle when ``num_workers > 0``.
     """
     return DataLoader(
         dataset,
@@ -58,6 +97,7 @@ def build_loader(
         pin_memory=pin_memory,
         persistent_workers=persistent_workers and num_workers > 0,
         prefetch_factor=prefetch_factor if num_workers > 0 else None,
+        multiprocessing_context=worker_context(dataset, collate) if num_workers > 0 else None,
     )
 
 
@@ -102,10 +142,11 @@ def build_split_loaders(cfg, info, data, micro_batch: int, eval_batch: int) -> S
 def iterate(loader, before_fork: Optional[Callable[[], object]] = None) -> Iterator:
     """``iter(loader)``, remembered so that :func:`shutdown_all` can stop its workers.
 
-    ``before_fork`` runs first when this call will fork worker processes (the first iteration of a persistent
-    loader, every iteration of a non-persistent one): forking while another thread holds a lock (a checkpoint
-    being written in the background) can leave the child deadlocked on that lock, so the caller waits for
-    such threads there.
+    ``before_fork`` runs first when this call will start worker processes (the first iteration of a persistent
+    loader, every iteration of a non-persistent one); the trainer waits there for its checkpoint writer thread.
+    That was the first fix for the fork deadlock (a worker forked while that thread held a lock); workers now
+    start from the fork server (:func:`worker_context`), which removes the hazard for every thread, and the
+    wait is kept as the cheaper half of the old guarantee.
     """
     forks = getattr(loader, "num_workers", 0) > 0 and (  # any iterable works; only DataLoaders fork
         not loader.persistent_workers or getattr(loader, "_iterator", None) is None
@@ -126,3 +167,15 @@ def shutdown_all() -> None:
 
 
 atexit.register(shutdown_all)
+
+
+def _in_worker_server() -> bool:
+    """True in the fork server :func:`worker_context` starts (``python -c "from multiprocessing.forkserver
+    import main; ..."``)."""
+    return any(a.startswith("from multiprocessing.forkserver import main") for a in getattr(sys, "orig_argv", ()))
+
+
+if _in_worker_server():
+    signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    for _s in _STOP_SIGNALS:
+        signal.signal(_s, signal.SIG_IGN)

@@ -1,8 +1,8 @@
 """Loader throughput and host RAM, measured on the trainer's own loader (used by ``probe``).
 
 Images/s after the first batch (worker start-up reported apart) and the workers' added host RAM: the peak
-summed private memory (USS = Private_Clean + Private_Dirty of ``/proc/<pid>/smaps_rollup``) of this process's
-children while they load. Pages shared with the parent after fork are not counted: they exist anyway.
+summed private memory (USS = Private_Clean + Private_Dirty of ``/proc/<pid>/smaps_rollup``) of the workers
+while they load, and apart the anonymous memory of the fork server they start from (``_workers_bytes``).
 """
 
 from __future__ import annotations
@@ -30,15 +30,19 @@ def proc_kib(path: str, key: str) -> int:
     return 0
 
 
-def _children_private_bytes() -> int:
-    """Sum of the private (USS: Private_Clean + Private_Dirty) bytes of this process's children: what the
-    workers add to the host; pages shared with the parent after fork exist anyway."""
+def _workers_bytes(it) -> tuple[int, int]:
+    """Host RAM the loader iterator ``it``'s workers add, in bytes: (their summed private memory, USS =
+    Private_Clean + Private_Dirty of ``/proc/<pid>/smaps_rollup``; the anonymous memory of the fork server they
+    start from, :func:`trainer.data.loading.worker_context`: torch and the dataset's modules, imported there once,
+    shared copy-on-write with every worker, there only because there are workers)."""
+    import multiprocessing.forkserver
+
     total = 0
-    for task in Path("/proc/self/task").iterdir():
-        for pid in (task / "children").read_text().split() if (task / "children").exists() else []:
-            rollup = f"/proc/{pid}/smaps_rollup"
-            total += (proc_kib(rollup, "Private_Clean") + proc_kib(rollup, "Private_Dirty")) * 1024
-    return total
+    for w in getattr(it, "_workers", []):
+        rollup = f"/proc/{w.pid}/smaps_rollup"
+        total += (proc_kib(rollup, "Private_Clean") + proc_kib(rollup, "Private_Dirty")) * 1024
+    server = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
+    return total, proc_kib(f"/proc/{server}/smaps_rollup", "Anonymous") * 1024 if server else 0
 
 
 def _batch_bytes(batch: dict) -> int:
@@ -67,7 +71,8 @@ def measure_loader(
     (CUDA synchronised after each batch); None: the loader alone.
 
     Returns ``{"num_workers", "prefetch_factor", "images_per_s", "first_batch_s", "workers_private_bytes",
-    "worker_overhead_bytes", "bytes_per_sample", "includes_device_side"}``; images/s excludes the first batch
+    "worker_server_bytes", "worker_overhead_bytes", "bytes_per_sample", "includes_device_side"}`` (bytes: the
+    workers' summed USS peak, their fork server's anonymous memory, USS per worker beyond its batches); images/s excludes the first batch
     (worker start-up); ``bytes_per_sample`` is one decoded image's bytes, or with an encoded batch (no
     ``"image"`` key) its tensor bytes per sample (JPEG bytes, crop rows, worker-decoded fallbacks).
     """
@@ -98,15 +103,17 @@ def measure_loader(
         sample_bytes = first["image"][0].nbytes if n_first else 0
     else:  # encoded batch: JPEG bytes, crop rows and worker-decoded fallbacks, per sample
         sample_bytes = _batch_bytes(first) // n_first if n_first else 0
-    images, priv = 0, 0
+    images, priv, server = 0, 0, 0
     for i, b in enumerate(it):
         finish(b)
         images += len(b["label"])
-        priv = max(priv, _children_private_bytes()) if workers else priv
+        if workers:
+            priv, server = (max(a, m) for a, m in zip((priv, server), _workers_bytes(it)))
         if i + 2 >= n_batches:
             break
     t2 = time.perf_counter()
-    priv = max(priv, _children_private_bytes()) if workers else 0
+    if workers:
+        priv, server = (max(a, m) for a, m in zip((priv, server), _workers_bytes(it)))
     shutdown_all()
     in_flight = workers * prefetch * batch * sample_bytes
     return {
@@ -115,6 +122,7 @@ def measure_loader(
         "images_per_s": images / max(t2 - t1, 1e-9) if images else n_first / (t1 - t0),
         "first_batch_s": t1 - t0,
         "workers_private_bytes": priv,
+        "worker_server_bytes": server,
         "bytes_per_sample": int(sample_bytes),
         "worker_overhead_bytes": int(max(priv - in_flight, 0) / workers) if workers else 0,
         "includes_device_side": device_side is not None,

@@ -73,6 +73,12 @@ CUDA_CONTEXT_BYTES = max(g.cuda_context_bytes for g in catalog.GPU_MODELS.values
 #: up. The default when no probe report gives a measured figure.
 WORKER_OVERHEAD_BYTES = 24 * MIB
 
+#: Anonymous memory of the loader workers' fork server (``trainer.data.loading.worker_context``), once per training
+#: process that has workers, in bytes: 369.6 MiB measured (``/proc/<pid>/smaps_rollup`` ``Anonymous`` of a fresh
+#: interpreter after importing torch 2.14.1, torchvision 0.29.1 and the classification task; AMD EPYC VM,
+#: 2026-11-27; docs/planning.md), rounded up. The default when no probe report gives a measured figure.
+WORKER_SERVER_BYTES = 384 * MIB
+
 #: Host RAM (RSS) of one PyTorch training process driving one GPU, without its dataset and loader, in bytes.
 #: ASSUMED, not measured here (no GPU in this repository's CI): torch 2.x with CUDA 12/13, the CUDA driver's
 #: host-side context, cuBLAS/cuBLASLt and cuDNN 9 loaded after the first convolution, the Python heap and the
@@ -262,7 +268,8 @@ def predict_step_memory(
 
 @dataclass
 class LoaderRamPrediction:
-    """Host RAM of one rank's DataLoader (bytes): seed 002's buffer formula plus worker overhead."""
+    """Host RAM of one rank's DataLoader (bytes): seed 002's buffer formula, the per-worker overhead and, with
+    workers, their fork server once (``worker_server_bytes``)."""
 
     micro_batch: int
     num_workers: int
@@ -271,6 +278,7 @@ class LoaderRamPrediction:
     worker_overhead_bytes: int
     bytes_per_sample_source: str
     worker_overhead_source: str
+    worker_server_bytes: int = WORKER_SERVER_BYTES
 
     @property
     def batches_in_flight(self) -> int:
@@ -282,7 +290,8 @@ class LoaderRamPrediction:
 
     @property
     def total_bytes(self) -> int:
-        return self.buffer_bytes + self.num_workers * self.worker_overhead_bytes
+        server = self.worker_server_bytes if self.num_workers else 0
+        return self.buffer_bytes + self.num_workers * self.worker_overhead_bytes + server
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -298,8 +307,11 @@ def predict_loader_ram(
     *,
     bytes_per_sample: Optional[int] = None,
     worker_overhead_bytes: Optional[int] = None,
+    worker_server_bytes: Optional[int] = None,
 ) -> LoaderRamPrediction:
-    """Host RAM of one rank's loader: ``workers x prefetch x micro_batch x bytes_per_sample + workers x overhead``.
+    """Host RAM of one rank's loader: ``workers x prefetch x micro_batch x bytes_per_sample + workers x overhead``
+    ``+ server`` (the workers' fork server, once when ``num_workers > 0``: measured by ``probe``, else
+    :data:`WORKER_SERVER_BYTES`).
 
     Source: seed 002 ("Total RAM buffer = num_workers x prefetch_factor x batch_memory"), with the batch in the
     trainer's format (uint8, 3 x H x W bytes per image, ``image_size`` = side or (H, W), unless a measured
@@ -317,6 +329,7 @@ def predict_loader_ram(
         int(WORKER_OVERHEAD_BYTES if worker_overhead_bytes is None else worker_overhead_bytes),
         "measured (probe)" if measured else "3 x H x W uint8 (the loader's batch format)",
         "measured (probe)" if worker_overhead_bytes is not None else "WORKER_OVERHEAD_BYTES default (CPU-2)",
+        int(WORKER_SERVER_BYTES if worker_server_bytes is None else worker_server_bytes),
     )
 
 
@@ -439,10 +452,11 @@ def predict_host_ram(
     """
     if jobs < 1 or processes_per_job < 1:
         raise ValueError(f"jobs and processes_per_job must be >= 1, got {jobs}, {processes_per_job}")
-    overhead = None
+    overhead = server = None
     ram_pred = (probe or {}).get("loader_ram_prediction") or {}
     if str(ram_pred.get("worker_overhead_source", "")).startswith("measured"):
         overhead = int(ram_pred["worker_overhead_bytes"])
+        server = ram_pred.get("worker_server_bytes")  # absent from reports written before the fork server
     loader = predict_loader_ram(
         micro_batch,
         1,
@@ -450,6 +464,7 @@ def predict_host_ram(
         prefetch_factor,
         bytes_per_sample=bytes_per_sample,
         worker_overhead_bytes=overhead,
+        worker_server_bytes=server,
     )
     loader.bytes_per_sample_source = "Task.loader_sample_bytes"
     proc, proc_source = process_host_bytes(probe, device_type)

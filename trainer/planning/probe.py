@@ -323,6 +323,7 @@ def run_probe(cfg: TrainConfig, opts: ProbeOptions, log: Callable[[str], None] =
     cfg_row = next((r for r in loader if r["num_workers"] == cfg.num_workers), None)
     measured = [r for r in loader if r["num_workers"]]
     overhead = int(statistics.median([r["worker_overhead_bytes"] for r in measured])) if measured else None
+    server = max(r["worker_server_bytes"] for r in measured) if measured else None
     ram = predict_loader_ram(
         loader_batch,
         task.input_size(),
@@ -330,6 +331,7 @@ def run_probe(cfg: TrainConfig, opts: ProbeOptions, log: Callable[[str], None] =
         cfg.prefetch_factor,
         bytes_per_sample=loader[0]["bytes_per_sample"] if loader else None,
         worker_overhead_bytes=overhead,
+        worker_server_bytes=server,
     )
     res = ProbeResult(
         config=cfg.to_dict(),

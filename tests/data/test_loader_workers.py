@@ -1,0 +1,116 @@
+"""Loader workers start from a fork server, never by forking the (threaded) training process, and survive a
+stop signal to the process group. Why: trainer/data/loading.py's ``worker_context`` and docs/benchmarks.md
+(a rank's val worker deadlocked inside CPython 3.11's ``os.fork``)."""
+
+from __future__ import annotations
+
+import multiprocessing.forkserver
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.data import BatchSampler, SequentialSampler, TensorDataset
+
+from trainer.data.loading import build_loader, iterate, shutdown_all, worker_context
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _loader(n: int = 12, workers: int = 2, persistent: bool = False):
+    ds = TensorDataset(torch.arange(float(n)))
+    return build_loader(
+        ds,
+        BatchSampler(SequentialSampler(ds), 4, drop_last=False),
+        torch.utils.data.default_collate,
+        num_workers=workers,
+        prefetch_factor=2,
+        pin_memory=False,
+        persistent_workers=persistent,
+    )
+
+
+def test_workers_start_from_the_fork_server_and_preload_the_dataset_module():
+    loader = _loader()
+    assert loader.multiprocessing_context.get_start_method() == "forkserver"
+    worker_context(loader.dataset, torch.utils.data.default_collate)
+    preload = multiprocessing.forkserver._forkserver._preload_modules  # the one server of this process
+    assert {"__main__", "torch", "torchvision", "trainer.data.loading", "torch.utils.data.dataset"} <= set(preload)
+    assert "torch.utils.data._utils.collate" in preload
+    assert _loader(workers=0).multiprocessing_context is None  # no workers, no server
+
+
+def test_iterating_a_loader_never_forks_this_process(monkeypatch):
+    """With threads running, ``os.fork`` here could leave a worker deadlocked; the loader must not call it,
+    for a fresh iterator each epoch (non-persistent) or a persistent one."""
+
+    def no_fork():
+        raise AssertionError("os.fork called by the loader")
+
+    monkeypatch.setattr(os, "fork", no_fork)
+    try:
+        for persistent in (False, True):
+            loader = _loader(persistent=persistent)
+            for _ in range(2):
+                got = torch.cat([b[0] for b in iterate(loader)])
+                assert got.tolist() == [float(i) for i in range(12)]
+    finally:
+        shutdown_all()
+
+
+_SIGNALLED = textwrap.dedent(
+    """
+    import signal, sys, time, torch
+    from torch.utils.data import BatchSampler, SequentialSampler, TensorDataset
+    from trainer.data.loading import build_loader, iterate
+
+    def main():
+        signal.signal(signal.SIGTERM, lambda *a: print("trainer got SIGTERM", flush=True))
+        ds = TensorDataset(torch.arange(16.0))
+        loader = build_loader(ds, BatchSampler(SequentialSampler(ds), 4, drop_last=False),
+                              torch.utils.data.default_collate, num_workers=2, prefetch_factor=1,
+                              pin_memory=False, persistent_workers=True)
+        it = iterate(loader)
+        print("first", next(it)[0].tolist(), flush=True)
+        sys.stdin.readline()  # the test signals the process group, waits past the workers' 5 s watchdog
+        rest = [b[0].tolist() for b in it] + [b[0].tolist() for b in iterate(loader)]
+        print("rest", rest, flush=True)
+
+    if __name__ == "__main__":
+        main()
+    """
+)
+
+
+def test_a_stop_signal_to_the_process_group_leaves_the_workers_and_their_server_running(tmp_path):
+    """systemd / ``docker stop`` signal the whole group: the workers and the fork server they watch must keep
+    serving batches until the trainer has written its stop checkpoint (the trainer decides when to stop)."""
+    script = tmp_path / "signalled.py"
+    script.write_text(_SIGNALLED)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    p = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        assert p.stdout.readline().strip() == "first [0.0, 1.0, 2.0, 3.0]"
+        os.killpg(p.pid, signal.SIGTERM)
+        time.sleep(7)  # torch's worker watchdog checks its parent every 5 s
+        out, err = p.communicate("go\n", timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    assert p.returncode == 0, err[-3000:]
+    assert "trainer got SIGTERM" in out
+    rest = [[4.0, 5.0, 6.0, 7.0], [8.0, 9.0, 10.0, 11.0], [12.0, 13.0, 14.0, 15.0]]
+    assert f"rest {rest + [[0.0, 1.0, 2.0, 3.0]] + rest}" in out, out + err[-3000:]
