@@ -10,7 +10,8 @@ gracefully by :func:`shutdown_all`, which also runs at interpreter exit before `
 
 Workers start from a fork server (:func:`worker_context`), not by forking the training process: a training
 process has threads (gloo's, the checkpoint writer, other loaders' queue feeders), and CPython before 3.13 can
-leave a child forked from a threaded process deadlocked in its after-fork clean-up (see docs/benchmarks.md).
+leave a child forked from a threaded process deadlocked in its after-fork clean-up (docs/benchmarks.md, "The
+fork deadlock").
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ def worker_context(*objects) -> multiprocessing.context.BaseContext:
     """The ``multiprocessing`` context loader workers start from: ``forkserver``.
 
     ``os.fork`` of the training process runs CPython's after-fork clean-up in the child, which takes the
-    runtime's thread-state lock; if another thread held that lock at the fork (a C++ thread of gloo or
-    autograd entering Python), the child waits on it forever. CPython 3.11's ``fork`` does not take the lock
+    runtime's thread-state lock; if another thread held that lock at the fork (a C/C++ thread entering Python
+    holds it, without the GIL, while ``PyGILState_Ensure`` makes its thread state), the child waits on it
+    forever. CPython 3.11's ``fork`` does not take the lock
     first (3.13's does; 3.14 made ``forkserver`` Linux's default start method for this reason). The fork
     server is a fresh single-threaded interpreter, started once per process on first use, that imports torch,
     torchvision, the main script (``python script.py``: under its ``if __name__ == "__main__"`` guard, as
