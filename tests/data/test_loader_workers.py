@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import BatchSampler, SequentialSampler, TensorDataset
 
-from trainer.data.loading import build_loader, iterate, shutdown_all, worker_context
+from trainer.data.loading import build_loader, iterate, shutdown_all, start_worker_server, worker_context
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -42,6 +42,23 @@ def test_workers_start_from_the_fork_server_and_preload_the_dataset_module():
     assert {"__main__", "torch", "torchvision", "trainer.data.loading", "torch.utils.data.dataset"} <= set(preload)
     assert "torch.utils.data._utils.collate" in preload
     assert _loader(workers=0).multiprocessing_context is None  # no workers, no server
+
+
+def test_one_server_preloads_the_modules_of_every_loader_and_starts_early():
+    """Training and validation datasets can live in different modules; the server imports both (a later
+    loader's list does not replace an earlier one's), and ``start_worker_server`` starts it before any
+    iteration so that its imports overlap the trainer's set-up."""
+    from torchvision.datasets import FakeData
+
+    worker_context(TensorDataset(torch.arange(2.0)))
+    worker_context(FakeData(size=2))
+    preload = multiprocessing.forkserver._forkserver._preload_modules
+    assert {"torch.utils.data.dataset", "torchvision.datasets.fakedata"} <= set(preload)
+    start_worker_server()
+    pid = multiprocessing.forkserver._forkserver._forkserver_pid
+    assert pid is not None and os.waitpid(pid, os.WNOHANG) == (0, 0)  # running, not exited
+    start_worker_server()
+    assert multiprocessing.forkserver._forkserver._forkserver_pid == pid  # one server per process
 
 
 def test_iterating_a_loader_never_forks_this_process(monkeypatch):
