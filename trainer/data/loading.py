@@ -54,8 +54,8 @@ def worker_context(*objects) -> multiprocessing.context.BaseContext:
     ``os.fork`` of the training process runs CPython's after-fork clean-up in the child, which takes the
     runtime's thread-state lock; if another thread held that lock at the fork (a C/C++ thread entering Python
     holds it, without the GIL, while ``PyGILState_Ensure`` makes its thread state), the child waits on it
-    forever. CPython 3.11's ``fork`` does not take the lock
-    first (3.13's does; 3.14 made ``forkserver`` Linux's default start method for this reason). The fork
+    forever. CPython 3.11's ``fork`` does not take the lock first (3.13's does; 3.14 made ``forkserver``
+    Linux's default start method for this reason). The fork
     server is a fresh single-threaded interpreter, started once per process on first use, that imports torch,
     torchvision, the main script (``python script.py``: under its ``if __name__ == "__main__"`` guard, as
     ``multiprocessing``'s ``spawn`` does; ``python -m trainer`` imports nothing) and the modules of ``objects``

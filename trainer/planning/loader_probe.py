@@ -72,9 +72,10 @@ def measure_loader(
 
     Returns ``{"num_workers", "prefetch_factor", "images_per_s", "first_batch_s", "workers_private_bytes",
     "worker_server_bytes", "worker_overhead_bytes", "bytes_per_sample", "includes_device_side"}`` (bytes: the
-    workers' summed USS peak, their fork server's anonymous memory, USS per worker beyond its batches); images/s excludes the first batch
-    (worker start-up); ``bytes_per_sample`` is one decoded image's bytes, or with an encoded batch (no
-    ``"image"`` key) its tensor bytes per sample (JPEG bytes, crop rows, worker-decoded fallbacks).
+    workers' summed USS peak, their fork server's anonymous memory, USS per worker beyond its batches); images/s
+    excludes the first batch (worker start-up); ``bytes_per_sample`` is one decoded image's bytes, or with an
+    encoded batch (no ``"image"`` key) its tensor bytes per sample (JPEG bytes, crop rows, worker-decoded
+    fallbacks).
     """
     sampler = EpochSampler(len(dataset), 0, 1, shuffle=True, seed=cfg.seed)
     loader = build_loader(

@@ -52,9 +52,13 @@ def render_markdown(r: dict) -> str:
             f"prefetch_factor={ram['prefetch_factor']}, batch {ram['micro_batch']}: "
             f"{ram['batches_in_flight']} batches x {ram['micro_batch']} x {ram['bytes_per_sample']} B "
             f"({ram['bytes_per_sample_source']}) + {ram['num_workers']} x "
-            f"{ram['worker_overhead_bytes'] / 2**20:.0f} MiB ({ram['worker_overhead_source']}) + the workers' "
-            f"fork server {ram.get('worker_server_bytes', 0) / 2**20:.0f} MiB = "
-            f"**{ram['total_bytes'] / GIB:.3f} GiB**",
+            f"{ram['worker_overhead_bytes'] / 2**20:.0f} MiB ({ram['worker_overhead_source']}) "
+            + (
+                f"+ the workers' fork server {ram['worker_server_bytes'] / 2**20:.0f} MiB "
+                if ram["num_workers"]
+                else ""
+            )
+            + f"= **{ram['total_bytes'] / GIB:.3f} GiB**",
         ]
     if r.get("host_rss_hwm_bytes"):
         lines += [
