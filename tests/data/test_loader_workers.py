@@ -16,7 +16,14 @@ from pathlib import Path
 import torch
 from torch.utils.data import BatchSampler, SequentialSampler, TensorDataset
 
-from trainer.data.loading import build_loader, iterate, shutdown_all, start_worker_server, worker_context
+from trainer.data.loading import (
+    build_loader,
+    iterate,
+    shutdown_all,
+    start_worker_server,
+    worker_context,
+    worker_server_pid,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -55,10 +62,10 @@ def test_one_server_preloads_the_modules_of_every_loader_and_starts_early():
     preload = multiprocessing.forkserver._forkserver._preload_modules
     assert {"torch.utils.data.dataset", "torchvision.datasets.fakedata"} <= set(preload)
     start_worker_server()
-    pid = multiprocessing.forkserver._forkserver._forkserver_pid
+    pid = worker_server_pid()
     assert pid is not None and os.waitpid(pid, os.WNOHANG) == (0, 0)  # running, not exited
     start_worker_server()
-    assert multiprocessing.forkserver._forkserver._forkserver_pid == pid  # one server per process
+    assert worker_server_pid() == pid  # one server per process
 
 
 def test_iterating_a_loader_never_forks_this_process(monkeypatch):

@@ -83,6 +83,13 @@ def start_worker_server() -> None:
     multiprocessing.forkserver.ensure_running()
 
 
+def worker_server_pid() -> Optional[int]:
+    """Process id of this process's fork server (:func:`worker_context`), None before it started."""
+    import multiprocessing.forkserver
+
+    return getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
+
+
 def build_loader(
     dataset: Dataset,
     batch_sampler: Sampler,

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from trainer.config import TrainConfig
-from trainer.data.loading import build_loader, iterate, shutdown_all
+from trainer.data.loading import build_loader, iterate, shutdown_all, worker_server_pid
 from trainer.data.sampler import EpochSampler
 
 
@@ -35,13 +35,11 @@ def _workers_bytes(it) -> tuple[int, int]:
     Private_Clean + Private_Dirty of ``/proc/<pid>/smaps_rollup``; the anonymous memory of the fork server they
     start from, :func:`trainer.data.loading.worker_context`: torch and the dataset's modules, imported there once,
     shared copy-on-write with every worker, there only because there are workers)."""
-    import multiprocessing.forkserver
-
     total = 0
     for w in getattr(it, "_workers", []):
         rollup = f"/proc/{w.pid}/smaps_rollup"
         total += (proc_kib(rollup, "Private_Clean") + proc_kib(rollup, "Private_Dirty")) * 1024
-    server = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
+    server = worker_server_pid()
     return total, proc_kib(f"/proc/{server}/smaps_rollup", "Anonymous") * 1024 if server else 0
 
 
