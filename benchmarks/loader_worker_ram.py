@@ -2,7 +2,9 @@
 
 hymenoptera's training split through the classification task's dataset at 64 px, batch 16, 8 batches, for 1, 2
 and 4 workers. Prints ``workers, summed worker USS MiB, fork server anonymous MiB, per-worker overhead MiB,
-images/s``. Usage: ``PYTHONPATH=. python benchmarks/loader_worker_ram.py [DATA_DIR]`` (default ../shared/data).
+images/s, fork server USS MiB``. With ``--fork`` the server is a fork of this process taken first, as
+``python -m trainer train`` takes it (``fork_worker_server``); else a fresh interpreter. Usage:
+``PYTHONPATH=. python benchmarks/loader_worker_ram.py [--fork] [DATA_DIR]`` (default ../shared/data).
 """
 
 import sys
@@ -10,12 +12,17 @@ from pathlib import Path
 
 from trainer.config import TrainConfig
 from trainer.data.formats.imagefolder import ImageFolderDataset, scan_split
+from trainer.data.loading import fork_worker_server, worker_server_pid
 from trainer.data.samples import collate_skip_bad as collate
-from trainer.planning.loader_probe import measure_loader
+from trainer.planning.loader_probe import measure_loader, proc_kib
 
 
 def main():
-    root = Path(sys.argv[1] if len(sys.argv) > 1 else "../shared/data")
+    args = sys.argv[1:]
+    if "--fork" in args:
+        args.remove("--fork")
+        assert fork_worker_server(), "the server could not be forked (another thread is alive)"
+    root = Path(args[0] if args else "../shared/data")
     scan = scan_split(root / "hymenoptera", "train")
     from trainer.tasks.classification.task import _TrainTransformForEpoch
 
@@ -28,6 +35,13 @@ def main():
             round(r["worker_server_bytes"] / 2**20, 1),
             round(r["worker_overhead_bytes"] / 2**20, 1),
             round(r["images_per_s"]),
+            round(
+                sum(
+                    proc_kib(f"/proc/{worker_server_pid()}/smaps_rollup", k) for k in ("Private_Clean", "Private_Dirty")
+                )
+                / 2**10,
+                1,
+            ),
         )
 
 

@@ -268,6 +268,8 @@ def test_sigterm_torture_resume_is_bit_exact(tiny_digits, tmp_path, reference):
     for step in stops:
         rc, log = _run_until(cmd, step, signal.SIGTERM)
         assert "interrupted: SIGTERM" in log, log[-3000:]
+        # torchrun's rank: its loader workers' server is a fork of it, taken before its process group existed
+        assert "started from a fork server: a fork of this process" in log, log[-3000:]
         marker = json.loads((out / "ck" / "interrupted.json").read_text())
         assert marker["reason"] == "SIGTERM" and marker["global_step"] >= step
         # loses at most the steps since the notice: + the steps run while this test reads the step line and
@@ -289,6 +291,7 @@ def test_single_process_exit_code_and_resume(tiny_digits, tmp_path, writer):
     assert rc == EXIT_INTERRUPTED, log[-2000:]
     assert re.search(r"checkpoint \S+ckpt-0000000\d\d-m, durable [0-9.]+ s after the request", log)
     assert f"checkpoint: writer {writer}" in log
+    assert "loader: 2 worker(s) per loader, started from a fork server: a fork of this process" in log
     name = (out / "ck" / "latest").read_text()
     assert name.endswith("-m")
     p = forkserver.run(cmd, cwd=REPO, env=_env(), timeout=600)

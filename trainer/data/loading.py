@@ -11,7 +11,8 @@ gracefully by :func:`shutdown_all`, which also runs at interpreter exit before `
 Workers start from a fork server (:func:`worker_context`), not by forking the training process: a training
 process has threads (gloo's, the checkpoint writer, other loaders' queue feeders), and CPython before 3.13 can
 leave a child forked from a threaded process deadlocked in its after-fork clean-up (docs/benchmarks.md, "The
-fork deadlock").
+fork deadlock"). ``python -m trainer train`` makes that server a fork of itself taken at its start, while it has
+no other thread (:func:`fork_worker_server`); elsewhere the server is a fresh interpreter.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import signal
 import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -35,6 +36,7 @@ _LIVE = weakref.WeakSet()
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _PRELOAD = {"__main__", "torch", "torchvision", __name__}
+_FORKED: set = set()  # pids of worker servers started by fork_worker_server
 
 
 def ignore_stop_signals(worker_id: int) -> None:
@@ -51,19 +53,19 @@ def ignore_stop_signals(worker_id: int) -> None:
 def worker_context(*objects) -> multiprocessing.context.BaseContext:
     """The ``multiprocessing`` context loader workers start from: ``forkserver``.
 
-    ``os.fork`` of the training process runs CPython's after-fork clean-up in the child, which takes the
-    runtime's thread-state lock; if another thread held that lock at the fork (a C/C++ thread entering Python
-    holds it, without the GIL, while ``PyGILState_Ensure`` makes its thread state), the child waits on it
-    forever. CPython 3.11's ``fork`` does not take the lock first (3.13's does; 3.14 made ``forkserver``
-    Linux's default start method for this reason). The fork
-    server is a fresh single-threaded interpreter, started once per process on first use, that imports torch,
+    ``os.fork`` of the training process runs CPython's after-fork clean-up in the child, which takes the runtime's
+    thread-state lock; if another thread held that lock at the fork (a C/C++ thread entering Python holds it,
+    without the GIL, while ``PyGILState_Ensure`` makes its thread state), the child waits on it forever. CPython
+    3.11's ``fork`` does not take the lock first (3.13's does; 3.14 made ``forkserver`` Linux's default start method
+    for this reason). The fork server is a single-threaded process, one per training process: a fork of it taken at
+    its start (:func:`fork_worker_server`), or else a fresh interpreter started on first use that imports torch,
     torchvision, the main script (``python script.py``: under its ``if __name__ == "__main__"`` guard, as
-    ``multiprocessing``'s ``spawn`` does; ``python -m trainer`` imports nothing) and the modules of ``objects``
-    (the dataset and collate function) before it forks any worker; a worker then receives its dataset pickled.
-    Modules named after the server started are imported by each worker instead. The server ignores SIGTERM and
-    SIGINT like the workers (importing this module there does it): a signal to the process group must not end
-    it, since each worker watches its parent, the server, and stops when it dies; it ends with its last client.
-    It also blocks them, so that each worker starts with them blocked (see :func:`ignore_stop_signals`).
+    ``multiprocessing``'s ``spawn`` does; ``python -m trainer`` imports nothing) and the modules of ``objects`` (the
+    dataset and collate function) before it forks any worker; a worker then receives its dataset pickled. Modules
+    named after the server started are imported by each worker instead. The server ignores SIGTERM and SIGINT like
+    the workers (importing this module there, or the fork, does it): a signal to the process group must not end it,
+    since each worker watches its parent, the server, and stops when it dies; it ends with its last client. It also
+    blocks them, so that each worker starts with them blocked (see :func:`ignore_stop_signals`).
     """
     ctx = multiprocessing.get_context("forkserver")
     for o in objects:
@@ -83,11 +85,89 @@ def start_worker_server() -> None:
     multiprocessing.forkserver.ensure_running()
 
 
+def fork_worker_server() -> bool:
+    """Start the fork server of :func:`worker_context` as a fork of this process, not as a fresh interpreter.
+
+    A fresh server imports torch, torchvision and the preloaded modules again: ~3.5 s of one core and ~370 MiB
+    of its own memory per training process (docs/benchmarks.md, "The fork deadlock"). A fork of a process that
+    imported them already starts in milliseconds and shares their pages copy-on-write. The fork is only safe
+    while no other thread can enter Python (module doc), so this is for the very start of a training process,
+    before its process group, loaders, logger threads or CUDA exist: ``python -m trainer train`` calls it there
+    (:func:`trainer.engine.run.run`). ``multiprocessing`` still runs the server (its own ``forkserver.main``
+    loop, listener, liveness pipe and preload list): only the ``exec`` of a new interpreter is replaced by
+    ``os.fork`` (:func:`_fork_passfds`), for this one start.
+
+    Returns True when the server now runs as a fork of this process; False, changing nothing, when a server runs
+    already, another Python thread is alive or CUDA is initialised: the first loader with workers then starts
+    the fresh one (:func:`start_worker_server`).
+    """
+    import multiprocessing.forkserver
+    import multiprocessing.util
+    import threading
+
+    if worker_server_pid() is not None or threading.active_count() > 1 or torch.cuda.is_initialized():
+        return False
+    worker_context()
+    spawn = multiprocessing.util.spawnv_passfds
+    multiprocessing.util.spawnv_passfds = _fork_passfds
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        multiprocessing.util.spawnv_passfds = spawn
+    _FORKED.add(worker_server_pid())
+    return True
+
+
+def _fork_passfds(path: str, args: list[str], passfds) -> int:
+    """``multiprocessing.util.spawnv_passfds``'s contract (run ``args`` = ``[python, ..., "-c", code]`` with only
+    stdin/stdout/stderr and ``passfds`` open; return its pid), kept by forking this process and running ``code``
+    in the child. Every other descriptor is closed there, and every object alive at the fork is exempt from the
+    garbage collector (``gc.freeze``), so no stale file object can later close a descriptor number reused by the
+    server. The child never returns: ``os._exit`` with the code's exit status (its parent's ``atexit`` handlers
+    are not its own)."""
+    import gc
+    import os
+
+    code = args[args.index("-c") + 1]
+    keep = {0, 1, 2, *passfds}
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    pid = os.fork()
+    if pid:
+        return pid
+    status = 1
+    try:
+        gc.freeze()
+        for fd in {int(n) for n in os.listdir("/proc/self/fd")} - keep:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        if "multiprocessing.forkserver" in code:
+            _serve_stop_signals_blocked()
+        exec(compile(code, "<multiprocessing server>", "exec"), {"__name__": "__mp_server__"})
+        status = 0
+    except SystemExit as e:
+        status = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+    finally:
+        os._exit(status)
+
+
 def worker_server_pid() -> Optional[int]:
     """Process id of this process's fork server (:func:`worker_context`), None before it started."""
     import multiprocessing.forkserver
 
     return getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
+
+
+def worker_server_note(num_workers: int) -> str:
+    """The run log's line on where ``num_workers`` loader workers start from: the server's pid and whether it is
+    a fork of this process (:func:`fork_worker_server`) or a fresh interpreter."""
+    pid = worker_server_pid()
+    how = "a fork of this process" if pid in _FORKED else "a fresh interpreter" if pid else "not started yet"
+    return f"loader: {num_workers} worker(s) per loader, started from a fork server: {how} (pid {pid})"
 
 
 def build_loader(
@@ -131,6 +211,7 @@ class SplitLoaders:
     val: Iterable
     train_order: object
     val_order: object
+    notes: list = field(default_factory=list)  #: lines for the run's log (where the workers start from)
 
 
 def build_split_loaders(cfg, info, data, micro_batch: int, eval_batch: int) -> SplitLoaders:
@@ -157,9 +238,11 @@ def build_split_loaders(cfg, info, data, micro_batch: int, eval_batch: int) -> S
     train = build_loader(data.train, BatchSampler(train_order, micro_batch, drop_last=True), data.collate, **kw)
     val_collate = data.val_collate or data.collate
     val = build_loader(data.val, BatchSampler(val_order, eval_batch, drop_last=False), val_collate, **kw)
+    notes = []
     if cfg.num_workers > 0:
         start_worker_server()
-    return SplitLoaders(train, val, train_order, val_order)
+        notes.append(worker_server_note(cfg.num_workers))
+    return SplitLoaders(train, val, train_order, val_order, notes)
 
 
 def iterate(loader, before_fork: Optional[Callable[[], object]] = None) -> Iterator:
@@ -198,7 +281,12 @@ def _in_worker_server() -> bool:
     return any(a.startswith("from multiprocessing.forkserver import main") for a in getattr(sys, "orig_argv", ()))
 
 
-if _in_worker_server():
+def _serve_stop_signals_blocked() -> None:
+    """The worker server's signal set-up (:func:`worker_context`): SIGTERM and SIGINT blocked and ignored."""
     signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
-    for _s in _STOP_SIGNALS:
-        signal.signal(_s, signal.SIG_IGN)
+    for s in _STOP_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+
+
+if _in_worker_server():
+    _serve_stop_signals_blocked()

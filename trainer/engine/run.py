@@ -51,6 +51,17 @@ def _aborted(checkpoint_dir: str, is_main: bool, trainer=None) -> int:
     return EXIT_ABORTED
 
 
+def _fork_worker_server(cfg: TrainConfig) -> None:
+    """Start the loader workers' server as a fork of this process while it has no other thread
+    (:func:`trainer.data.loading.fork_worker_server`), the task's modules imported first so that the server has
+    them too; a process that cannot fork safely gets the fresh server at its first loader instead."""
+    from trainer.data.loading import fork_worker_server
+    from trainer.tasks import task_class
+
+    task_class(cfg.task)
+    fork_worker_server()
+
+
 def run(cfg: TrainConfig, notes: Sequence[str] = ()) -> int:
     """Train with ``cfg`` in this process (one rank of torchrun, or alone).
 
@@ -71,6 +82,8 @@ def run(cfg: TrainConfig, notes: Sequence[str] = ()) -> int:
     handlers = poller = trainer = info = None
     failure: Optional[tuple[int, str]] = None
     try:
+        if cfg.num_workers > 0 and not cfg.use_ffcv:
+            _fork_worker_server(cfg)
         info = dist.init(cfg.device)
         handlers = SignalHandlers(stop)
         if info.is_main:

@@ -101,6 +101,8 @@ class Trainer(ResumeMixin):
         loaders = build_split_loaders(cfg, info, data, self.micro, self.eval_batch)
         self.train_loader, self.val_loader = loaders.train, loaders.val
         self.sampler, self.val_sampler = loaders.train_order, loaders.val_order
+        for line in loaders.notes:
+            self.log.info(line)
         per_rank = len(self.sampler)
         self.steps_per_epoch = per_rank // self.micro // self.accum
         if self.steps_per_epoch == 0:
