@@ -86,7 +86,8 @@ def run_trainer(
     args: list[str], cwd: Path = REPO, torchrun_nproc: int = 0, timeout: int = 600, env: dict | None = None
 ) -> subprocess.CompletedProcess:
     """Run ``python -m trainer train ARGS`` (or under torchrun) and return the completed process; the
-    single-process command is forked from :mod:`tests.forkserver`'s server (a fresh interpreter's behaviour)."""
+    command (the single process, or torchrun's launcher; its ranks are fresh interpreters) is forked from
+    :mod:`tests.forkserver`'s server (a fresh interpreter's behaviour)."""
     if torchrun_nproc:
         cmd = [
             sys.executable,

@@ -2,22 +2,23 @@
 
 A test that runs the trainer's command line as a subprocess spends ~4-6 s of its 2-vCPU machine importing torch,
 torchvision and the trainer before the first line of its own work; the bad-input tables alone start ~80 such
-commands. :func:`run` hands ``[sys.executable, "-m", "trainer", ...]`` to a server process (one per pytest worker,
-started on first use) that imported them once and forks one child per command; the child runs the command as the
-interpreter would (``__main__``, ``sys.argv``, ``sys.path[0]`` = the working directory, the environment, stdin
+commands. :func:`run` hands ``[sys.executable, "-m", "trainer", ...]`` (and torchrun's launcher, ``[sys.executable,
+"-m", "torch.distributed.run", ...]``, whose ranks stay fresh interpreters) to a server process (one per pytest
+worker, started on first use) that imported them once and forks one child per command; the child runs the command as
+the interpreter would (``__main__``, ``sys.argv``, ``sys.path[0]`` = the working directory, the environment, stdin
 from /dev/null, its own process group; non-daemon threads joined and ``atexit`` handlers run before it exits) and
 its stdout and stderr come back as a :class:`subprocess.CompletedProcess`, exactly as ``subprocess.run(...,
-capture_output=True, text=True)`` returns them. The server never runs a torch operation, so no thread pool
-exists when it forks.
+capture_output=True, text=True)`` returns them. The server never runs a torch operation, so no thread pool exists
+when it forks.
 
-``PYTHONPATH`` is applied as a fresh interpreter applies it: ``sys.path`` = the working directory, its entries,
-then the interpreter's own (the server's without its ``PYTHONPATH``). A command that needs a fresh interpreter
-runs as a real subprocess instead: another program or module, a ``PYTHONPATH`` folder holding a top-level module
-the server already imported (the image-layout test's copy of ``trainer``, say), an environment that changes how
-an interpreter starts (``PYTHON*`` but PYTHONPATH and PYTHONUNBUFFERED, ``LD_*``), or ``TRAINSTACK_TEST_FORK=0``
-(the whole suite the old way: what to set to rule the server out when a test fails only here). ``OMP_NUM_THREADS`` is applied with ``torch.set_num_threads`` in the child.
-``benchmarks/gpu_suite.py --small`` forks its steps with :func:`run_as_main` and
-:func:`exit_like_the_interpreter`, the same child body.
+``PYTHONPATH`` is applied as a fresh interpreter applies it: ``sys.path`` = the working directory, its entries, then
+the interpreter's own (the server's without its ``PYTHONPATH``). A command that needs a fresh interpreter runs as a
+real subprocess instead: another program or module, a ``PYTHONPATH`` folder holding a top-level module the server
+already imported (the image-layout test's copy of ``trainer``, say), an environment that changes how an interpreter
+starts (``PYTHON*`` but PYTHONPATH and PYTHONUNBUFFERED, ``LD_*``), or ``TRAINSTACK_TEST_FORK=0`` (the whole suite
+the old way: what to set to rule the server out when a test fails only here). ``OMP_NUM_THREADS`` is applied with
+``torch.set_num_threads`` in the child. ``benchmarks/gpu_suite.py --small`` forks its steps with :func:`run_as_main`
+and :func:`exit_like_the_interpreter`, the same child body.
 """
 
 from __future__ import annotations
@@ -151,17 +152,27 @@ def _top_level_names(folder: str) -> set[str]:
 
 
 _BASE_PATH: list[str] = []
+#: The ``python -m MODULE`` commands :func:`run` forks: the trainer's command line, and torchrun's launcher (its
+#: ranks are still fresh interpreters: the launcher starts them with ``subprocess``; only its own start-up, ~2.3 s
+#: of CPU on 2 vCPUs, is saved).
+FORKED_MODULES = ("trainer", "torch.distributed.run")
 
 
 def serve() -> None:
-    """The server's loop: import torch, torchvision and the trainer's command line once, then one JSON request
+    """The server's loop: import torch, torchvision, the trainer's command line and what every training run
+    imports later (TensorBoard's writer, matplotlib's pyplot with the Agg backend) once, then one JSON request
     per stdin line (argv, cwd, env, timeout, stdout and stderr paths) answered by one JSON line ``{"rc": N}``
     (``{"rc": null}`` after a timeout) on stdout. Ends when stdin closes."""
+    import matplotlib
     import torch  # noqa: F401
+    import torch.utils.tensorboard  # noqa: F401 - and boto3, which TensorBoard imports for its S3 file system
     import torchvision  # noqa: F401
 
     import trainer.cli  # noqa: F401
     import trainer.engine.trainer  # noqa: F401
+
+    matplotlib.use("Agg")  # as trainer.engine.logging.plot_curves does before its import of pyplot
+    import matplotlib.pyplot  # noqa: F401
 
     own = set(_entries(os.environ.get("PYTHONPATH", "")))
     _BASE_PATH[:] = [p for p in sys.path[1:] if os.path.abspath(p or ".") not in own]
@@ -232,7 +243,8 @@ def run(argv: list[str], cwd: Path, env: dict, timeout: float) -> subprocess.Com
     """``subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)``, forked from
     the server when the command allows it (module doc). Raises subprocess.TimeoutExpired like subprocess.run."""
     global _server
-    if argv[:3] == [sys.executable, "-m", "trainer"] and os.environ.get("TRAINSTACK_TEST_FORK", "1") != "0":
+    forked = argv[:2] == [sys.executable, "-m"] and len(argv) > 2 and argv[2] in FORKED_MODULES
+    if forked and os.environ.get("TRAINSTACK_TEST_FORK", "1") != "0":
         if _server is None or _server.proc.poll() is not None:
             _server = _Server()
         if _server.forkable(env):
