@@ -98,14 +98,17 @@ def fork_worker_server() -> bool:
     ``os.fork`` (:func:`_fork_passfds`), for this one start.
 
     Returns True when the server now runs as a fork of this process; False, changing nothing, when a server runs
-    already, another Python thread is alive or CUDA is initialised: the first loader with workers then starts
-    the fresh one (:func:`start_worker_server`).
+    already, another Python thread is alive, CUDA is initialised or the OS is not Linux (the child lists its
+    descriptors in ``/proc``): the first loader with workers then starts the fresh one
+    (:func:`start_worker_server`).
     """
     import multiprocessing.forkserver
     import multiprocessing.util
     import threading
 
-    if worker_server_pid() is not None or threading.active_count() > 1 or torch.cuda.is_initialized():
+    if sys.platform != "linux" or worker_server_pid() is not None:
+        return False
+    if threading.active_count() > 1 or torch.cuda.is_initialized():
         return False
     worker_context()
     spawn = multiprocessing.util.spawnv_passfds

@@ -56,7 +56,7 @@ def _fork_worker_server(cfg: TrainConfig) -> None:
     (:func:`trainer.data.loading.fork_worker_server`), the task's modules imported first so that the server has
     them too; a process that cannot fork safely gets the fresh server at its first loader instead."""
     from trainer.data.loading import fork_worker_server
-    from trainer.tasks import task_class
+    from trainer.registry import task_class
 
     task_class(cfg.task)
     fork_worker_server()
