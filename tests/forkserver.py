@@ -153,8 +153,7 @@ def _top_level_names(folder: str) -> set[str]:
 
 _BASE_PATH: list[str] = []
 #: The ``python -m MODULE`` commands :func:`run` forks: the trainer's command line, and torchrun's launcher (its
-#: ranks are still fresh interpreters: the launcher starts them with ``subprocess``; only its own start-up, ~2.3 s
-#: of CPU on 2 vCPUs, is saved).
+#: ranks are still fresh interpreters: the launcher starts them with ``subprocess``; only its own start-up is saved).
 FORKED_MODULES = ("trainer", "torch.distributed.run")
 
 
