@@ -14,7 +14,7 @@ from trainer.config import TrainConfig
 from trainer.data.formats.imagefolder import ImageFolderDataset, scan_split
 from trainer.data.loading import fork_worker_server, worker_server_pid
 from trainer.data.samples import collate_skip_bad as collate
-from trainer.planning.loader_probe import measure_loader, proc_kib
+from trainer.planning.loader_probe import measure_loader, uss_bytes
 
 
 def main():
@@ -35,13 +35,7 @@ def main():
             round(r["worker_server_bytes"] / 2**20, 1),
             round(r["worker_overhead_bytes"] / 2**20, 1),
             round(r["images_per_s"]),
-            round(
-                sum(
-                    proc_kib(f"/proc/{worker_server_pid()}/smaps_rollup", k) for k in ("Private_Clean", "Private_Dirty")
-                )
-                / 2**10,
-                1,
-            ),
+            round(uss_bytes(worker_server_pid()) / 2**20, 1),
         )
 
 

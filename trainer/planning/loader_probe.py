@@ -30,15 +30,19 @@ def proc_kib(path: str, key: str) -> int:
     return 0
 
 
+def uss_bytes(pid: int) -> int:
+    """Private memory (USS = ``Private_Clean + Private_Dirty`` of ``/proc/<pid>/smaps_rollup``) of process ``pid``,
+    in bytes; 0 if it cannot be read."""
+    rollup = f"/proc/{pid}/smaps_rollup"
+    return (proc_kib(rollup, "Private_Clean") + proc_kib(rollup, "Private_Dirty")) * 1024
+
+
 def _workers_bytes(it) -> tuple[int, int]:
     """Host RAM the loader iterator ``it``'s workers add, in bytes: (their summed private memory, USS =
     Private_Clean + Private_Dirty of ``/proc/<pid>/smaps_rollup``; the anonymous memory of the fork server they
     start from, :func:`trainer.data.loading.worker_context`: torch and the dataset's modules, imported there once,
     shared copy-on-write with every worker, there only because there are workers)."""
-    total = 0
-    for w in getattr(it, "_workers", []):
-        rollup = f"/proc/{w.pid}/smaps_rollup"
-        total += (proc_kib(rollup, "Private_Clean") + proc_kib(rollup, "Private_Dirty")) * 1024
+    total = sum(uss_bytes(w.pid) for w in getattr(it, "_workers", []))
     server = worker_server_pid()
     return total, proc_kib(f"/proc/{server}/smaps_rollup", "Anonymous") * 1024 if server else 0
 
