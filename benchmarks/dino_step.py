@@ -15,6 +15,10 @@ Per step it prints:
   the host; on a GPU the share includes the wait for the forward pass at its one device-to-host copy; ``--matcher
   batched``: torch-linear-assignment on the device, no copy on CUDA).
 
+With ``--cuda-graphs`` (and ``--canvases auto --dn-max-boxes 100``, which it needs) it also splits the ATen calls
+into those inside the captured graphs and the eager rest, what the host still launches per step (on a CPU through
+``profiling.graph_stand_in``).
+
 The counts do not depend on the machine or the thread count: ``tests/tasks/test_dino_step_proxy.py`` pins them.
 It ends with one line ``host_syncs_per_step=N aten_calls_per_step=M`` (the larger of the two batch kinds).
 
@@ -25,6 +29,7 @@ It ends with one line ``host_syncs_per_step=N aten_calls_per_step=M`` (the large
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -33,7 +38,14 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from profiling import HOST_COPY_METHODS, SYNC_OPS, count_calls, count_host_copies  # noqa: E402,F401
+from profiling import (  # noqa: E402,F401
+    HOST_COPY_METHODS,
+    SYNC_OPS,
+    count_calls,
+    count_host_copies,
+    graph_stand_in,
+    split_captured,
+)
 
 from trainer.config import load_config  # noqa: E402
 from trainer.engine.step import build_single_rank_step  # noqa: E402
@@ -71,6 +83,9 @@ def build(args) -> tuple:
         "channels_last": False,
         "compile": args.compile,
         "matcher": args.matcher,
+        "canvases": args.canvases,
+        "dn_max_boxes": args.dn_max_boxes,
+        "cuda_graphs": args.cuda_graphs,
     }
     if args.hidden_dim:
         over.update(hidden_dim=args.hidden_dim, dim_feedforward=args.dim_feedforward)
@@ -121,6 +136,7 @@ def profile_steps(rig, batches: list, steps: int, device: str) -> dict:
     finally:
         del matcher.match_pairs  # the instance attribute: the class's method shows through again
     calls, aten = count_calls(prof.events())
+    captured, eager = (count_calls(part)[1] for part in split_captured(prof.events()))
     syncs = {k: calls.get(k, 0) for k in SYNC_OPS}
     result = {
         "steps": steps,
@@ -128,6 +144,8 @@ def profile_steps(rig, batches: list, steps: int, device: str) -> dict:
         "syncs": {k: v / steps for k, v in syncs.items()},
         "host_copies": {k: host.get(k, 0) / steps for k in HOST_COPY_METHODS},
         "aten_calls": aten / steps,
+        "captured_aten_calls": captured / steps,
+        "eager_aten_calls": eager / steps,
         "matcher_share": match_s[0] / wall,
         "top": sorted(((c / steps, k) for k, c in calls.items() if k.startswith("aten::")), reverse=True)[:12],
     }
@@ -194,12 +212,18 @@ def time_batches(rig, batches: list, steps: int, device: str) -> float:
 
 
 def measure(args) -> dict:
-    """{batch kind: profile_steps result} for the example batch and (with ``--data``) real facemask batches."""
-    rig, real = build(args)
-    kinds = {"example": [rig.example_batch(args.batch, args.image_size)]}
-    if real:
-        kinds["facemask"] = real
-    return {name: profile_steps(rig, batches, args.steps, args.device) for name, batches in kinds.items()}
+    """{batch kind: profile_steps result} for the example batch and (with ``--data``) real facemask batches.
+
+    With ``--cuda-graphs`` on a CPU, :func:`profiling.graph_stand_in` stands in for the capture: the dense part
+    runs eagerly inside a marked region, and ``eager_aten_calls`` counts what a CUDA run would still launch one
+    by one per step (on CUDA the real graphs replay and every counted call is eager)."""
+    stand_in = graph_stand_in() if args.cuda_graphs and args.device == "cpu" else contextlib.nullcontext()
+    with stand_in:
+        rig, real = build(args)
+        kinds = {"example": [rig.example_batch(args.batch, args.image_size)]}
+        if real:
+            kinds["facemask"] = real
+        return {name: profile_steps(rig, batches, args.steps, args.device) for name, batches in kinds.items()}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -215,6 +239,14 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--real-batches", type=int, default=2)
     ap.add_argument("--compile", action="store_true", help="torch.compile as the trainer's --compile does")
     ap.add_argument("--matcher", default="scipy", help="the config's matcher: scipy, batched or auto")
+    ap.add_argument("--canvases", default="", help="the config's canvases: '' (per-batch padding) or auto")
+    ap.add_argument("--dn-max-boxes", type=int, default=0, help="the config's dn_max_boxes (0: per-batch size)")
+    ap.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="the config's cuda_graphs (needs --canvases and --dn-max-boxes); on a CPU a stand-in marks what a "
+        "graph would replay and the eager remainder is counted",
+    )
     ap.add_argument("--hidden-dim", type=int, help="narrower transformer (the counts do not change; the test's speed)")
     ap.add_argument("--dim-feedforward", type=int, default=2048)
     ap.add_argument("--time-batches", default="", help="comma list of batch sizes to time without the profiler")
@@ -239,7 +271,13 @@ def main() -> None:
         print(
             f"{name}: {r['ms_per_step']:.0f} ms/step, host syncs {r['host_syncs']:.1f} "
             f"({', '.join(f'{k} {v:.1f}' for k, v in {**r['syncs'], **r['host_copies']}.items())}), "
-            f"ATen calls {r['aten_calls']:.0f}, matcher {100 * r['matcher_share']:.1f} % of wall"
+            f"ATen calls {r['aten_calls']:.0f}"
+            + (
+                f" (in the graphs {r['captured_aten_calls']:.0f}, eager {r['eager_aten_calls']:.0f})"
+                if args.cuda_graphs
+                else ""
+            )
+            + f", matcher {100 * r['matcher_share']:.1f} % of wall"
             + (
                 f", cudaStreamSynchronize {r['cuda_syncs']:.0f}, kernel launches {r['kernel_launches']:.0f}"
                 if "cuda_syncs" in r

@@ -85,3 +85,58 @@ def count_device_tensors_from_host(counts: dict, device: torch.device):
     finally:
         for name, fn in saved.items():
             setattr(torch, name, fn)
+
+
+#: The profiler region that :func:`graph_stand_in` runs a "captured" callable's forward and backward in.
+CAPTURED = "cuda_graphs: captured"
+
+
+@contextlib.contextmanager
+def graph_stand_in():
+    """Replace ``torch.cuda.make_graphed_callables`` with a CPU stand-in, so that a step with ``cuda_graphs: true``
+    runs on the CPU with the same split between captured and eager work as on CUDA.
+
+    The stand-in's callable runs the module eagerly, its forward and its backward (a custom autograd function that
+    backpropagates through the saved forward) each inside a ``record_function(CAPTURED)`` region. ATen calls nested
+    in that region are what one graph replay launches on CUDA; every other ATen call of the step is launched one by
+    one from Python, as without graphs. :func:`split_captured` separates the two. The stand-in takes
+    ``make_graphed_callables``'s arguments (a module, a tuple of sample tensors, ``allow_unused_input``) and
+    ignores the samples: it captures nothing."""
+    real = torch.cuda.make_graphed_callables
+
+    def stand_in(module, sample_args, allow_unused_input=False, **_):
+        class Replay(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, *args):
+                with torch.enable_grad(), torch.profiler.record_function(CAPTURED):
+                    inputs = [a.detach().requires_grad_(a.requires_grad) for a in args]
+                    outputs = module(*inputs)
+                ctx.graph = (inputs, outputs)
+                return tuple(o.detach() for o in outputs)
+
+            @staticmethod
+            def backward(ctx, *grads):
+                inputs, outputs = ctx.graph
+                pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad and g is not None]
+                with torch.profiler.record_function(CAPTURED):
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                return tuple(i.grad for i in inputs)
+
+        return lambda *args: Replay.apply(*args)
+
+    torch.cuda.make_graphed_callables = stand_in
+    try:
+        yield
+    finally:
+        torch.cuda.make_graphed_callables = real
+
+
+def split_captured(events) -> tuple[list, list]:
+    """(events inside a :data:`CAPTURED` region, the other events) of a profile."""
+    inside, outside = [], []
+    for e in events:
+        parent = e.cpu_parent
+        while parent is not None and parent.name != CAPTURED:
+            parent = parent.cpu_parent
+        (inside if parent is not None else outside).append(e)
+    return inside, outside
