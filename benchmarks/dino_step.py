@@ -211,14 +211,19 @@ def time_batches(rig, batches: list, steps: int, device: str) -> float:
     return 1e3 * (time.perf_counter() - t0) / steps
 
 
+def stand_in(args):
+    """:func:`profiling.graph_stand_in` for ``--cuda-graphs`` on a CPU (where no graph can be captured), else a
+    no-op context."""
+    return graph_stand_in() if args.cuda_graphs and args.device == "cpu" else contextlib.nullcontext()
+
+
 def measure(args) -> dict:
     """{batch kind: profile_steps result} for the example batch and (with ``--data``) real facemask batches.
 
     With ``--cuda-graphs`` on a CPU, :func:`profiling.graph_stand_in` stands in for the capture: the dense part
     runs eagerly inside a marked region, and ``eager_aten_calls`` counts what a CUDA run would still launch one
     by one per step (on CUDA the real graphs replay and every counted call is eager)."""
-    stand_in = graph_stand_in() if args.cuda_graphs and args.device == "cpu" else contextlib.nullcontext()
-    with stand_in:
+    with stand_in(args):
         rig, real = build(args)
         kinds = {"example": [rig.example_batch(args.batch, args.image_size)]}
         if real:
@@ -257,14 +262,16 @@ def parser() -> argparse.ArgumentParser:
 def main() -> None:
     args = parser().parse_args()
     if args.time_batches:
-        rig, real = build(args)
-        for row in time_steps(
-            rig, [int(b) for b in args.time_batches.split(",")], args.image_size, args.time_steps, args.device
-        ):
-            print("timed: " + " ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
-        if real:
-            ms = time_batches(rig, real, args.time_steps, args.device)
-            print(f"timed: facemask batches ({len(real)} of batch {args.batch}) ms_per_step={ms:.2f}")
+        with stand_in(args):
+            rig, real = build(args)
+            sizes = [int(b) for b in args.time_batches.split(",")]
+            for row in time_steps(rig, sizes, args.image_size, args.time_steps, args.device):
+                print(
+                    "timed: " + " ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
+                )
+            if real:
+                ms = time_batches(rig, real, args.time_steps, args.device)
+                print(f"timed: facemask batches ({len(real)} of batch {args.batch}) ms_per_step={ms:.2f}")
         del rig
     results = measure(args)
     for name, r in results.items():

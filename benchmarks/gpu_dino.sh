@@ -12,7 +12,8 @@
 # Steps: op build for this GPU (when missing), op tests, op table (ours / upstream / reference, fp32 and bf16, wall
 # and GPU time), DINO-4scale R50 TrainStep at 800 px bf16 (ms/step at batch 2/4/8 and on real facemask batches; the
 # CPU proxy's counts and GPU kernel times), eager, --compile, then with the batched GPU matcher (`--matcher batched`)
-# and its SciPy-parity tests on CUDA; the real loop on facemask (STEPS steps, batch 2) with GPU busy % from
+# and its SciPy-parity tests on CUDA, then with canvases + a static-size denoising part, eager and with CUDA graphs
+# (the launches and syncs a graphed step leaves); the real loop on facemask (STEPS steps, batch 2) with GPU busy % from
 # nvidia-smi: per-batch padding, fixed canvases (`--canvases auto`), canvases and a static-size denoising part
 # (`--dn-max-boxes 100`), each eager then --compile, then canvases + static part with the batched matcher, with
 # CUDA graphs (`--cuda-graphs`, and its tests on CUDA) and with both; BASE's profile last.
@@ -73,6 +74,9 @@ DINO=(benchmarks/dino_step.py --device cuda --model resnet50 --image-size 800 --
 step dino_step 120 $PY "${DINO[@]}" --time-batches 2,4,8
 step dino_step_compiled 180 $PY "${DINO[@]}" --time-batches 2 --compile
 step dino_step_batched_matcher 120 $PY "${DINO[@]}" --time-batches 2 --matcher batched
+STATIC=(--canvases auto --dn-max-boxes 100)
+step dino_step_static 120 $PY "${DINO[@]}" --time-batches 2 "${STATIC[@]}"
+step dino_step_graphs 150 $PY "${DINO[@]}" --time-batches 2 "${STATIC[@]}" --cuda-graphs
 step matcher_tests 120 $PY -m pytest -q -x -p no:cacheprovider tests/models/test_dino_matcher_batched.py
 step graphs_tests 150 $PY -m pytest -q -x -p no:cacheprovider tests/models/test_dino_graphs.py
 train() {  # train NAME [extra flags]: the real loop on facemask, GPU busy % (benchmarks/gpu_busy.py) into $OUT/NAME.busy
