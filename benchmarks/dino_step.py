@@ -41,10 +41,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from profiling import (  # noqa: E402,F401
     HOST_COPY_METHODS,
     SYNC_OPS,
+    captured_events,
     count_calls,
     count_host_copies,
     graph_stand_in,
-    split_captured,
 )
 
 from trainer.config import load_config  # noqa: E402
@@ -136,7 +136,7 @@ def profile_steps(rig, batches: list, steps: int, device: str) -> dict:
     finally:
         del matcher.match_pairs  # the instance attribute: the class's method shows through again
     calls, aten = count_calls(prof.events())
-    captured, eager = (count_calls(part)[1] for part in split_captured(prof.events()))
+    captured = count_calls(captured_events(prof.events()))[1]
     syncs = {k: calls.get(k, 0) for k in SYNC_OPS}
     result = {
         "steps": steps,
@@ -145,7 +145,7 @@ def profile_steps(rig, batches: list, steps: int, device: str) -> dict:
         "host_copies": {k: host.get(k, 0) / steps for k in HOST_COPY_METHODS},
         "aten_calls": aten / steps,
         "captured_aten_calls": captured / steps,
-        "eager_aten_calls": eager / steps,
+        "eager_aten_calls": (aten - captured) / steps,
         "matcher_share": match_s[0] / wall,
         "top": sorted(((c / steps, k) for k, c in calls.items() if k.startswith("aten::")), reverse=True)[:12],
     }

@@ -99,7 +99,7 @@ def graph_stand_in():
     The stand-in's callable runs the module eagerly, its forward and its backward (a custom autograd function that
     backpropagates through the saved forward) each inside a ``record_function(CAPTURED)`` region. ATen calls nested
     in that region are what one graph replay launches on CUDA; every other ATen call of the step is launched one by
-    one from Python, as without graphs. :func:`split_captured` separates the two. The stand-in takes
+    one from Python, as without graphs. :func:`captured_events` picks the first. The stand-in takes
     ``make_graphed_callables``'s arguments (a module, a tuple of sample tensors, ``allow_unused_input``) and
     ignores the samples: it captures nothing."""
     real = torch.cuda.make_graphed_callables
@@ -131,12 +131,13 @@ def graph_stand_in():
         torch.cuda.make_graphed_callables = real
 
 
-def split_captured(events) -> tuple[list, list]:
-    """(events inside a :data:`CAPTURED` region, the other events) of a profile."""
-    inside, outside = [], []
+def captured_events(events) -> list:
+    """The events of a profile nested in a :data:`CAPTURED` region (what a graph replay launches on CUDA)."""
+    out = []
     for e in events:
         parent = e.cpu_parent
         while parent is not None and parent.name != CAPTURED:
             parent = parent.cpu_parent
-        (inside if parent is not None else outside).append(e)
-    return inside, outside
+        if parent is not None:
+            out.append(e)
+    return out
