@@ -258,6 +258,87 @@ def test_failure_records_round_trip(tmp_path):
     assert failures.reported_exit(elastic) == 2 and failures.reported_exit({"message": "other"}) is None
 
 
+def fake_torchrun(monkeypatch, rc: int = 0, records=()) -> list[bool]:
+    """Replace torchrun in :func:`entrypoint.main` by a call that writes ``records`` ((exit, error, rank)) into
+    $TRAINSTACK_FAILURE_DIR and returns ``rc``; the returned list gets, per launch, whether a failure file
+    existed when torchrun would have started."""
+    from trainer.failures import FAILURE_DIR_ENV, write_record
+
+    launches: list[bool] = []
+
+    def run(cmd, env):
+        launches.append((Path(env["TRAINSTACK_SM_ROOT"]) / "output" / "failure").exists())
+        for code, error, rank in records:
+            write_record(env[FAILURE_DIR_ENV], code, error, rank)
+        return rc
+
+    monkeypatch.setenv("TRAINSTACK_NPROC_PER_NODE", "1")
+    monkeypatch.setattr(entrypoint, "run_forwarding_signals", run)
+    return launches
+
+
+@pytest.mark.parametrize("hosts,current", [(("algo-1",), "algo-1"), (("algo-1", "algo-2"), "algo-2")])
+def test_good_rerun_removes_an_earlier_failure_file(tmp_path, monkeypatch, hosts, current):
+    """Issue 48: a bad-hyperparameter run, then a good one in the same root (spot restart, rerun): every host
+    (each writes its own failure file) removes the earlier one before torchrun starts."""
+    root = make_root(tmp_path, hosts=hosts, current=current, hps={"learning_rate": "1e-4"})
+    monkeypatch.setenv("TRAINSTACK_SM_ROOT", str(root))
+    assert entrypoint.main([]) == 2
+    assert "unknown hyperparameter 'learning_rate'" in (root / "output" / "failure").read_text()
+    (root / "input" / "config" / "hyperparameters.json").write_text(json.dumps({"epochs": "1"}))
+    launches = fake_torchrun(monkeypatch, rc=0)
+    assert entrypoint.main([]) == 0
+    assert launches == [False] and not (root / "output" / "failure").exists()
+
+
+@pytest.mark.parametrize(
+    "hps,records,status,expected",
+    [
+        ({"use_ema": "yes"}, None, 2, 'use_ema: got \'yes\'; expected "true" or "false"'),
+        ({}, [(3, "loss became NaN/inf at step 7", 0)], 3, "loss became NaN/inf at step 7"),
+        ({}, [(75, "interrupted (SIGTERM)", 0)], 75, "interrupted (SIGTERM)"),
+    ],
+)
+def test_failed_rerun_leaves_only_its_own_reason(tmp_path, monkeypatch, capsys, hps, records, status, expected):
+    """An earlier run's failure file, then a failing run (before launch, or from a rank's record): the file holds
+    this run's reason alone, the same as the last line printed."""
+    root = make_root(tmp_path, hps=hps)
+    (root / "output").mkdir()
+    (root / "output" / "failure").write_text("an earlier run's reason\nsecond line\n")
+    monkeypatch.setenv("TRAINSTACK_SM_ROOT", str(root))
+    launches = fake_torchrun(monkeypatch, rc=1, records=records or ())
+    assert entrypoint.main([]) == status
+    assert launches == ([] if records is None else [False])
+    reason = (root / "output" / "failure").read_text()
+    assert expected in reason and "earlier" not in reason and reason.count("\n") == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"error: train: exit {status}: {reason.strip()}"
+
+
+def test_unremovable_failure_file_is_named_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+    """A read-only ``output/`` (removing raises EROFS): one line on stderr naming the file, then the run."""
+    import errno
+
+    root = make_root(tmp_path)
+    failure = root / "output" / "failure"
+    failure.parent.mkdir()
+    failure.write_text("an earlier run's reason\n")
+    unlink = Path.unlink
+
+    def read_only(self, *args, **kwargs):
+        if self == failure:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+        return unlink(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "unlink", read_only)
+    monkeypatch.setenv("TRAINSTACK_SM_ROOT", str(root))
+    launches = fake_torchrun(monkeypatch, rc=0)
+    assert entrypoint.main([]) == 0 and launches == [True]
+    warnings = [line for line in capsys.readouterr().err.splitlines() if str(failure) in line]
+    assert warnings == [
+        f"warning: train: cannot remove {failure} left by an earlier run (Read-only file system); going on"
+    ]
+
+
 def _sm_job(tmp_path: Path, tiny_digits: Path, **extra) -> tuple[Path, dict]:
     """A fake SageMaker job on the tiny digits (as the 'training' channel); returns (root, env)."""
     over = tiny_overrides(tiny_digits, tmp_path, **extra)

@@ -10,7 +10,8 @@
    SIGTERM (all ranks save, exit 75). ``$TRAINSTACK_FAILURE_DIR`` (a temporary folder) receives each failing
    rank's record ``{exit, error, rank}`` (:mod:`trainer.failures`).
 3. Exit status for SageMaker/EC2/systemd (``<root>/output/failure`` gets the reason whenever it is not 0, and the
-   reason is the last line printed):
+   reason is the last line printed; a failure file left by an earlier run in the same root is removed before
+   torchrun starts, :func:`clear_failure`, so a successful run leaves none):
 
    - 0: done; host 0 copies the ``best`` (else ``latest``) checkpoint into ``<root>/model/`` (+ model.json).
    - 2 / 3: a rank's bad config, data or checkpoint (do not retry unchanged) / non-finite loss: the status and
@@ -146,12 +147,35 @@ def export_model(checkpoint_dir: Path, model_dir: Path) -> Optional[Path]:
 
 
 def fail(job: JobEnv, status: int, reason: str) -> int:
-    """Print ``reason``, write it to ``<root>/output/failure`` for SageMaker, return ``status``."""
+    """Print ``reason``, write it to ``<root>/output/failure`` for SageMaker (replacing any earlier run's), return
+    ``status``."""
     print(f"error: train: exit {status}: {reason}", file=sys.stderr, flush=True)
     with contextlib.suppress(OSError):
         job.failure_file.parent.mkdir(parents=True, exist_ok=True)
         job.failure_file.write_text(reason[:1000] + "\n")
     return status
+
+
+def clear_failure(job: JobEnv) -> None:
+    """Remove ``<root>/output/failure`` left by an earlier run in this root (a managed-spot restart, a rerun).
+
+    :func:`main` calls it on every host, since every host writes its own failure file (:func:`fail` has no
+    host condition), once the flags are valid and just before torchrun starts. A run that then succeeds leaves
+    no failure file; one that fails leaves only its own reason (:func:`fail` replaces the file, also on the
+    paths that fail before this point). A file that cannot be removed (read-only mount) is named in one line
+    on stderr and the run goes on.
+    """
+    path = job.failure_file
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        print(
+            f"warning: train: cannot remove {path} left by an earlier run ({e.strerror or e}); going on",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def run_forwarding_signals(cmd: Sequence[str], env: dict) -> int:
@@ -222,7 +246,11 @@ def outcome(
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``train [trainer flags...]``: run the job described by $TRAINSTACK_SM_ROOT (default /opt/ml)."""
+    """``train [trainer flags...]``: run the job described by $TRAINSTACK_SM_ROOT (default /opt/ml).
+
+    Once the flags are valid and just before torchrun starts, an earlier run's ``<root>/output/failure`` is
+    removed (:func:`clear_failure`); every failure path, before or after that point, writes this run's reason.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         job = read_job_env()
@@ -242,6 +270,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         env.setdefault("GLOO_SOCKET_IFNAME", job.network_interface)
     checkpoint_dir = Path(cfg.checkpoint_dir)
     marker_before = CheckpointManager.read_interrupted(checkpoint_dir)
+    clear_failure(job)
     print(f"train: host {job.current_host} ({job.node_rank + 1}/{job.nnodes}): {' '.join(cmd)}", flush=True)
     failure_dir = tempfile.mkdtemp(prefix="trainstack-failures-")
     env[FAILURE_DIR_ENV] = failure_dir
