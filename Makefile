@@ -94,6 +94,11 @@ image-cpu: setup image-tools
 # requirements-trainer.txt pins), reached through a .pth file after the venv's own site-packages. 1.3 GB instead
 # of a full 5.6 GB venv: CI's disk ran out on the full one (docs/training-image.md).
 IMAGE_TORCH_VENV := .venv-image-torch
+# The image base's CUDA toolkit: compiler-only nvcc 13.3 (no cuBLAS/cuSPARSE headers) under torch's CUDA 13.0,
+# laid out from PyPI's nvcc wheels once (images/standin/install_cuda_toolkit.sh); the op is built against it, and
+# test_msda_build.py checks that it was (TRAINSTACK_MSDA_EXPECT_CUDA), so issue 48's mismatch is built in CI too.
+IMAGE_CUDA_VERSION := 13.3
+IMAGE_CUDA_HOME := build/cuda-$(IMAGE_CUDA_VERSION)
 IMAGE_TORCH_TESTS := tests/ops/test_msda_reference.py tests/ops/test_msda_library.py tests/ops/test_msda_build.py \
   tests/ops/test_msda_cuda.py tests/sagemaker/test_entrypoint.py::test_end_to_end_train_on_cpu \
   tests/tasks/test_detection.py::test_a_short_detection_run_through_the_engine \
@@ -111,11 +116,16 @@ $(IMAGE_TORCH_VENV)/.installed: requirements-image-torch.txt $(VENV)/.installed
 	  got = {"torch": torch.__version__.split("+")[0], "torchvision": torchvision.__version__.split("+")[0]}; \
 	  assert got == want, f"$(IMAGE_TORCH_VENV) has {got}, requirements-image-torch.txt asks {want}"; print("image torch:", got)'
 	touch $@
-test-image-torch: $(IMAGE_TORCH_VENV)/.installed
+$(IMAGE_CUDA_HOME)/.installed: images/standin/install_cuda_toolkit.sh $(VENV)/.installed
+	bash images/standin/install_cuda_toolkit.sh $(CURDIR)/$(IMAGE_CUDA_HOME) $(PY)
+	touch $@
+test-image-torch: $(IMAGE_TORCH_VENV)/.installed $(IMAGE_CUDA_HOME)/.installed
 	rm -rf build/image-torch && mkdir -p build/image-torch
 	git ls-files -z --cached --others --exclude-standard | xargs -0 cp --parents -t build/image-torch
-	cd build/image-torch && TORCH_CUDA_ARCH_LIST="$(MSDA_ARCHS)" PYTHON=$(CURDIR)/$(IMAGE_TORCH_VENV)/bin/python bash images/build_msda.sh
-	cd build/image-torch && TRAINSTACK_DATA=$${TRAINSTACK_DATA:-$(CURDIR)/../shared/data} OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} \
+	cd build/image-torch && CUDA_HOME=$(CURDIR)/$(IMAGE_CUDA_HOME) TORCH_CUDA_ARCH_LIST="$(MSDA_ARCHS)" \
+	  PYTHON=$(CURDIR)/$(IMAGE_TORCH_VENV)/bin/python bash images/build_msda.sh
+	cd build/image-torch && CUDA_HOME=$(CURDIR)/$(IMAGE_CUDA_HOME) TRAINSTACK_MSDA_EXPECT_CUDA=$(IMAGE_CUDA_VERSION) \
+	  TRAINSTACK_DATA=$${TRAINSTACK_DATA:-$(CURDIR)/../shared/data} OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} \
 	  $(CURDIR)/$(IMAGE_TORCH_VENV)/bin/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile $(IMAGE_TORCH_TESTS)
 
 # ruff.toml: formatter and linter with a fixed line length; `make format` rewrites, `make lint` only checks.
