@@ -5,8 +5,10 @@
 #               (what .ci/run calls)
 #   make ffcv   the optional FFCV extra (apt packages when missing, as root; requirements-ffcv.txt)
 #   make image-smoke  build images/training/Dockerfile with the OCI builder found (buildah installed when none)
-#               FROM the offline stand-in base (images/standin) and run every task inside it (3.5 min with a
-#               warm layer cache, 13 min cold, ~20 GiB of disk: not part of `make test`, docs/training-image.md)
+#               FROM the offline stand-in of the DLC base (images/standin: its CUDA 13.3 toolkit, packages and
+#               entrypoint) with push-image's build arguments, run every task and a 2-host job inside it, push it
+#               to a registry on 127.0.0.1 and print the digest push-image would (~20 GiB of disk; not part of
+#               `make test`; times in docs/training-image.md)
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 NPROC  ?= 2
@@ -73,18 +75,21 @@ image-tools:
 	$(call apt_install,$(IMAGE_APT) $(shell (docker info >/dev/null 2>&1 || command -v podman || command -v buildah) >/dev/null 2>&1 || echo buildah),image-tools)
 
 # Build the training image FROM the stand-in base (built when missing; or SMOKE_ARGS="--base-image URI") with
-# MSDA=cuda for sm_80, then check_install, digits train/SIGTERM/resume, the SageMaker contract and one step of
-# detection, segmentation and video inside it, ../shared/data mounted read-only. Ends with the image and digest.
+# push-image's build arguments (the Dockerfile's arch list), then nvcc/pip check/the base's packages,
+# check_install, the op, digits train/SIGTERM/resume, the SageMaker contract, a 2-host SageMaker job (finish,
+# SIGTERM 75, resume) and one step of detection, segmentation and video inside it, ../shared/data mounted
+# read-only; then a push to a registry on 127.0.0.1. Ends with the image and the pushed digest.
 image-smoke: setup image-tools
 	$(PY) -m infra.cli.smoke $(SMOKE_ARGS)
 
 # The training image FROM the real Deep Learning Container (the builder must be logged in to its registry:
 # push-image does that) and its CPU variant (no op compile); built only, through the same builder code.
 image: setup image-tools
-	$(PY) -m infra.cli.smoke --build-only --base-image "$$(sed -n 's/^ARG BASE_IMAGE=//p' images/training/Dockerfile)" --archs "8.0;8.6;9.0"
+	$(PY) -m infra.cli.smoke --build-only --base-image "$$(sed -n 's/^ARG BASE_IMAGE=//p' images/training/Dockerfile)"
+# the CPU twin of BASE_IMAGE's line (aws/deep-learning-containers docs/src/data/pytorch/2.13-cpu-sagemaker.yml)
 image-cpu: setup image-tools
 	$(PY) -m infra.cli.smoke --build-only --msda reference \
-	  --base-image 763104351884.dkr.ecr.us-east-1.amazonaws.com/pytorch-training:2.10.0-cpu-py313-ubuntu22.04-sagemaker
+	  --base-image 763104351884.dkr.ecr.us-east-1.amazonaws.com/pytorch:2.13.0-cpu-amzn2023-sagemaker
 
 # The torch the image ships (requirements-image-torch.txt = BASE_IMAGE's torch/torchvision) in a second venv:
 # the op's CPU tests, the custom-operator checks and one short training per task, in a copy of the tree under

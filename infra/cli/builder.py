@@ -17,6 +17,7 @@ buildah-run(1), podman-push(1), the Docker CLI reference for ``docker push``.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -149,9 +150,18 @@ class Builder:
                 args += ["--volume", m.arg()]
         self._run([*args, "."], cwd=context)
 
-    def push(self, image: str, tls_verify: bool = True) -> str:
-        """Pushes ``image`` (``registry/repository:tag``); returns the manifest digest the registry stored
-        (``sha256:...``). Raises CliError when the push fails or no digest comes back."""
+    def pull(self, image: str) -> None:
+        """Pulls ``image`` into the local store (a logged-in builder for a private registry). Raises CliError."""
+        self._run(["pull", image], quiet=True)
+
+    def push(self, image: str, tls_verify: bool = True, dest: Optional[str] = None) -> str:
+        """Pushes ``image`` (``registry/repository:tag``), or the local ``image`` as ``dest`` when given; returns
+        the manifest digest the registry stored (``sha256:...``). The layers are compressed at push time with the
+        builder's defaults, the same for every push of one image, so two registries store the same digest.
+        Raises CliError when the push fails or no digest comes back."""
+        if dest and self.kind == "docker":
+            self._run(["tag", image, dest], quiet=True)
+            image, dest = dest, None
         if self.kind == "docker":
             out = self._run(["push", image], quiet=True)
             print(out, end="")
@@ -162,8 +172,8 @@ class Builder:
         with tempfile.TemporaryDirectory() as tmp:
             digest_file = Path(tmp) / "digest"
             extra = [] if tls_verify else ["--tls-verify=false"]
-            dest = [f"docker://{image}"] if self.kind == "buildah" else []
-            self._run(["push", "--digestfile", str(digest_file), *extra, image, *dest])
+            target = [f"docker://{dest or image}"] if self.kind == "buildah" or dest else []
+            self._run(["push", "--digestfile", str(digest_file), *extra, image, *target])
             return digest_file.read_text().strip()
 
     def exists(self, image: str) -> bool:
@@ -181,6 +191,14 @@ class Builder:
         fmt = "{{.Id}}" if self.kind == "docker" else "{{.Digest}}"
         out = self._run(["image", "inspect", "--format", fmt, image], quiet=True).strip()
         return out if out.startswith("sha256:") else f"sha256:{out}"
+
+    def image_labels(self, image: str) -> dict[str, str]:
+        """The labels of the local ``image``'s configuration (``{}`` when it has none)."""
+        if self.kind == "buildah":
+            config = json.loads(self._run(["inspect", "--type", "image", image], quiet=True) or "{}")
+            return (config.get("OCIv1") or {}).get("config", {}).get("Labels") or {}
+        out = self._run(["image", "inspect", "--format", "{{json .Config.Labels}}", image], quiet=True)
+        return json.loads(out or "null") or {}
 
     def image_size(self, image: str) -> int:
         """Size of ``image`` in bytes, as the builder reports it (the layers' uncompressed size)."""
@@ -211,14 +229,27 @@ class Builder:
         mounts: Sequence[Mount] = (),
         env: Optional[dict[str, str]] = None,
         stdout=None,
+        hosts: Optional[dict[str, str]] = None,
     ) -> Container:
-        """Runs ``argv`` in a fresh container of ``image`` (its ENV, WORKDIR and PATH; no entrypoint: the
-        training image clears it) and returns at once. ``stdout``: as subprocess.Popen's (stderr joins it)."""
+        """Runs ``argv`` in a fresh container of ``image`` as ``docker run IMAGE argv`` does (its ENV, WORKDIR and
+        PATH, and its ENTRYPOINT in front of ``argv``: buildah run does not apply it, so it is read from the image)
+        and returns at once. ``stdout``: as subprocess.Popen's (stderr joins it). ``hosts``: extra name -> address
+        entries of the container's /etc/hosts (docker/podman ``--add-host``; buildah: a hosts file of its own
+        mounted over /etc/hosts with ``--no-hosts``, since buildah writes its own over any other mount)."""
         name = f"trainstack-{uuid.uuid4().hex[:12]}"
         env_args = [a for k, v in (env or {}).items() for a in ("--env", f"{k}={v}")]
         vol_args = [a for m in mounts for a in ("--volume", m.arg())]
+        host_args = [f"--add-host={name}:{ip}" for name, ip in (hosts or {}).items()]
+        if self.kind == "buildah" and hosts:
+            table = Path(tempfile.mkdtemp(prefix="trainstack-hosts-")) / "hosts"
+            lines = ["127.0.0.1 localhost", "::1 localhost"] + [f"{ip} {name}" for name, ip in hosts.items()]
+            table.write_text("\n".join(lines) + "\n")
+            host_args = ["--no-hosts", "--volume", Mount(str(table), "/etc/hosts").arg()]
         if self.kind == "buildah":
             self._run(["from", "--pull-never", "--name", name, image], quiet=True)
+            # buildah 1.28's --format has no json function: read the whole record (its OCIv1.config)
+            config = json.loads(self._run(["inspect", "--type", "image", image], quiet=True) or "{}")
+            entrypoint = (config.get("OCIv1") or {}).get("config", {}).get("Entrypoint")
             # --uts host: buildah names the container's host after its id but leaves it out of /etc/hosts, and
             # torchrun's rendezvous resolves the host name (it waited on DNS until killed)
             cmd = [
@@ -230,13 +261,16 @@ class Builder:
                 "host",
                 *env_args,
                 *vol_args,
+                *host_args,
                 name,
                 "--",
+                *(entrypoint or []),
                 *argv,
             ]
             cleanup = [[self.binary, "rm", name]]
         else:
-            cmd = [self.binary, "run", "--rm", "--name", name, "--ipc", "host", *env_args, *vol_args, image, *argv]
+            cmd = [self.binary, "run", "--rm", "--name", name, "--ipc", "host", *env_args, *vol_args, *host_args]
+            cmd += [image, *argv]
             cleanup = []
         proc = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.STDOUT if stdout else None, text=True)
         return Container(self, name, proc, cleanup)

@@ -78,13 +78,65 @@ def registries_region_default(registries: list[str]) -> str:
     return next((registry_region(r) for r in registries if ".dkr.ecr." in r), "us-east-1")
 
 
+def dockerfile_arg(repo: Path, name: str, dockerfile: str = DOCKERFILE) -> str:
+    """The default of ``ARG <name>=...`` in ``dockerfile`` (the first one). Raises CliError when it has none."""
+    text = (repo / dockerfile).read_text()
+    match = re.search(rf"^ARG\s+{name}=(\"[^\"]*\"|\S+)", text, re.M)
+    if not match:
+        raise CliError(f"{dockerfile} has no `ARG {name}=...` default", f"pass the {name} build argument")
+    return match.group(1).strip('"')
+
+
 def dockerfile_base_image(repo: Path) -> str:
     """The default of ``ARG BASE_IMAGE=...`` in the training Dockerfile."""
-    text = (repo / DOCKERFILE).read_text()
-    match = re.search(r"^ARG\s+BASE_IMAGE=(\S+)", text, re.M)
-    if not match:
-        raise CliError(f"{DOCKERFILE} has no `ARG BASE_IMAGE=...` default", "pass --base-image")
-    return match.group(1).strip('"')
+    return dockerfile_arg(repo, "BASE_IMAGE")
+
+
+def default_archs(repo: Path) -> str:
+    """The op's default architecture list, ``ARG TORCH_CUDA_ARCH_LIST=...`` of the training Dockerfile (what
+    push-image builds unless told otherwise, and so what image-smoke tests)."""
+    return dockerfile_arg(repo, "TORCH_CUDA_ARCH_LIST")
+
+
+def vcs_revision(repo: Path) -> str:
+    """The full commit of ``repo``'s checkout, with git_tag's ``-dirty-<8 hex>`` suffix for a tree with
+    uncommitted changes (the OCI ``revision`` label). Raises CliError when git cannot say."""
+    tag = git_tag(repo)
+    full = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
+    return full + tag[12:]
+
+
+def source_url(repo: Path) -> str:
+    """Where the source lives (the OCI ``source`` label): GitHub Actions' ``$GITHUB_SERVER_URL/$GITHUB_REPOSITORY``,
+    else the checkout's ``origin`` remote, else ``""``."""
+    import os
+
+    if os.environ.get("GITHUB_SERVER_URL") and os.environ.get("GITHUB_REPOSITORY"):
+        return f"{os.environ['GITHUB_SERVER_URL']}/{os.environ['GITHUB_REPOSITORY']}"
+    got = subprocess.run(["git", "remote", "get-url", "origin"], cwd=repo, capture_output=True, text=True)
+    return got.stdout.strip() if got.returncode == 0 else ""
+
+
+def build_args(b: oci.Builder, repo: Path, base: str, archs: Optional[str] = None, msda: str = "cuda") -> dict:
+    """The build arguments of images/training/Dockerfile, the same for push-image and image-smoke, so that the
+    two build one image (same layers, same configuration, same digest for the same commit, base and ``archs``):
+    ``BASE_IMAGE``, ``MSDA``, ``TORCH_CUDA_ARCH_LIST`` (default: the Dockerfile's), and the OCI labels' values
+    ``BASE_DIGEST`` (the base's digest in the builder's store, pulled first when it is not there; empty for
+    ``scratch``), ``VCS_REF`` (:func:`vcs_revision`) and ``SOURCE_URL`` (:func:`source_url`). Raises CliError when
+    the base cannot be pulled."""
+    digest = ""
+    if base != "scratch":
+        if not b.exists(base):
+            b.pull(base)
+        digest = b.image_digest(base)
+    return {
+        "BASE_IMAGE": base,
+        "MSDA": msda,
+        "TORCH_CUDA_ARCH_LIST": archs or default_archs(repo),
+        "BASE_DIGEST": digest,
+        "VCS_REF": vcs_revision(repo),
+        "SOURCE_URL": source_url(repo),
+    }
 
 
 def push_image(
@@ -99,6 +151,7 @@ def push_image(
     tls_verify: bool = True,
     dockerfile: str = DOCKERFILE,
     ca_bundle: Optional[str] = None,
+    archs: Optional[str] = None,
 ) -> str:
     """Build, tag ``<repository>:<tag>``, push; returns ``<repository>:<tag>@<digest>``, the digest being the
     one the registry stored for the pushed manifest (or ``<repository>:<tag> (already pushed)`` when the tag
@@ -109,7 +162,8 @@ def push_image(
     the blobs and manifest instead of the ECR repository (tests: a registry on 127.0.0.1, without TLS when
     ``tls_verify`` is False); the ECR API still answers the tag lookup and the login token. ``dockerfile``:
     relative to ``repo``. ``ca_bundle``: a CA file bind-mounted over the base's bundle for the build's RUN
-    steps (podman/buildah; behind a TLS-inspecting proxy). Raises CliError when no builder is found, the build or push fails, or ECR refuses
+    steps (podman/buildah; behind a TLS-inspecting proxy). ``archs``: the op's TORCH_CUDA_ARCH_LIST (default: the
+    Dockerfile's, what image-smoke tests). Raises CliError when no builder is found, the build or push fails, or ECR refuses
     (with the next step).
     """
     ecr_in = ecr_in or (lambda region: aws.session.client("ecr", region_name=region))
@@ -126,7 +180,8 @@ def push_image(
         _login(b, ecr_in, registries, tls_verify)
     except ClientError as e:
         raise explain(e, "logging in to ECR") from None
-    b.build(repo, dockerfile, image, {"BASE_IMAGE": base}, oci.ca_mounts(b, ca_bundle))
+    args = build_args(b, repo, base, archs) if dockerfile == DOCKERFILE else {"BASE_IMAGE": base}
+    b.build(repo, dockerfile, image, args, oci.ca_mounts(b, ca_bundle))
     digest = b.push(image, tls_verify=tls_verify)
     return f"{image}@{digest}"
 

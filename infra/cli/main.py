@@ -108,6 +108,7 @@ def _parser() -> argparse.ArgumentParser:
         "--builder", "--docker", dest="builder", help="docker, podman or buildah binary (default: the first found)"
     )
     s.add_argument("--ca-bundle", help="CA file mounted over the base's for the build (podman/buildah; TLS proxies)")
+    s.add_argument("--archs", help="the op's TORCH_CUDA_ARCH_LIST (default: the Dockerfile's, what image-smoke tests)")
 
     s = sub.add_parser("launch", help="run a spot training instance")
     s.add_argument("instance_type")
@@ -278,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
     cmd = args.command
     if cmd == "push-image":
         print(
-            f"pushed {image.push_image(aws, outputs, REPO, args.tag, args.base_image, args.builder, ca_bundle=args.ca_bundle)}"
+            f"pushed {image.push_image(aws, outputs, REPO, args.tag, args.base_image, args.builder, ca_bundle=args.ca_bundle, archs=args.archs)}"
         )
     elif cmd == "launch":
         got = instances.launch(

@@ -123,8 +123,9 @@ def _run(cmd: list[str], workdir: Path, env: dict, timeout: int = 300) -> subpro
 def test_dockerfile_parser_sees_the_shipped_tree():
     workdir, copies, env = parse_dockerfile()
     assert workdir == "/opt/trainstack" and env["PYTHONPATH"] == workdir
-    dests = {d for _, d in copies}
+    dests = {d + Path(s).name if d.endswith("/") else d for s, d in copies}  # COPY a b dir/ -> dir/a, dir/b
     assert {"/opt/trainstack/trainer", "/opt/trainstack/catalog", "/opt/trainstack/bin/train"} <= dests
+    assert "/opt/trainstack/bin/entrypoint" in dests
 
 
 def test_layout_holds_no_repository_only_code(image_tree):

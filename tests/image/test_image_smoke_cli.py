@@ -4,6 +4,7 @@ line naming the flag and what was expected. The smoke itself builds a 6 GiB imag
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -45,3 +46,23 @@ def test_too_little_disk_in_the_builders_store_is_refused_before_any_build(tmp_p
     )
     assert "--min-free-gib 0" in res.stderr
     assert not any(line.split()[0] in ("bud", "build") for line in calls.read_text().splitlines())
+
+
+def test_buildah_containers_start_through_the_images_entrypoint(tmp_path):
+    """``docker run IMAGE train --x`` runs ENTRYPOINT + ``train --x``; ``buildah run`` applies no entrypoint, so the
+    builder reads it from the image and puts it in front (the smoke then tests the entrypoint SageMaker runs)."""
+    from infra.cli import builder as oci
+
+    calls = tmp_path / "calls.jsonl"
+    fake = tmp_path / "buildah"
+    fake.write_text(
+        f"#!{sys.executable}\nimport json, sys\nopen({str(calls)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n"
+        "entry = ['/opt/trainstack/bin/entrypoint']\n"
+        "if sys.argv[1] == 'inspect': print(json.dumps({'OCIv1': {'config': {'Entrypoint': entry}}}))\n"
+    )
+    fake.chmod(0o755)
+    c = oci.Builder("buildah", str(fake)).start("trainstack-training:t", ["train", "--x"], env={"A": "1"})
+    assert c.wait(timeout=30) == 0
+    run = next(argv for argv in map(json.loads, calls.read_text().splitlines()) if argv[0] == "run")
+    assert run[run.index("--") + 1 :] == ["/opt/trainstack/bin/entrypoint", "train", "--x"]
+    assert ["--env", "A=1"] == run[run.index("--env") : run.index("--env") + 2]

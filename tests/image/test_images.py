@@ -56,9 +56,24 @@ def test_copy_sources_are_in_the_build_context():
         assert not excluded(src, patterns), f"Dockerfile COPY {src}: excluded by .dockerignore"
 
 
+SHELL_SCRIPTS = (
+    "images/build_msda.sh",
+    "images/training/entrypoint",
+    "images/standin/install_cuda_toolkit.sh",
+    "images/standin/dlc/start_with_right_hostname.sh",
+    "images/standin/dlc/start_cuda_compat.sh",
+)
+
+
 def test_scripts_are_executable_and_parse():
-    for rel in ("images/build_msda.sh", "images/training/train"):
+    for rel in (*SHELL_SCRIPTS, "images/training/train"):
         assert os.access(REPO / rel, os.X_OK), f"{rel} must be executable"
-    assert subprocess.run(["bash", "-n", str(REPO / "images/build_msda.sh")]).returncode == 0
+    shellcheck = Path(sys.executable).parent / "shellcheck"
+    for rel in SHELL_SCRIPTS:
+        assert subprocess.run(["bash", "-n", str(REPO / rel)]).returncode == 0, rel
+    # the stand-in's copy of the DLC's script keeps the DLC's pitfalls on purpose (unquoted, relative paths)
+    checked = [str(REPO / rel) for rel in SHELL_SCRIPTS if "standin/dlc/" not in rel]
+    res = subprocess.run([str(shellcheck), *checked], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout
     res = subprocess.run([sys.executable, "-m", "py_compile", str(REPO / "images/training/train")])
     assert res.returncode == 0

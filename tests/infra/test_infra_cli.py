@@ -412,6 +412,11 @@ def test_push_image_logs_in_builds_tags_with_commit_and_pushes(aws, capsys, tmp_
     build = next(argv for argv, _ in recorded if argv[0] == "build")
     assert f"{repo}:c0ffee" in build and "images/training/Dockerfile" in build
     assert any(a.startswith("BASE_IMAGE=763104351884.dkr.ecr.") for a in build)
+    # image-smoke's build arguments (infra/cli/image.py build_args): the Dockerfile's architectures, the labels
+    from infra.cli.image import default_archs, vcs_revision
+
+    assert "TORCH_CUDA_ARCH_LIST=8.0;8.6;9.0" in build and default_archs(REPO_ROOT) == "8.0;8.6;9.0"
+    assert f"VCS_REF={vcs_revision(REPO_ROOT)}" in build and "MSDA=cuda" in build
     assert [argv for argv, _ in recorded if argv[0] == "push"] == [["push", f"{repo}:c0ffee"]]  # no `latest`
     assert not any(":latest" in a for argv, _ in recorded for a in argv)
 

@@ -19,10 +19,7 @@ import hashlib
 import json
 import os
 import shutil
-import socket
 import subprocess
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -53,39 +50,15 @@ def _builder_or_skip():
 
 @contextlib.contextmanager
 def local_registry(tmp_path: Path):
-    """A distribution registry serving on 127.0.0.1:<free port> from ``tmp_path``; yields ``127.0.0.1:PORT``."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    config = tmp_path / "registry.yml"
-    config.write_text(
-        json.dumps(
-            {
-                "version": 0.1,
-                "log": {"level": "warn"},
-                "storage": {"filesystem": {"rootdirectory": str(tmp_path / "registry")}},
-                "http": {"addr": f"127.0.0.1:{port}"},
-            }
-        )
-    )
-    log = open(tmp_path / "registry.log", "w")
-    proc = subprocess.Popen(["docker-registry", "serve", str(config)], stdout=log, stderr=subprocess.STDOUT)
+    """infra.cli.registry's registry on 127.0.0.1, failing the test (not raising CliError) when it does not start."""
+    from infra.cli.registry import local_registry as serve
+    from infra.cli.session import CliError
+
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise AssertionError((tmp_path / "registry.log").read_text()) from None
-                time.sleep(0.2)
-        yield f"127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(10)
-        log.close()
+        with serve(tmp_path) as address:
+            yield address
+    except CliError as e:
+        raise AssertionError(str(e)) from None
 
 
 def _skopeo(*args: str) -> bytes:

@@ -1,0 +1,19 @@
+#!/bin/bash
+# The stand-in's /usr/local/bin/start_cuda_compat.sh, written here from the DLC's scripts/docker/pytorch/
+# start_cuda_compat.sh: with the CUDA forward-compatibility package installed (/usr/local/cuda/compat) and a
+# driver older than the one that package carries, put the compat libraries first on LD_LIBRARY_PATH. The stand-in
+# has no compat package (nor a driver), so it says so, as the DLC does on a GPU-less host.
+compat=/usr/local/cuda/compat/libcuda.so.1
+if [ -f "$compat" ]; then
+    max_driver=$(readlink "$compat" | cut -d'.' -f 3-)
+    driver=$(sed -n 's/^NVRM.*Kernel Module *\([0-9.]*\).*$/\1/p' /proc/driver/nvidia/version 2>/dev/null || true)
+    if [ -n "$driver" ] && [ "$driver" != "$max_driver" ] \
+        && [ "$driver" = "$(printf '%s\n%s\n' "$driver" "$max_driver" | sort -V | head -n1)" ]; then
+        echo "Adding CUDA compat to LD_LIBRARY_PATH"
+        export LD_LIBRARY_PATH=/usr/local/cuda/compat:$LD_LIBRARY_PATH
+    else
+        echo "Skipping CUDA compat setup as newer NVIDIA driver is installed"
+    fi
+else
+    echo "Skipping CUDA compat setup as package not found"
+fi
