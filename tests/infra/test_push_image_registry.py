@@ -113,3 +113,36 @@ def test_push_image_to_a_real_registry_records_the_digest_launch_and_submit_pin(
         again = image.push_image(session, outputs, REPO_ROOT, tag, base_image="scratch", builder=b.binary, push_to=repo)
         assert again.endswith(f":{tag} (already pushed)")
     subprocess.run([b.binary, "rmi", f"{repo}:{tag}"], check=True, capture_output=True)  # leave no image behind
+
+
+@pytest.mark.skipif(
+    not os.environ.get("TRAINSTACK_SMOKE_RECORD"),
+    reason="by hand after make image-smoke: TRAINSTACK_SMOKE_RECORD=runs/image-smoke/<record>.json (builds the "
+    "7 GiB training image from the builder's cache and pushes it; docs/training-image.md)",
+)
+def test_push_image_pushes_the_digest_image_smoke_printed(aws, tmp_path):  # noqa: F811
+    """push-image for the commit, base and architectures of a passed image-smoke record builds the same image (from
+    the layer cache) and its push stores the digest the smoke printed: the smoke tested what push-image ships."""
+    from infra.cli import image
+    from infra.cli.outputs import load as load_outputs
+    from infra.cli.session import open_session
+
+    record = json.loads(Path(os.environ["TRAINSTACK_SMOKE_RECORD"]).read_text())
+    assert record["pushed_digest"], "the record is of a --build-only run: no pushed digest to compare"
+    args = record["build_args"]
+    assert args["VCS_REF"] == image.vcs_revision(REPO_ROOT), "the record is of another commit or tree"
+    b = _builder_or_skip()
+    session = open_session(moto_env.ENV, None, None)
+    outputs = load_outputs(session)
+    with local_registry(tmp_path) as registry:
+        pushed = image.push_image(
+            session,
+            outputs,
+            REPO_ROOT,
+            base_image=args["BASE_IMAGE"],
+            builder=b.binary,
+            push_to=f"{registry}/{outputs.repository_name}",
+            tls_verify=False,
+            archs=args["TORCH_CUDA_ARCH_LIST"],
+        )
+    assert pushed.split("@")[1] == record["digest"], (pushed, record["digest"])
