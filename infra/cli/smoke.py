@@ -37,7 +37,6 @@ import os
 import platform
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -49,6 +48,7 @@ from infra.cli import builder as oci
 from infra.cli.image import DOCKERFILE, build_args, default_archs, git_tag
 from infra.cli.registry import local_registry
 from infra.cli.session import CliError
+from infra.cli.smoke_hosts import SmokeFailure, say, two_host_job
 
 REPO = Path(__file__).resolve().parents[2]
 STANDIN_DIR = "images/standin"
@@ -90,14 +90,6 @@ print("pip check: no broken requirements;", ", ".join(f"{n} {v}" for n, v in ver
 """
 
 
-class SmokeFailure(Exception):
-    """A step of the smoke test failed; the message names the step and ends with the command's output."""
-
-
-def _say(msg: str) -> None:
-    print(f"image-smoke: {msg}", flush=True)
-
-
 def check_disk(b: oci.Builder, min_free_gib: float) -> None:
     """Refuses to start when the builder's store has less than ``min_free_gib`` GiB free (a cold smoke writes
     the stand-in, 5.8 GB, the image, 6.6 GB, and the copies a build commits: 12 GB in buildah's store after one
@@ -121,7 +113,7 @@ def ensure_standin(b: oci.Builder, mounts: list[oci.Mount], work: Path) -> str:
     Raises CliError when mmdebstrap is missing or a build fails."""
     if not b.exists(STANDIN_OS):
         tarball = work / "standin-rootfs.tar"
-        _say(f"writing the stand-in's Debian trixie rootfs ({STANDIN_PACKAGES}) with mmdebstrap")
+        say(f"writing the stand-in's Debian trixie rootfs ({STANDIN_PACKAGES}) with mmdebstrap")
         cmd = ["mmdebstrap", "--variant=minbase", f"--include={STANDIN_PACKAGES}", "trixie", str(tarball)]
         try:
             subprocess.run([*cmd, DEBIAN_MIRROR], check=True)
@@ -133,7 +125,7 @@ def ensure_standin(b: oci.Builder, mounts: list[oci.Mount], work: Path) -> str:
             raise CliError(f"mmdebstrap failed with exit {e.returncode}") from None
         b.import_rootfs(tarball, STANDIN_OS)
         tarball.unlink()
-    _say(f"stand-in base {STANDIN} (images/standin/Containerfile, layers cached)")
+    say(f"stand-in base {STANDIN} (images/standin/Containerfile, layers cached)")
     b.build(REPO / STANDIN_DIR, "Containerfile", STANDIN, {"OS_IMAGE": STANDIN_OS}, mounts)
     return STANDIN
 
@@ -154,7 +146,7 @@ def check_labels(b: oci.Builder, image: str, build_args: dict) -> None:
     wrong = {k: labels.get(k) for k, arg in LABELS.items() if labels.get(k) != build_args[arg]}
     if wrong:
         raise SmokeFailure(f"{image}: labels {wrong} do not match the build arguments {build_args}")
-    _say(f"labels: revision {labels['org.opencontainers.image.revision']}, base digest {build_args['BASE_DIGEST']}")
+    say(f"labels: revision {labels['org.opencontainers.image.revision']}, base digest {build_args['BASE_DIGEST']}")
 
 
 class Smoke:
@@ -195,7 +187,7 @@ class Smoke:
         if rc != expect or (signal_after and not signalled):
             why = "never saw " + repr(signal_after) if signal_after and not signalled else f"exit {rc}"
             raise SmokeFailure(f"{step}: {why}, expected exit {expect} ({log}):\n{text[-4000:]}")
-        _say(f"{step}: exit {rc} as expected ({time.monotonic() - start:.0f} s)")
+        say(f"{step}: exit {rc} as expected ({time.monotonic() - start:.0f} s)")
         return text
 
     def write(self, name: str, content: dict) -> str:
@@ -209,11 +201,11 @@ class Smoke:
         if only == "sagemaker":
             return self._sagemaker()
         if only == "hosts":
-            return self._two_hosts()
+            return two_host_job(self)
         if only == "tasks":
             return self._tasks()
         nvcc = self.run("nvcc in the base", ["nvcc", "--version"])
-        _say(f"nvcc: {nvcc.strip().splitlines()[-2] if nvcc.strip() else '?'}")
+        say(f"nvcc: {nvcc.strip().splitlines()[-2] if nvcc.strip() else '?'}")
         self.run("pip check and the base's packages", ["python3", "-c", BASE_CHECK])
         self.run("check_install", ["python3", "-m", "trainer.check_install"])
         self.run("op extension and custom operator", ["python3", "-c", OP_CHECK])
@@ -235,122 +227,13 @@ class Smoke:
         out = self.run("rerun after SIGTERM", long)
         if "checkpoint: resuming from" not in out:
             raise SmokeFailure(f"rerun after SIGTERM: no 'checkpoint: resuming from' line:\n{out[-2000:]}")
-        _say(f"rerun resumed from {marker['checkpoint']} (step {marker['global_step']}) and finished")
+        say(f"rerun resumed from {marker['checkpoint']} (step {marker['global_step']}) and finished")
         if only == "digits":
             return None
 
         self._sagemaker()
-        self._two_hosts()
+        two_host_job(self)
         self._tasks()
-
-    def hosts(
-        self,
-        step: str,
-        roots: dict[str, Path],
-        mounts: tuple[oci.Mount, ...],
-        env: dict[str, str],
-        *,
-        expect: int = 0,
-        signal_host: Optional[str] = None,
-        signal_after: Optional[str] = None,
-        timeout: float = 900,
-    ) -> dict[str, str]:
-        """Runs ``train`` in one container per host of ``roots`` (host name -> its /opt/ml folder) at once, each
-        with ``mounts`` and ``env``; with ``signal_host``, sends it SIGTERM once the first host prints a line
-        starting with ``signal_after``. Returns each host's output; raises SmokeFailure unless every host exits
-        ``expect``."""
-        import threading
-
-        start = time.monotonic()
-        first = next(iter(roots))
-        seen = threading.Event()
-        running, logs, threads = {}, {}, []
-        for host, root in roots.items():
-            m = (oci.Mount(str(root), "/opt/ml", rw=True), *mounts)
-            names = {h: "127.0.0.1" for h in roots}  # every host on loopback
-            running[host] = self.b.start(self.image, ["train"], m, env, stdout=subprocess.PIPE, hosts=names)
-            logs[host] = self.work / f"{re.sub(r'[^a-z0-9]+', '-', step.lower())}-{host}.log"
-
-        def pump(host: str) -> None:
-            with open(logs[host], "w") as out:
-                for line in running[host].proc.stdout:
-                    out.write(line)
-                    out.flush()
-                    if host == first and signal_after and line.startswith(signal_after):
-                        seen.set()
-
-        for host in roots:
-            threads.append(threading.Thread(target=pump, args=(host,), daemon=True))
-            threads[-1].start()
-        signalled = False
-        while any(c.proc.poll() is None for c in running.values()) and time.monotonic() - start < timeout:
-            if signal_host and seen.is_set() and not signalled:
-                running[signal_host].signal()
-                signalled = True
-            time.sleep(0.2)
-        for c in running.values():
-            if c.proc.poll() is None:
-                c.signal(9)
-        codes = {host: c.wait(timeout=60) for host, c in running.items()}
-        for t in threads:
-            t.join(10)
-        texts = {host: logs[host].read_text() for host in roots}
-        if any(rc != expect for rc in codes.values()) or (signal_host and not signalled):
-            why = f"never saw {signal_after!r} on {first}" if signal_host and not signalled else f"exits {codes}"
-            tails = "\n".join(f"--- {h} ({logs[h]}):\n{t[-2500:]}" for h, t in texts.items())
-            raise SmokeFailure(f"{step}: {why}, expected exit {expect} on every host:\n{tails}")
-        _say(f"{step}: exits {codes} as expected ({time.monotonic() - start:.0f} s)")
-        return texts
-
-    def _two_hosts(self) -> None:
-        """A 2-host SageMaker job of the image: two containers as algo-1 and algo-2 (resourceconfig.json; the names
-        on 127.0.0.1 in each container's /etc/hosts; network_interface_name lo), one rank each, gloo, one shared
-        checkpoint folder at /opt/ml/checkpoints (what SageMaker restores to every host from the job's checkpoint
-        S3 URI). Runs one job to the end, then one stopped by SIGTERM to algo-2 (both hosts exit 75, host 0 writes
-        interrupted.json) and its rerun, which resumes and finishes. Each host's gethostname() must be its own
-        SageMaker name: the image's entrypoint keeps the base's hostname fix."""
-        names = ["algo-1", "algo-2"]
-        top = self.work / "two-hosts"
-        top.mkdir()
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        env = {"TRAINSTACK_NPROC_PER_NODE": "1", "TRAINSTACK_MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        hps = {"data_dir": '"builtin:digits"', "epochs": "1", "device": '"cpu"', "model": '"resnet18"'}
-        hps |= {"image_size": "32", "batch_size": "32", "num_workers": "0", "warmup_epochs": "0"}
-        hps |= {"log_every_steps": "1"}
-
-        def job(name: str, steps: int) -> tuple[dict[str, Path], tuple[oci.Mount, ...]]:
-            ckpt = top / name / "checkpoints"
-            ckpt.mkdir(parents=True)
-            roots = {}
-            for host in names:
-                root = roots[host] = top / name / host
-                (root / "input" / "config").mkdir(parents=True)
-                rc = {"current_host": host, "hosts": names, "network_interface_name": "lo"}
-                (root / "input" / "config" / "resourceconfig.json").write_text(json.dumps(rc))
-                config = {**hps, "max_steps_per_epoch": str(steps)}
-                (root / "input" / "config" / "hyperparameters.json").write_text(json.dumps(config))
-            mounts = (oci.Mount(str(ckpt), "/opt/ml/checkpoints", rw=True),)
-            return roots, mounts
-
-        roots, mounts = job("to-the-end", 4)
-        out = self.hosts("2-host SageMaker job", roots, mounts, env)
-        for host in names:
-            if f"gethostname() -> {host} " not in out[host]:
-                raise SmokeFailure(
-                    f"2-host job: {host}'s entrypoint did not make gethostname() {host}:\n{out[host][-1500:]}"
-                )
-        if not (roots["algo-1"] / "model" / "model.json").is_file():
-            raise SmokeFailure("2-host job: host 0 exported no model (model/model.json)")
-        roots, mounts = job("stopped", 60)
-        self.hosts("2-host job, SIGTERM to algo-2", roots, mounts, env, expect=75, signal_host="algo-2",
-                   signal_after="step=")  # fmt: skip
-        marker = json.loads((top / "stopped" / "checkpoints" / "interrupted.json").read_text())
-        out = self.hosts("2-host job rerun", roots, mounts, env)
-        if "checkpoint: resuming from" not in out["algo-1"]:
-            raise SmokeFailure(f"2-host rerun: no 'checkpoint: resuming from' line:\n{out['algo-1'][-2000:]}")
-        _say(f"2-host rerun resumed from {marker['checkpoint']} (step {marker['global_step']}) and finished")
 
     def _sagemaker(self) -> None:
         root = self.work / "opt_ml"
@@ -369,7 +252,7 @@ class Smoke:
         failure = (root / "output" / "failure").read_text()
         if "unknown hyperparameter 'learning_rate'" not in failure:
             raise SmokeFailure(f"SageMaker bad hyperparameter: output/failure says {failure!r}")
-        _say("SageMaker failure file names the key")
+        say("SageMaker failure file names the key")
 
     def _tasks(self) -> None:
         short = {"epochs": 1, "max_steps_per_epoch": 1, "device": "cpu", "num_workers": 0, "precision": "32"}
@@ -461,14 +344,14 @@ def main(argv: Optional[list[str]] = None) -> int:
             started = time.monotonic()
             base = args.base_image or ensure_standin(b, mounts, work)
             base_s = time.monotonic() - started
-            _say(f"building {image} FROM {base} with {b.kind} (MSDA={args.msda}, TORCH_CUDA_ARCH_LIST={args.archs})")
+            say(f"building {image} FROM {base} with {b.kind} (MSDA={args.msda}, TORCH_CUDA_ARCH_LIST={args.archs})")
             started = time.monotonic()
             bargs = build_args(b, REPO, base, args.archs, args.msda)
             b.build(REPO, DOCKERFILE, image, bargs, mounts)
             build_s = time.monotonic() - started
             check_labels(b, image, bargs)
             digest, size = b.image_digest(image), b.image_size(image)
-            _say(f"built in {build_s:.0f} s (base {base_s:.0f} s), {size / 2**30:.2f} GiB, local {digest}")
+            say(f"built in {build_s:.0f} s (base {base_s:.0f} s), {size / 2**30:.2f} GiB, local {digest}")
             checks_s = push_s = None
             if not args.build_only:
                 started = time.monotonic()
@@ -478,7 +361,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 with local_registry(work / "registry") as registry:
                     digest = b.push(image, tls_verify=False, dest=f"{registry}/{image}")
                 push_s = time.monotonic() - started
-                _say(f"pushed to a registry on 127.0.0.1 in {push_s:.0f} s: {digest} (push-image's digest)")
+                say(f"pushed to a registry on 127.0.0.1 in {push_s:.0f} s: {digest} (push-image's digest)")
     except (CliError, SmokeFailure) as e:
         print(f"image-smoke: FAILED: {e}", file=sys.stderr)
         return 1
