@@ -192,11 +192,16 @@ class Builder:
         out = self._run(["image", "inspect", "--format", fmt, image], quiet=True).strip()
         return out if out.startswith("sha256:") else f"sha256:{out}"
 
+    def _buildah_config(self, image: str) -> dict:
+        """The OCI image configuration of a local image (``buildah inspect``'s ``OCIv1.config``; buildah 1.28's
+        ``--format`` has no json function, so the whole record is read)."""
+        record = json.loads(self._run(["inspect", "--type", "image", image], quiet=True) or "{}")
+        return (record.get("OCIv1") or {}).get("config") or {}
+
     def image_labels(self, image: str) -> dict[str, str]:
         """The labels of the local ``image``'s configuration (``{}`` when it has none)."""
         if self.kind == "buildah":
-            config = json.loads(self._run(["inspect", "--type", "image", image], quiet=True) or "{}")
-            return (config.get("OCIv1") or {}).get("config", {}).get("Labels") or {}
+            return self._buildah_config(image).get("Labels") or {}
         out = self._run(["image", "inspect", "--format", "{{json .Config.Labels}}", image], quiet=True)
         return json.loads(out or "null") or {}
 
@@ -247,9 +252,7 @@ class Builder:
             host_args = ["--no-hosts", "--volume", Mount(str(table), "/etc/hosts").arg()]
         if self.kind == "buildah":
             self._run(["from", "--pull-never", "--name", name, image], quiet=True)
-            # buildah 1.28's --format has no json function: read the whole record (its OCIv1.config)
-            config = json.loads(self._run(["inspect", "--type", "image", image], quiet=True) or "{}")
-            entrypoint = (config.get("OCIv1") or {}).get("config", {}).get("Entrypoint")
+            entrypoint = self._buildah_config(image).get("Entrypoint")
             # --uts host: buildah names the container's host after its id but leaves it out of /etc/hosts, and
             # torchrun's rendezvous resolves the host name (it waited on DNS until killed)
             cmd = [

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import os
 import re
 import subprocess
 from collections.abc import Callable
@@ -109,8 +110,6 @@ def vcs_revision(repo: Path) -> str:
 def source_url(repo: Path) -> str:
     """Where the source lives (the OCI ``source`` label): GitHub Actions' ``$GITHUB_SERVER_URL/$GITHUB_REPOSITORY``,
     else the checkout's ``origin`` remote, else ``""``."""
-    import os
-
     if os.environ.get("GITHUB_SERVER_URL") and os.environ.get("GITHUB_REPOSITORY"):
         return f"{os.environ['GITHUB_SERVER_URL']}/{os.environ['GITHUB_REPOSITORY']}"
     got = subprocess.run(["git", "remote", "get-url", "origin"], cwd=repo, capture_output=True, text=True)
