@@ -106,6 +106,7 @@ COMMANDS = {
     "plan": "rank instance types by fit, time and cost for a config",
     "write-ffcv": "convert ImageFolder splits into FFCV .beton files",
     "predict": "run a checkpoint on a folder of images: drawn PNGs and predictions.json",
+    "evaluate": "a checkpoint's validation metrics, no training",
     "scale": "run a scaling plan's phases in order and report measured vs expected",
     "export": "export a checkpoint as ONNX, TorchScript or safetensors with a model card",
     "sweep": "run a hyperparameter sweep here, as many trials at a time as the planner says fit",
@@ -144,6 +145,10 @@ def build_parser(command: Optional[str] = "train") -> argparse.ArgumentParser:
             from trainer.predict import add_predict_command
 
             add_predict_command(sub)
+        elif name == "evaluate":
+            from trainer.evaluate import add_evaluate_command
+
+            add_evaluate_command(sub)
         elif name == "scale":
             from trainer.planning.scale import add_scale_command
 
@@ -258,6 +263,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from trainer.predict import run_predict
 
         return run_predict(args)
+    if args.command == "evaluate":
+        from trainer.evaluate import run_evaluate
+
+        return run_evaluate(args)
     if args.command == "scale":
         from trainer.planning.scale import run_scale_command
 

@@ -202,8 +202,11 @@ def prepare_out(out: str | Path, images: str | Path) -> Path:
 
 
 def num_outputs_of(label_space: dict) -> int:
-    """Outputs of the model head: the length of the label space's names (``classes``, ``categories``, else its
-    first list)."""
+    """Outputs of the model head: the label space's ``num_classes`` when it states one (detection's ``coco_ids``
+    label space: max category id + 1), else the length of its names (``classes``, ``categories``, else its first
+    list)."""
+    if isinstance(label_space.get("num_classes"), int):
+        return label_space["num_classes"]
     for key in ("classes", "categories"):
         if isinstance(label_space.get(key), list):
             return len(label_space[key])
@@ -276,6 +279,18 @@ def load_model(path: Path, device, use_ema: bool, state: Optional[dict] = None):
         model = task.build_model(num_outputs_of(label_space))
     except ConfigError as e:
         raise PredictError(f"--checkpoint: {path}: cannot rebuild its model: {e}") from None
+    which = load_weights(model, state, path, use_ema, f"model {cfg.model}")
+    model.to(device).eval()
+    return task, model, label_space, which
+
+
+def load_weights(model, state: dict, path: Path, use_ema: bool, what: str) -> str:
+    """Copy checkpoint ``path``'s weights (its :func:`read_state` ``state``) into ``model``: the EMA weights when
+    ``use_ema`` and it has them, else the model's. Returns ``"ema"`` or ``"model"``.
+
+    Raises:
+        PredictError: no weights, or weights that do not fit ``model`` (``what`` names it in the message).
+    """
     which = "ema" if use_ema and isinstance(state.get("ema"), dict) else "model"
     weights = state.get(which)
     if not isinstance(weights, dict):
@@ -288,9 +303,8 @@ def load_model(path: Path, device, use_ema: bool, state: Optional[dict] = None):
         from trainer.engine.resume import state_dict_mismatch
 
         why = state_dict_mismatch(model, weights) or str(e).splitlines()[0]
-        raise PredictError(f"--checkpoint: {path}: its {which} weights do not fit model {cfg.model}: {why}") from None
-    model.to(device).eval()
-    return task, model, label_space, which
+        raise PredictError(f"--checkpoint: {path}: its {which} weights do not fit {what}: {why}") from None
+    return which
 
 
 def _warn(message: str) -> None:

@@ -246,6 +246,26 @@ class TrainConfig:
         "(facemask-coco: annotations/custom_{split}.json).",
     )
     coco_images: str = _det("{split}2017", "Image folder of a split, relative to data_dir; {split} as above.")
+    label_space: str = _det(
+        "contiguous",
+        "What a class index is: contiguous = the K categories numbered 0..K-1 in id order; coco_ids = the COCO "
+        "category id itself, max id + 1 classes (upstream DINO: 91 on COCO 2017), so an upstream checkpoint's class "
+        "heads load as they are (docs/detection.md).",
+        choices=("contiguous", "coco_ids"),
+    )
+    pad_value: str = _det(
+        "mean",
+        "Padding of batches and canvases: mean = the mean colour, 0 after normalisation (upstream DINO's "
+        "nested_tensor_from_tensor_list); black = pixel value 0 before normalisation (this trainer before issue 51).",
+        choices=("mean", "black"),
+    )
+    eval_protocol: str = _det(
+        "batched",
+        "Evaluation: batched = eval_batch_size images per forward, padded (or on canvases); upstream = every image "
+        "at its own size without padding, as upstream DINO's main.py (validation batch 1): exact, slower "
+        "(docs/detection.md).",
+        choices=("batched", "upstream"),
+    )
     crop_prob: float = _det(0.5, "Share of training images through DINO's crop branch (resize, random crop, resize).")
     min_scale: int = _det(480, "Training resize: shortest side drawn from min_scale..max_scale (pixels).")
     max_scale: int = _det(800, "Training resize: largest shortest side (pixels); the crop branch scales with it.")
@@ -472,6 +492,7 @@ NON_TRAJECTORY_FIELDS = (
     "persistent_workers",
     "data_dir",
     "eval_batch_size",
+    "eval_protocol",
     "max_steps_per_epoch",
     "device",
     "checkpoint_every_steps",

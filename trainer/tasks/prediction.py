@@ -120,3 +120,14 @@ def render_top_k(
 def color_of(label: int) -> str:
     """The drawing colour of class index ``label``."""
     return PALETTE[int(label) % len(PALETTE)]
+
+
+def same_size_groups(sizes) -> list[list[int]]:
+    """Indices of a batch grouped by their images' own (h, w) (``sizes``: (B, 2) ints), in order of first
+    appearance: each group can run as one forward without padding, so an image's result does not depend on the
+    other images of its batch (``predict``'s batch-size independence). A folder of same-size images is one group;
+    B distinct sizes are B forwards (the cost)."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, (h, w) in enumerate(sizes):
+        groups.setdefault((int(h), int(w)), []).append(i)
+    return list(groups.values())

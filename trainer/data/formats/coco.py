@@ -9,8 +9,13 @@ images::
      "categories":  [{"id": int, "name": str}, ...]}
 
 ``bbox`` is in pixels of the image as stored (``x, y`` = top-left corner, ``w, h`` = extent). Category ids may be
-0-based, 1-based or sparse (COCO's 1..90 with gaps): they map to contiguous labels ``0..K-1`` in increasing id
-order; :attr:`CocoSplit.label_to_category_id` maps back (for writing detections in COCO form for evaluation).
+0-based, 1-based or sparse (COCO's 1..90 with gaps). The label space (:data:`LABEL_SPACES`, the config's
+``label_space``) says what a model's class index is: ``contiguous`` (the default) numbers the K categories
+``0..K-1`` in increasing id order; ``coco_ids`` keeps the category id itself as the label, with ``max id + 1``
+classes (upstream DINO's ``datasets/coco.py`` and its ``num_classes = 91`` on COCO 2017, whose ids run 1..90),
+so a checkpoint trained on COCO by IDEA-Research/DINO fits its class heads as they are. :class:`LabelMap` is the one
+mapping both ways (label <-> category id <-> name); :func:`apply_label_space` puts a scanned split's labels in
+its space.
 Images without boxes are kept (negatives). ``iscrowd=1`` boxes are not training targets: they are kept aside
 (:meth:`CocoSplit.crowd`) for evaluation, which treats them as ignore regions.
 
@@ -77,8 +82,10 @@ class CocoSplit:
 
     Per image ``i`` (``0 <= i < len(image_ids)``): ``image_ids[i]`` (the JSON id), ``paths[i]`` (``images / file_name``), ``sizes[i]`` = ``(height, width)`` in pixels as the JSON states them; its training boxes are
     ``boxes[box_start[i]:box_start[i + 1]]`` (float32 (N, 4), XYXY, pixels, clipped to the image) with labels
-    ``labels[...]`` (int64, contiguous 0..K-1), its crowd boxes likewise ``crowd_boxes``/``crowd_labels`` over
-    ``crowd_start``. ``categories[label]`` is the category name, ``label_to_category_id[label]`` its JSON id.
+    ``labels[...]`` (int64, in the split's ``label_space``: contiguous 0..K-1 as scanned, or the category ids after
+    :func:`apply_label_space`), its crowd boxes likewise ``crowd_boxes``/``crowd_labels`` over ``crowd_start``.
+    ``categories[k]`` / ``label_to_category_id[k]``: the name and JSON id of the k-th declared category in id
+    order (= contiguous label k); :attr:`label_map` maps labels of either space.
     ``left_out``: ``(image id, file name, why)`` of the images skipped for a bad box or a missing file;
     ``report``: log lines about them (empty when none).
     """
@@ -99,6 +106,7 @@ class CocoSplit:
     crowd_start: np.ndarray
     left_out: list[tuple[int, str, str]] = field(default_factory=list)
     report: list[str] = field(default_factory=list)
+    label_space: str = "contiguous"
 
     def __len__(self) -> int:
         return len(self.image_ids)
@@ -107,6 +115,11 @@ class CocoSplit:
     def category_id_to_label(self) -> dict[int, int]:
         """JSON category id -> contiguous label."""
         return {c: i for i, c in enumerate(self.label_to_category_id)}
+
+    @property
+    def label_map(self) -> LabelMap:
+        """The split's :class:`LabelMap` (its declared categories in its ``label_space``)."""
+        return LabelMap(self.label_space, tuple(self.label_to_category_id), tuple(self.categories))
 
     def targets(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """Training boxes (float32 (N, 4) XYXY pixels) and labels (int64 (N,)) of image ``i``."""
@@ -129,6 +142,99 @@ class CocoSplit:
         if self.left_out:
             line += f"; {len(self.left_out):,} images left out (bad box or missing file)"
         return line
+
+
+#: What a class index means: the k-th category in id order, or the category id itself (upstream DINO).
+LABEL_SPACES = ("contiguous", "coco_ids")
+
+
+@dataclass(frozen=True)
+class LabelMap:
+    """Class index <-> COCO category id <-> name, for one label space (:data:`LABEL_SPACES`).
+
+    ``category_ids`` / ``names``: the declared categories sorted by id. ``contiguous``: label k is the k-th of
+    them, ``num_classes`` = K. ``coco_ids``: the label is the id (labels no category declares, e.g. COCO 2017's
+    0, 12, 26, ..., are classes that never occur), ``num_classes`` = max id + 1 (COCO 2017: 91, as upstream's
+    ``num_classes`` and ``dn_labelbook_size``).
+    """
+
+    kind: str
+    category_ids: tuple[int, ...]
+    names: tuple[str, ...]
+
+    def __post_init__(self):
+        if self.kind not in LABEL_SPACES:
+            raise ValueError(f"label_space: got {self.kind!r}; expected one of {', '.join(LABEL_SPACES)}")
+        if self.kind == "coco_ids" and self.category_ids and min(self.category_ids) < 0:
+            raise ValueError(
+                f"label_space: coco_ids needs category ids >= 0 (they become class indices); got {min(self.category_ids)}"
+            )
+
+    @property
+    def num_classes(self) -> int:
+        """Outputs of the class heads."""
+        if self.kind == "coco_ids":
+            return max(self.category_ids, default=-1) + 1
+        return len(self.category_ids)
+
+    def label(self, category_id: int) -> int:
+        """The class index of JSON ``category_id`` (KeyError when not declared)."""
+        if category_id not in self.category_ids:
+            raise KeyError(category_id)
+        return category_id if self.kind == "coco_ids" else self.category_ids.index(category_id)
+
+    def category_id(self, label: int) -> int | None:
+        """The JSON category id of class ``label``; None for a label no category declares."""
+        if self.kind == "coco_ids":
+            return label if label in self.category_ids else None
+        return self.category_ids[label] if 0 <= label < len(self.category_ids) else None
+
+    def name(self, label: int) -> str | None:
+        """The category name of class ``label``; None for a label no category declares."""
+        cid = self.category_id(label)
+        return None if cid is None else self.names[self.category_ids.index(cid)]
+
+    def dense(self) -> tuple[list[int], list[str]]:
+        """Per class index ``0..num_classes-1``: its category id and name (``coco_ids``: the index itself and
+        ``""`` where no category is declared), for code that indexes by label."""
+        ids = [self.category_id(k) for k in range(self.num_classes)]
+        return [k if c is None else c for k, c in enumerate(ids)], [self.name(k) or "" for k in range(self.num_classes)]
+
+    def to_label_space(self) -> dict:
+        """The JSON form stored in checkpoints: ``{"categories": names, "category_ids": ids}`` (declared, in id
+        order), plus ``"label_space": "coco_ids"`` and ``"num_classes"`` in that space (absent for contiguous, so
+        checkpoints written before the option compare equal)."""
+        out = {"categories": list(self.names), "category_ids": list(self.category_ids)}
+        if self.kind != "contiguous":
+            out.update(label_space=self.kind, num_classes=self.num_classes)
+        return out
+
+    @classmethod
+    def from_label_space(cls, label_space: dict) -> LabelMap:
+        """The map of a checkpoint's ``label_space`` (:meth:`to_label_space`; without ``category_ids``: 0..K-1)."""
+        names = tuple(label_space.get("categories") or ())
+        ids = tuple(int(i) for i in (label_space.get("category_ids") or range(len(names))))
+        return cls(str(label_space.get("label_space") or "contiguous"), ids, names)
+
+
+def apply_label_space(split: CocoSplit, kind: str) -> CocoSplit:
+    """``split`` (labels contiguous, as :func:`scan_coco` returns it) with its box and crowd labels in label space
+    ``kind`` (:data:`LABEL_SPACES`); the same split for ``contiguous``.
+
+    Raises:
+        ValueError: an unknown ``kind``, or ``coco_ids`` with a negative category id (one phrase).
+    """
+    target = LabelMap(kind, tuple(split.label_to_category_id), tuple(split.categories))
+    if kind == split.label_space:
+        return split
+    ids = np.asarray(split.label_to_category_id, dtype=np.int64)
+    if kind == "coco_ids":  # from contiguous
+        labels, crowd = ids[split.labels], ids[split.crowd_labels]
+    else:
+        back = {c: target.label(c) for c in target.category_ids}
+        labels = np.asarray([back[int(c)] for c in split.labels], dtype=np.int64)
+        crowd = np.asarray([back[int(c)] for c in split.crowd_labels], dtype=np.int64)
+    return replace(split, labels=labels, crowd_labels=crowd, label_space=kind)
 
 
 def _is_int(x) -> bool:

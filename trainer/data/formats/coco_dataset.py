@@ -14,7 +14,11 @@ Images stay uint8 (normalisation happens on the device, as for classification).
 Collate (:func:`collate_detection`) pads to the largest height and width of the batch (DETR's ``NestedTensor``),
 rounded up to ``pad_to_multiple`` pixels (the config's default 64: padded sizes repeat, so compiled graphs and
 autotuned kernels are reused; 1 = the exact largest size, as upstream), and returns DETR's target convention
-(normalised cxcywh).
+(normalised cxcywh). The padding value (:data:`PAD_VALUES`, the config's ``pad_value``) is chosen there too:
+``mean``, upstream DINO's (its ``nested_tensor_from_tensor_list`` pads the *normalised* image with 0, i.e. the
+ImageNet mean colour), or ``black`` (pixel 0 before normalisation, -2.1/-2.0/-1.8 after). Padding reaches every
+encoder token through the input projections' GroupNorm, so weights trained with one value see a shift with the
+other; :func:`fill_padding` makes the normalised padding exactly 0 on the device.
 """
 
 from __future__ import annotations
@@ -33,6 +37,11 @@ from trainer.data.formats.canvases import fit_canvas
 from trainer.data.formats.coco import CocoSplit
 from trainer.data.formats.image_decode import decode_file
 from trainer.data.samples import BadSample, decode_or_replace, describe_error, seeded_for_sample
+
+#: Padding values of :func:`collate_detection`: the mean colour (0 after normalisation, upstream DINO) or black.
+PAD_VALUES = ("mean", "black")
+#: The ImageNet mean colour as uint8 pixels (round(255 x (0.485, 0.456, 0.406))): the host-side padding of ``mean``.
+MEAN_PIXEL = (124, 116, 104)
 
 #: DINO's defaults (``make_coco_transforms``): training shorter-side scales, longest side, the crop branch's
 #: first resize, its crop size range, and the evaluation shorter side (``max(scales)``).
@@ -289,18 +298,32 @@ def _xyxy_to_cxcywh_normalised(boxes: torch.Tensor, h: int, w: int) -> torch.Ten
     return out / torch.tensor([w, h, w, h], dtype=torch.float32)
 
 
-def collate_detection(items: list, pad_to_multiple: int = 1, canvases: Sequence[tuple[int, int]] = ()) -> dict:
+def fill_padding(images: torch.Tensor, mask: torch.Tensor, pad_value: str) -> torch.Tensor:
+    """Normalised float images (B, 3, H, W) with their padding (``mask`` bool (B, H, W), True on padding) set to
+    exactly 0 for ``pad_value`` ``mean`` (the uint8 mean pixel normalises to within 0.006 of 0; upstream pads the
+    normalised tensor with 0); unchanged for ``black``. In place; returns ``images``."""
+    if pad_value == "mean" and images.numel():
+        images.masked_fill_(mask.unsqueeze(1).to(images.device), 0.0)
+    return images
+
+
+def collate_detection(
+    items: list, pad_to_multiple: int = 1, canvases: Sequence[tuple[int, int]] = (), pad_value: str = "mean"
+) -> dict:
     """Pad a list of :class:`CocoDetectionDataset` items into one batch (DETR's NestedTensor convention).
 
     ``pad_to_multiple``: Hmax and Wmax are rounded up to a multiple of it (1: the exact largest size); bind it
     with ``functools.partial`` for a DataLoader. ``canvases``: (H, W) pairs; when given, (Hmax, Wmax) is instead
     the smallest-area canvas that holds the batch (:func:`~trainer.data.formats.canvases.fit_canvas`), so a run
-    sees only those shapes (a batch no canvas holds keeps its own padded size).
+    sees only those shapes (a batch no canvas holds keeps its own padded size). ``pad_value``
+    (:data:`PAD_VALUES`): what the padding holds, per-batch padding and canvases alike.
 
     Returns::
 
-        {"image":   uint8 (B, 3, Hmax, Wmax), each image at the top-left, zeros bottom/right (Hmax, Wmax: the
+        {"image":   uint8 (B, 3, Hmax, Wmax), each image at the top-left, the padding bottom/right
+                    (:data:`MEAN_PIXEL` for ``mean``, zeros for ``black``; Hmax, Wmax: the
                     largest height and width in the batch, rounded up to a multiple of ``pad_to_multiple``),
+         "pad_value": ``pad_value`` (the device step's :func:`fill_padding` makes ``mean`` exactly 0),
          "mask":    bool (B, Hmax, Wmax), True on padding, False on image pixels,
          "targets": [{"boxes": float32 (N, 4) cx, cy, w, h normalised by the unpadded transformed image's width
                       and height (0..1), "labels": int64 (N,), "image_id": int, "orig_size": int64 (2,) (H, W)
@@ -318,7 +341,10 @@ def collate_detection(items: list, pad_to_multiple: int = 1, canvases: Sequence[
             "mask": torch.empty((0, 1, 1), dtype=torch.bool),
             "targets": [],
             "bad": bad,
+            "pad_value": pad_value,
         }
+    if pad_value not in PAD_VALUES:
+        raise ValueError(f"collate_detection: pad_value must be one of {', '.join(PAD_VALUES)}, got {pad_value!r}")
     if pad_to_multiple < 1:
         raise ValueError(f"collate_detection: pad_to_multiple must be >= 1, got {pad_to_multiple}")
     hmax = -(-max(int(g[0].shape[-2]) for g in good) // pad_to_multiple) * pad_to_multiple
@@ -326,6 +352,8 @@ def collate_detection(items: list, pad_to_multiple: int = 1, canvases: Sequence[
     if canvases:
         hmax, wmax = fit_canvas(hmax, wmax, canvases) or (hmax, wmax)
     images = torch.zeros((len(good), 3, hmax, wmax), dtype=torch.uint8)
+    if pad_value == "mean":
+        images[:] = torch.tensor(MEAN_PIXEL, dtype=torch.uint8).view(1, 3, 1, 1)
     mask = torch.ones((len(good), hmax, wmax), dtype=torch.bool)
     targets = []
     for i, (img, tgt, _) in enumerate(good):
@@ -341,4 +369,4 @@ def collate_detection(items: list, pad_to_multiple: int = 1, canvases: Sequence[
                 "size": torch.tensor([h, w], dtype=torch.int64),
             }
         )
-    return {"image": images, "mask": mask, "targets": targets, "bad": bad}
+    return {"image": images, "mask": mask, "targets": targets, "bad": bad, "pad_value": pad_value}

@@ -30,8 +30,9 @@ class CocoEvaluator(GatherEvaluator):
     Args:
         annotations: the split's COCO JSON (the ground truth, as written; ``area`` is filled from the box when
             missing).
-        label_to_category_id: contiguous label -> JSON category id.
-        categories: category names by label (for the per-class keys).
+        label_to_category_id: class index -> JSON category id (either label space:
+            :meth:`~trainer.data.formats.coco.LabelMap.dense`).
+        categories: category names by class index (for the per-class keys; ``""`` for an undeclared index).
     """
 
     directions = {k: "max" for k in STATS}
@@ -84,7 +85,7 @@ class CocoEvaluator(GatherEvaluator):
     def metrics(self, records: list) -> dict[str, float]:
         from pycocotools.cocoeval import COCOeval
 
-        names = {f"ap_{metric_key(n)}": 0.0 for n in self.categories}
+        names = {f"ap_{metric_key(n)}": 0.0 for n in self.categories if n}  # "": a class no category declares
         image_ids = sorted({i for i, _ in records})
         dets = [[i, *row] for i, rows in records for row in rows]
         if not image_ids or not dets:

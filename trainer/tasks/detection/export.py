@@ -31,8 +31,9 @@ class DinoExport(nn.Module):
     ``forward(image, image_size)``:
 
     - ``image``: float32 (B, 3, S, S) RGB pixel values in [0, 255]; each image resized as in evaluation (shorter
-      side ``eval_size``, longer at most ``max_size``) at the top-left; the rest of the canvas is set to black
-      (0) in the graph, as the training collate pads, whatever it holds.
+      side ``eval_size``, longer at most ``max_size``) at the top-left; the rest of the canvas is set in the graph
+      to the training collate's padding, whatever it holds: 0 after normalisation (the mean colour) for
+      ``pad_value`` ``mean``, pixel 0 (black) for ``black``.
     - ``image_size``: int64 (B, 2), the (h, w) in pixels the image occupies on the canvas.
 
     Returns ``(scores, labels, boxes)``: float32 (B, K) sigmoid scores sorted descending, int64 (B, K) class
@@ -41,8 +42,9 @@ class DinoExport(nn.Module):
     for pixels, as :class:`PostProcess` does with ``orig_size``); K = min(``num_select``, queries x classes).
     """
 
-    def __init__(self, model: nn.Module, num_select: int):
+    def __init__(self, model: nn.Module, num_select: int, pad_value: str = "mean"):
         super().__init__()
+        self.pad_mean = pad_value == "mean"
         from trainer.data.transforms import pixel_mean_std
 
         self.model, self.num_select = model, int(num_select)
@@ -58,7 +60,9 @@ class DinoExport(nn.Module):
         rows = torch.arange(h, device=image.device)[None, :, None] >= image_size[:, 0, None, None]
         cols = torch.arange(w, device=image.device)[None, None, :] >= image_size[:, 1, None, None]
         mask = rows | cols  # (B, S, S) True on padding, as the collate's
-        x = (image.masked_fill(mask[:, None], 0.0) - self.mean) * self.inv_std  # black padding, as the collate's
+        x = (image.masked_fill(mask[:, None], 0.0) - self.mean) * self.inv_std  # black padding
+        if self.pad_mean:  # the mean colour: 0 after normalisation, as the collate's (fill_padding)
+            x = x.masked_fill(mask[:, None], 0.0)
         with reference_graph():
             out = self.model(x, mask)
         return top_detections(out["pred_logits"].float(), out["pred_boxes"].float(), self.num_select)

@@ -14,15 +14,16 @@ from torch import nn
 
 class DetectionServing:
     """:class:`~trainer.tasks.base.Task`'s prediction and export hooks for DINO. Expects the task's ``cfg``
-    (eval_size, max_size, pad_to_multiple, num_select, val_split, train_split), ``eval_batch`` and
+    (eval_size, max_size, pad_to_multiple, pad_value, num_select, val_split, train_split), ``_device_batch`` and
     ``split_paths``; ``export_metadata`` extends the next class's in the MRO (the base Task's)."""
 
     # .. prediction (python -m trainer predict) .............................................................
     def predict_inputs(self, paths: list[str], *, first_index: int = 0) -> dict:
         """Decode, evaluation resize (shorter side ``eval_size``, longer at most ``max_size``), pad and collate
-        (:func:`~trainer.data.formats.coco_dataset.collate_detection`, no boxes), :meth:`eval_batch`: ``orig_size`` holds
-        each file's (H, W), so :meth:`predict` gives boxes in its pixels; ``image_ids`` = ``first_index + i``
-        (the input's position). Plus ``"paths"``, ``"bad"`` and ``"originals"`` (decoded uint8 (3, H, W))."""
+        (:func:`~trainer.data.formats.coco_dataset.collate_detection`, no boxes), on the device with ``own_size``:
+        :meth:`predict` runs each image at its own size, so its detections do not depend on the batch (``--batch-size``
+        changes speed only); ``orig_size`` holds each file's (H, W), so :meth:`predict` gives boxes in its pixels;
+        ``image_ids`` = ``first_index + i`` (the input's position). Plus ``"paths"``, ``"bad"`` and ``"originals"`` (decoded uint8 (3, H, W))."""
         from torchvision import tv_tensors
 
         from trainer.data.formats.coco_dataset import collate_detection, eval_transform
@@ -40,7 +41,9 @@ class DetectionServing:
             image, target = transform(tv_tensors.Image(img), none)
             target.update(image_id=first_index + paths.index(path), orig_size=(h, w))
             items.append((image, target, ()))
-        batch = self.eval_batch(collate_detection(items, self.cfg.pad_to_multiple))
+        batch = self._device_batch(
+            collate_detection(items, self.cfg.pad_to_multiple, pad_value=self.cfg.pad_value), own_size=True
+        )
         batch.update(paths=kept, bad=bad, originals=originals)
         return batch
 
@@ -56,13 +59,14 @@ class DetectionServing:
         out_names: Optional[list[str]] = None,
     ) -> list[dict]:
         """Records in COCO results format, one per detection scoring at least ``score_threshold``:
-        ``{"file", "image_id" (the input's position), "category_id" (the annotations' JSON id), "category",
+        ``{"file", "image_id" (the input's position), "category_id" (the annotations' JSON id, in either
+        label space: :class:`~trainer.data.formats.coco.LabelMap`), "category",
         "bbox" [x, y, w, h] in pixels of the file (clipped to it), "score"}``; each input drawn with those boxes,
         captioned ``"<category> 0.87"``, one colour per category."""
+        from trainer.data.formats.coco import LabelMap
         from trainer.tasks.prediction import color_of, draw_labelled_boxes, save_png
 
-        names = list(label_space.get("categories") or [])
-        ids = list(label_space.get("category_ids") or range(len(names)))
+        labels_of = LabelMap.from_label_space(label_space)  # either label space: index -> JSON id and name
         records = []
         for i, (path, det) in enumerate(zip(paths, outputs)):
             img = batch["originals"][i]
@@ -77,13 +81,14 @@ class DetectionServing:
             boxes[:, 2:] = torch.maximum(boxes[:, 2:], boxes[:, :2])
             captions = []
             for (x0, y0, x1, y1), label, score in zip(boxes.tolist(), labels, scores.tolist()):
-                name = names[label] if label < len(names) else str(label)
+                cid = labels_of.category_id(label)
+                name = labels_of.name(label) or str(label)
                 captions.append(f"{name} {score:.2f}")
                 records.append(
                     {
                         "file": Path(path).name,
                         "image_id": int(batch["image_ids"][i]),
-                        "category_id": int(ids[label]) if label < len(ids) else int(label),
+                        "category_id": int(label if cid is None else cid),
                         "category": name,
                         "bbox": [round(x0, 2), round(y0, 2), round(x1 - x0, 2), round(y1 - y0, 2)],
                         "score": round(score, 4),
@@ -111,7 +116,7 @@ class DetectionServing:
         ``(scores, labels, boxes)``, the top ``num_select`` detections, boxes normalised xyxy."""
         from trainer.tasks.detection.export import DinoExport
 
-        return DinoExport(model, self.cfg.num_select)
+        return DinoExport(model, self.cfg.num_select, self.cfg.pad_value)
 
     def export_example(self, batch_size: int) -> tuple[torch.Tensor, ...]:
         """Seeded random pixels on the S x S canvas; image ``i`` occupies the whole canvas (even ``i``) or its top
@@ -140,12 +145,17 @@ class DetectionServing:
         """The default facts plus DINO's serving contract: the canvas, ``num_select`` (detections kept per image),
         the score threshold ``predict`` applies by default (0.3), boxes normalised xyxy, COCO category ids per
         class (``class_ids``)."""
+        from trainer.data.formats.coco import LabelMap
+
         cfg = self.cfg
         s = self._canvas()
+        ids, names = LabelMap.from_label_space(label_space).dense()  # per output column, either label space
         return {
             **super().export_metadata(label_space),
+            "classes": names,
+            "class_ids": ids,
             "input_layout": "image: B,3,S,S RGB float32 pixel values in [0, 255], the resized image at the top-left "
-            "(the rest is set to black in the graph); image_size: B,2 int64 (h, w) of the image on the canvas",
+            f"(the rest is set to the {cfg.pad_value} padding in the graph); image_size: B,2 int64 (h, w) of the image on the canvas",
             "input_size": [s, s],
             "preprocess": f"resize shorter side to {cfg.eval_size} (longer side at most {cfg.max_size}), place at the "
             f"top-left of the {s}x{s} canvas",

@@ -142,14 +142,16 @@ class DetectionTask(DetectionSettings, DetectionServing, Task):
     def build_data(self) -> TaskData:
         """Scan and validate both splits (trainer/data/formats/coco.py's policy), check the val images up front.
 
-        The label space stored in checkpoints: ``{"categories": names by label, "category_ids": JSON ids}``.
+        Labels are in the config's ``label_space`` (:func:`~trainer.data.formats.coco.apply_label_space`); the
+        label space stored in checkpoints is :meth:`~trainer.data.formats.coco.LabelMap.to_label_space`
+        (``{"categories": names, "category_ids": JSON ids}``, plus ``label_space``/``num_classes`` for coco_ids).
 
         Raises:
             DataError: unusable data, or train and val with different categories.
             ConfigError: ``num_queries`` below the most boxes in one training image (the matcher would fail
                 mid-training on that image).
         """
-        from trainer.data.formats.coco import check_coco_files, scan_coco
+        from trainer.data.formats.coco import apply_label_space, check_coco_files, scan_coco
         from trainer.data.formats.coco_dataset import (
             CocoDetectionDataset,
             collate_detection,
@@ -165,6 +167,10 @@ class DetectionTask(DetectionSettings, DetectionServing, Task):
             )
         train = scan_coco(*self.split_paths(cfg.train_split), cfg.train_split, cfg.max_bad_fraction)
         val = scan_coco(*self.split_paths(cfg.val_split), cfg.val_split, cfg.max_bad_fraction)
+        try:
+            train, val = apply_label_space(train, cfg.label_space), apply_label_space(val, cfg.label_space)
+        except ValueError as e:
+            raise DataError(f"{train.annotations}: {e}") from None
         if (train.categories, train.label_to_category_id) != (val.categories, val.label_to_category_id):
             raise DataError(
                 f"data: the categories of {train.annotations} and {val.annotations} differ "
@@ -192,7 +198,7 @@ class DetectionTask(DetectionSettings, DetectionServing, Task):
         n_val = len(val.paths)
         val, val_report = check_coco_files(val, cfg.max_bad_fraction)
         self.val_split = val
-        self.num_classes = len(train.categories)
+        self.num_classes = train.label_map.num_classes
         scales = training_scales(cfg.min_scale, cfg.max_scale, cfg.scale_step)
         crop_resize = tuple(max(1, round(f * cfg.max_scale)) for f in CROP_RESIZE_FRACTIONS)
         crop = tuple(max(1, round(f * cfg.max_scale)) for f in CROP_SIZE_FRACTIONS)
@@ -217,13 +223,15 @@ class DetectionTask(DetectionSettings, DetectionServing, Task):
         return TaskData(
             train_ds,
             val_ds,
-            functools.partial(collate_detection, pad_to_multiple=cfg.pad_to_multiple, canvases=train_canvases),
+            functools.partial(
+                collate_detection, pad_to_multiple=cfg.pad_to_multiple, canvases=train_canvases, pad_value=cfg.pad_value
+            ),
             self.num_classes,
             report,
-            label_space={"categories": list(train.categories), "category_ids": list(train.label_to_category_id)},
+            label_space=train.label_map.to_label_space(),
             val_left_out=n_val - len(val.paths),
             val_collate=functools.partial(
-                collate_detection, pad_to_multiple=cfg.pad_to_multiple, canvases=eval_canvases
+                collate_detection, pad_to_multiple=cfg.pad_to_multiple, canvases=eval_canvases, pad_value=cfg.pad_value
             ),
         )
 
@@ -274,15 +282,23 @@ class DetectionTask(DetectionSettings, DetectionServing, Task):
         self.criterion = DinoCriterion(num_classes, matcher, weights, d.focal_alpha)
         self.postprocess = PostProcess(d.num_select)
 
-    def _device_batch(self, batch: dict) -> dict:
+    def _device_batch(self, batch: dict, own_size: bool = False) -> dict:
+        """The collated ``batch`` on the device: normalised, its padding filled (:func:`~trainer.data.formats.
+        coco_dataset.fill_padding`, the collate's ``pad_value``), ``sizes`` int64 (B, 2) each image's (h, w)
+        before padding; ``own_size``: :meth:`predict` runs each image at its own size."""
+        from trainer.data.formats.coco_dataset import fill_padding
+
         dev = self.dist.device
+        mask = batch["mask"].to(dev, non_blocking=True)
         targets = [
             {"labels": t["labels"].to(dev, non_blocking=True), "boxes": t["boxes"].to(dev, non_blocking=True)}
             for t in batch["targets"]
         ]
         return {
-            "image": normalize_on_device(batch["image"], dev, False),
-            "mask": batch["mask"].to(dev, non_blocking=True),
+            "image": fill_padding(normalize_on_device(batch["image"], dev, False), mask, batch.get("pad_value")),
+            "mask": mask,
+            "sizes": [tuple(int(v) for v in t["size"]) for t in batch["targets"]],
+            "own_size": own_size,
             "targets": targets,
             "orig_size": torch.stack([torch.as_tensor(t["orig_size"]) for t in batch["targets"]])
             if batch["targets"]
@@ -296,7 +312,9 @@ class DetectionTask(DetectionSettings, DetectionServing, Task):
         return self._device_batch(batch)
 
     def eval_batch(self, batch: dict) -> dict:
-        return self._device_batch(batch)
+        """The collated batch on the device; with ``eval_protocol: upstream`` each image is predicted at its own
+        size without padding (:meth:`predict`)."""
+        return self._device_batch(batch, own_size=self.cfg.eval_protocol == "upstream")
 
     def model_step(self, model: nn.Module, batch: dict) -> StepOutput:
         """DINO's forward with the targets (denoising), then the criterion (float32): the weighted sum and the
@@ -323,9 +341,27 @@ class DetectionTask(DetectionSettings, DetectionServing, Task):
         return model.pack(graphs(batch["image"], batch["mask"], label, bbox, attn_mask), dn_meta)
 
     def predict(self, model: nn.Module, batch: dict) -> list[dict]:
-        """Top-``num_select`` detections per image in pixels of the original image (PostProcess)."""
-        out = model(batch["image"], batch["mask"])
-        return self.postprocess(out, batch["orig_size"].to(out["pred_boxes"].device))
+        """Top-``num_select`` detections per image in pixels of the original image (PostProcess).
+
+        With ``batch["own_size"]`` (``predict``, and evaluation under ``eval_protocol: upstream``) the images are
+        cropped to their own (h, w) and run in groups of one size (:func:`~trainer.tasks.prediction.
+        same_size_groups`): no padding reaches the model, so an image's detections are those of a batch of 1
+        (upstream DINO's evaluation), whatever else its batch holds, to float noise. Cost: one forward per
+        distinct size in the batch (one for a folder of same-size images; B for B sizes)."""
+        orig = batch["orig_size"]
+        if not batch.get("own_size"):
+            out = model(batch["image"], batch["mask"])
+            return self.postprocess(out, orig.to(out["pred_boxes"].device))
+        from trainer.tasks.prediction import same_size_groups
+
+        results: list = [None] * len(batch["sizes"])
+        for group in same_size_groups(batch["sizes"]):
+            h, w = batch["sizes"][group[0]]
+            idx = torch.tensor(group, device=batch["image"].device)
+            out = model(batch["image"][idx, :, :h, :w], batch["mask"][idx, :h, :w])
+            for i, det in zip(group, self.postprocess(out, orig[group].to(out["pred_boxes"].device))):
+                results[i] = det
+        return results
 
     @classmethod
     def evaluator_class(cls):
@@ -335,7 +371,8 @@ class DetectionTask(DetectionSettings, DetectionServing, Task):
         val = getattr(self, "val_split", None)
         if val is None:
             return CocoEvaluator()
-        return CocoEvaluator(val.annotations, tuple(val.label_to_category_id), tuple(val.categories))
+        ids, names = val.label_map.dense()  # per class index, whichever the label space
+        return CocoEvaluator(val.annotations, tuple(ids), tuple(names))
 
     # .. planning ...........................................................................................
     def input_size(self, train: bool = True) -> tuple[int, int]:

@@ -205,12 +205,30 @@ class SegmentationTask(Task):
 
     def predict(self, model: nn.Module, batch: dict) -> torch.Tensor:
         """Predicted class ids int64 (B, H, W): argmax of the logits, from sliding windows of ``eval_window``
-        (:func:`~trainer.models.segmentation.sliding_window_logits`) when the image is larger than one."""
-        from trainer.models.segmentation import sliding_window_logits
+        (:func:`~trainer.models.segmentation.sliding_window_logits`) when the image is larger than one.
 
-        if self.cfg.eval_window:
-            return sliding_window_logits(model, batch["image"], self.cfg.eval_window, self.cfg.eval_overlap).argmax(1)
-        return model(batch["image"]).argmax(1)
+        With ``batch["own_size"]`` (``predict``) each image runs at its own size padded to the model's stride, in
+        groups of one size (:func:`~trainer.tasks.prediction.same_size_groups`), so its mask is that of a batch of 1
+        whatever else the batch holds (batch padding changed the image's border features and the sliding windows'
+        positions); pixels beyond an image's own padded size are 0. Cost: one forward per distinct size."""
+        from trainer.models.segmentation import required_divisor, sliding_window_logits
+
+        def classes(images: torch.Tensor) -> torch.Tensor:
+            if self.cfg.eval_window:
+                return sliding_window_logits(model, images, self.cfg.eval_window, self.cfg.eval_overlap).argmax(1)
+            return model(images).argmax(1)
+
+        if not batch.get("own_size"):
+            return classes(batch["image"])
+        from trainer.tasks.prediction import same_size_groups
+
+        images, m = batch["image"], required_divisor(self.cfg.model)
+        out = torch.zeros((images.shape[0], *images.shape[-2:]), dtype=torch.int64, device=images.device)
+        for group in same_size_groups(batch["size"].tolist()):
+            h, w = (-(-int(v) // m) * m for v in batch["size"][group[0]])  # its own size, padded as in a batch of 1
+            idx = torch.tensor(group, device=images.device)
+            out[idx, :h, :w] = classes(images[idx, :, :h, :w])
+        return out
 
     @classmethod
     def evaluator_class(cls):
@@ -261,7 +279,7 @@ class SegmentationTask(Task):
             image, mask = transform(tv_tensors.Image(img), tv_tensors.Mask(empty))
             items.append((image, mask, ()))
         batch = self.eval_batch(SegmentationCollate(required_divisor(self.cfg.model), self.cfg.ignore_index)(items))
-        batch.update(paths=kept, bad=bad, originals=originals)
+        batch.update(paths=kept, bad=bad, originals=originals, own_size=True)
         return batch
 
     def render_predictions(
