@@ -86,8 +86,6 @@ def _config(args: argparse.Namespace, tmp: str):
         over["data_dir"] = args.data_dir
     if args.eval_protocol:
         over["eval_protocol"] = args.eval_protocol
-    if args.init_from:
-        over["init_from"] = args.init_from
     try:
         cfg = load_config(args.config, over)
     except ConfigError as e:
@@ -112,6 +110,8 @@ def _config(args: argparse.Namespace, tmp: str):
         "use_ema": False,
         "compile": False,
     }
+    if args.init_from:
+        values["init_from"] = args.init_from
     if "cuda_graphs" in values:
         values["cuda_graphs"] = False
     try:
