@@ -299,3 +299,52 @@ def test_a_corrupt_newest_checkpoint_is_named_when_predict_and_export_fall_back(
     assert main(argv) == 0
     out = capsys.readouterr()
     assert [x for x in out.err.splitlines() if x.startswith(warning)] == [line] and f"; {older}, ema" in out.out
+
+
+def test_segmentation_masks_do_not_depend_on_the_batch_and_evaluate_reads_the_checkpoint(shared_data, tmp_path, capsys):
+    """Tiles of three sizes (RID tiles, some cropped): the class-index masks at --batch-size 8 and 1 agree (before
+    issue 51, 26 % of the pixels changed: batch padding moved the border features and the sliding windows); at
+    most 0.1 % may differ (a near-tied argmax flipped by float rounding of a batched convolution). Then
+    ``evaluate --checkpoint`` prints the run's mIoU without training."""
+    import yaml
+    from test_segmentation import rid_cfg
+
+    from trainer.predict import read_state
+
+    cfg = rid_cfg(shared_data, tmp_path, max_steps_per_epoch=1)
+    _fit(cfg)
+    pngs = tmp_path / "imgs"
+    pngs.mkdir()
+    for k, f in enumerate(sorted((shared_data / "rid-roofs" / "images").iterdir())[:8]):
+        im = Image.open(f)
+        (im.crop((0, 0, 512, 300 + 40 * k)) if k % 3 == 1 else im).save(pngs / f.name)
+    masks = {}
+    for b in (1, 8):
+        out = tmp_path / f"out{b}"
+        argv = ["predict", "--checkpoint", str(tmp_path / "ck"), "--images", str(pngs), "--out", str(out)]
+        assert main([*argv, "--batch-size", str(b)]) == 0
+        masks[b] = [np.asarray(Image.open(out / f"{f.stem}_mask.png")) for f in sorted(pngs.iterdir())]
+    changed = sum(int((a != c).sum()) for a, c in zip(masks[1], masks[8]))
+    assert changed <= 1e-3 * sum(a.size for a in masks[1]), changed
+    config = tmp_path / "run.yaml"
+    saved = read_state(next((tmp_path / "ck").glob("ckpt-*")))["config"]
+    config.write_text(yaml.safe_dump({k: v for k, v in saved.items() if v is not None}))
+    capsys.readouterr()
+    assert main(["evaluate", "--config", str(config), "--checkpoint", str(tmp_path / "ck")]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("evaluate: ckpt-"))
+    assert " miou=" in line and " pixel_acc=" in line and "(model weights) on " in line
+
+
+def test_evaluate_a_classifier_checkpoint(digits_run, tmp_path, capsys):
+    """``evaluate --checkpoint`` on the digits run (EMA weights by default): its top-1 accuracy, no training."""
+    import yaml
+
+    from trainer.predict import read_state, resolve_checkpoint
+
+    ckpt, _ = digits_run
+    saved = read_state(resolve_checkpoint(ckpt))["config"]
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({k: v for k, v in saved.items() if v is not None}))
+    assert main(["evaluate", "--config", str(config), "--checkpoint", str(ckpt)]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("evaluate: ckpt-"))
+    assert "(ema weights) on val: " in line and " top1=" in line and " top5=" in line

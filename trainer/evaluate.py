@@ -152,7 +152,6 @@ def _load_checkpoint(trainer, args: argparse.Namespace) -> str:
 def evaluate(args: argparse.Namespace) -> str:
     """Run the command; prints the metrics line and returns the closing line. Raises :class:`EvaluateError` for bad
     input (and the engine's ConfigError/DataError/CheckpointError, mapped by :func:`run_evaluate`)."""
-    import torch
 
     from trainer.engine.distributed import DistInfo, resolve_device
     from trainer.engine.trainer import Trainer
@@ -169,7 +168,6 @@ def evaluate(args: argparse.Namespace) -> str:
     with tempfile.TemporaryDirectory(prefix="trainstack-evaluate-") as tmp:
         cfg = _config(args, tmp)
         device = resolve_device(cfg.device, 0)
-        torch.set_grad_enabled(False)
         trainer = Trainer(cfg, DistInfo(0, 0, 1, device))
         try:
             what = _load_checkpoint(trainer, args) if args.checkpoint else f"{Path(args.init_from).name} (init_from)"

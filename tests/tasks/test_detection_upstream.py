@@ -190,7 +190,15 @@ def test_predict_batch_1_and_8_agree_and_carry_coco_ids(coco90, upstream_ckpt, t
         shutil.copy(p, pngs / Path(p).name)
     records = {}
     for b in (1, 8):
-        argv = ["predict", "--checkpoint", str(tmp_path / "ck"), "--images", str(pngs), "--out", str(tmp_path / f"o{b}")]
+        argv = [
+            "predict",
+            "--checkpoint",
+            str(tmp_path / "ck"),
+            "--images",
+            str(pngs),
+            "--out",
+            str(tmp_path / f"o{b}"),
+        ]
         assert main([*argv, "--batch-size", str(b), "--score-threshold", "0", "--device", "cpu"]) == 0
         records[b] = json.loads((tmp_path / f"o{b}" / "predictions.json").read_text())
     capsys.readouterr()
