@@ -16,8 +16,9 @@ from PIL import Image
 from torch.utils.data import BatchSampler
 from torchvision import tv_tensors
 
-from trainer.data.formats.coco import DataError, check_coco_files, scan_coco
+from trainer.data.formats.coco import DataError, LabelMap, apply_label_space, check_coco_files, scan_coco
 from trainer.data.formats.coco_dataset import (
+    MEAN_PIXEL,
     CocoDetectionDataset,
     collate_detection,
     eval_transform_for_epoch,
@@ -132,6 +133,31 @@ def test_sparse_category_ids_crowd_and_negatives(facemask, fm_train, tmp_path):
         assert t["boxes"].shape == (0, 4) and t["labels"].shape == (0,) and img.shape[0] == 3 and own == ()
     batch = collate_detection([ds[i] for i in range(4)])
     assert [t["boxes"].shape[0] for t in batch["targets"]] == [2, 1, 0, 0]
+    # coco_ids: the label is the JSON id (upstream DINO), 91 classes; one map both ways
+    ids = apply_label_space(split, "coco_ids")
+    assert ids.targets(0)[1].tolist() == [90, 1] and ids.crowd(1)[1].tolist() == [1] and ids.label_space == "coco_ids"
+    m = ids.label_map
+    assert m.num_classes == 91 and m.label(90) == 90 and m.category_id(5) == 5 and m.name(90) == "c90"
+    assert m.category_id(2) is None and m.name(2) is None  # an id no category declares: a class never seen
+    dense_ids, dense_names = m.dense()
+    assert len(dense_ids) == 91 and dense_ids[90] == 90 and dense_names[5] == "c5" and dense_names[0] == ""
+    assert m.to_label_space() == {
+        "categories": ["c1", "c5", "c90"],
+        "category_ids": [1, 5, 90],
+        "label_space": "coco_ids",
+        "num_classes": 91,
+    }
+    assert LabelMap.from_label_space(m.to_label_space()) == m
+    c = split.label_map  # contiguous: the checkpoint's label space as before the option (resume compares equal)
+    assert c.num_classes == 3 and c.label(90) == 2 and c.category_id(2) == 90 and c.name(0) == "c1"
+    assert c.to_label_space() == {"categories": ["c1", "c5", "c90"], "category_ids": [1, 5, 90]}
+    assert LabelMap.from_label_space({"categories": ["a", "b"]}).category_id(1) == 1  # older checkpoints: no ids
+    back = apply_label_space(ids, "contiguous")
+    assert back.labels.tolist() == split.labels.tolist() and back.crowd_labels.tolist() == split.crowd_labels.tolist()
+    with pytest.raises(ValueError, match="label_space: got 'names'"):
+        apply_label_space(split, "names")
+    with pytest.raises(ValueError, match="coco_ids needs category ids >= 0"):
+        LabelMap("coco_ids", (-1, 2), ("a", "b"))
 
 
 # --- bad inputs -------------------------------------------------------------------------------------------
@@ -369,7 +395,15 @@ def test_collate_pads_masks_and_normalises_boxes():
         "orig_size": (50, 30),
     }
     bad = BadSample("x.jpg", "RuntimeError: no")
-    batch = collate_detection([(a, ta, ()), bad, (b, tb, (BadSample("y.jpg", "e"),))])
+    items = [(a, ta, ()), bad, (b, tb, (BadSample("y.jpg", "e"),))]
+    mean = collate_detection(items)  # DINO's default: the mean colour (upstream pads the normalised image with 0)
+    assert (
+        mean["pad_value"] == "mean" and (mean["image"][0, :, 4:, :].permute(1, 2, 0) == torch.tensor(MEAN_PIXEL)).all()
+    )
+    assert (mean["image"][0, :, :4, :6] == 7).all() and torch.equal(
+        mean["mask"], collate_detection(items, 1, (), "black")["mask"]
+    )
+    batch = collate_detection(items, pad_value="black")
     assert batch["image"].shape == (2, 3, 5, 6) and batch["image"].dtype == torch.uint8
     assert type(batch["image"]) is torch.Tensor
     assert (batch["image"][0, :, :4, :6] == 7).all() and (batch["image"][0, :, 4:, :] == 0).all()
