@@ -181,7 +181,8 @@ def test_detection_exports_onnx_torchscript_safetensors(shared_data, tmp_path, c
     rows, cols = torch.arange(128)[None, :, None], torch.arange(128)[None, None, :]
     mask = (rows >= sizes[:, 0, None, None]) | (cols >= sizes[:, 1, None, None])
     mean, std = pixel_mean_std()
-    on_canvas = dict(batch, image=(canvas - mean) / std, mask=mask)  # predict's path, padded as the graph pads
+    image = ((canvas - mean) / std).masked_fill(mask[:, None], 0.0)  # pad_value mean: 0 after normalising
+    on_canvas = dict(batch, image=image, mask=mask, own_size=False)  # predict's path, padded as the graph pads
     with torch.no_grad():
         predicted = task.predict(torch_model.float().eval(), on_canvas)
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
