@@ -242,3 +242,36 @@ def test_evaluate_bad_input_exits_2_with_one_line(argv, message, coco90, upstrea
     assert main(["evaluate", *argv]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and message in err[0], err
+
+
+def test_the_upstream_config_holds_upstreams_recipe():
+    """configs/dino_4scale_upstream.yaml: the values of upstream's config/DINO/DINO_4scale.py and main.py, and an
+    optimizer that decays every parameter (param_dict_type 'default') with the backbone at lr 1e-5."""
+    from trainer.engine.optim import build_optimizer
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "dino_4scale_upstream.yaml")
+    assert (cfg.lr, cfg.weight_decay, cfg.gradient_clip, cfg.batch_size, cfg.epochs) == (1e-4, 1e-4, 0.1, 16, 12)
+    assert (cfg.scheduler, cfg.step_size_epochs, cfg.step_gamma, cfg.warmup_epochs) == ("step", 11, 0.1, 0)
+    assert (cfg.precision, cfg.label_space, cfg.pad_value, cfg.pad_to_multiple, cfg.canvases) == (
+        "32",
+        "coco_ids",
+        "mean",
+        1,
+        "",
+    )
+    assert (cfg.eval_protocol, cfg.eval_batch_size, cfg.num_queries, cfg.dn_number, cfg.use_ema) == (
+        "upstream",
+        1,
+        900,
+        100,
+        False,
+    )
+    small = load_config(None, {**cfg.to_dict(), **TINY, "device": "cpu"})
+    task = build_task(small, CPU)
+    model = task.build_model(91)
+    opt = build_optimizer(small, model, task.lr_scales())
+    assert all(g["weight_decay"] == 1e-4 for g in opt.param_groups)
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(trained)
+    backbone = {id(p) for n, p in trained if n.startswith("backbone.0.")}
+    assert {id(p) for g in opt.param_groups if g["lr"] == pytest.approx(1e-5) for p in g["params"]} == backbone
