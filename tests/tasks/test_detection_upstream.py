@@ -275,3 +275,15 @@ def test_the_upstream_config_holds_upstreams_recipe():
     assert sum(len(g["params"]) for g in opt.param_groups) == len(trained)
     backbone = {id(p) for n, p in trained if n.startswith("backbone.0.")}
     assert {id(p) for g in opt.param_groups if g["lr"] == pytest.approx(1e-5) for p in g["params"]} == backbone
+
+
+def test_evaluate_reads_a_val_split_more_crowded_than_the_queries(coco90, upstream_ckpt):
+    """``evaluate`` reads the val split as both splits: an image with more boxes than ``num_queries`` matters only
+    to training's matcher, so it is refused for a training split and accepted when nothing is trained."""
+    from trainer.errors import ConfigError
+
+    crowded = {**coco90, "num_queries": 4, "num_select": 4}
+    with pytest.raises(ConfigError, match="num_queries: 4 queries, but image"):  # the crowded split trained on
+        build_task(load_config(None, {**crowded, "train_split": "val", "val_split": "train"}), CPU).build_data()
+    data = build_task(load_config(None, {**crowded, "train_split": "val"}), CPU).build_data()  # as evaluate reads it
+    assert len(data.val) == 8

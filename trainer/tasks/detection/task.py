@@ -149,7 +149,8 @@ class DetectionTask(DetectionSettings, DetectionServing, Task):
         Raises:
             DataError: unusable data, or train and val with different categories.
             ConfigError: ``num_queries`` below the most boxes in one training image (the matcher would fail
-                mid-training on that image).
+                mid-training on that image); not checked when ``train_split`` is ``val_split`` (``evaluate`` reads
+                the evaluated split as both, and evaluation matches nothing).
         """
         from trainer.data.formats.coco import apply_label_space, check_coco_files, scan_coco
         from trainer.data.formats.coco_dataset import (
@@ -178,7 +179,8 @@ class DetectionTask(DetectionSettings, DetectionServing, Task):
                 f"{list(zip(val.label_to_category_id, val.categories))}); both splits need the same"
             )
         counts = np.diff(train.box_start)
-        if len(counts) and int(counts.max()) > cfg.num_queries:
+        evaluated_only = cfg.train_split == cfg.val_split  # python -m trainer evaluate: nothing is matched
+        if len(counts) and int(counts.max()) > cfg.num_queries and not evaluated_only:
             i = int(counts.argmax())
             raise ConfigError(
                 f"num_queries: {cfg.num_queries} queries, but image {train.image_ids[i]} ({train.paths[i]}) of "
