@@ -99,6 +99,7 @@ def test_coco_ids_keep_the_category_ids_and_load_upstreams_heads(coco90, upstrea
     # the same checkpoint with contiguous labels (3 classes): every class head and label_enc re-initialised
     other = build_task(load_config(None, {**coco90, "init_from": upstream_ckpt, "label_space": "contiguous"}), CPU)
     other.build_model(other.build_data().num_outputs)
+    assert "label_space: coco_ids loads them as they are" in capsys.readouterr().out  # the hint
     reinit = set(other.init_report.reinitialised)
     assert {"label_enc.weight", "transformer.enc_out_class_embed.weight", "class_embed.0.weight"} <= reinit
 

@@ -15,7 +15,7 @@ images::
 classes (upstream DINO's ``datasets/coco.py`` and its ``num_classes = 91`` on COCO 2017, whose ids run 1..90),
 so a checkpoint trained on COCO by IDEA-Research/DINO fits its class heads as they are. :class:`LabelMap` is the one
 mapping both ways (label <-> category id <-> name); :func:`apply_label_space` puts a scanned split's labels in
-its space.
+its space (both in :mod:`trainer.data.formats.coco_labels`, part of this reader, imported here).
 Images without boxes are kept (negatives). ``iscrowd=1`` boxes are not training targets: they are kept aside
 (:meth:`CocoSplit.crowd`) for evaluation, which treats them as ignore regions.
 
@@ -54,8 +54,11 @@ from pathlib import Path
 
 import numpy as np
 
+from trainer.data.formats.coco_labels import LABEL_SPACES, LabelMap, apply_label_space
 from trainer.data.formats.imagefolder import check_files
 from trainer.errors import DataError
+
+__all__ = ["LABEL_SPACES", "CocoSplit", "LabelMap", "apply_label_space", "check_coco_files", "scan_coco"]
 
 #: A box may overhang its image by this many pixels on any side (it is clipped); more makes the image bad.
 BOX_TOLERANCE_PX = 1.0
@@ -142,99 +145,6 @@ class CocoSplit:
         if self.left_out:
             line += f"; {len(self.left_out):,} images left out (bad box or missing file)"
         return line
-
-
-#: What a class index means: the k-th category in id order, or the category id itself (upstream DINO).
-LABEL_SPACES = ("contiguous", "coco_ids")
-
-
-@dataclass(frozen=True)
-class LabelMap:
-    """Class index <-> COCO category id <-> name, for one label space (:data:`LABEL_SPACES`).
-
-    ``category_ids`` / ``names``: the declared categories sorted by id. ``contiguous``: label k is the k-th of
-    them, ``num_classes`` = K. ``coco_ids``: the label is the id (labels no category declares, e.g. COCO 2017's
-    0, 12, 26, ..., are classes that never occur), ``num_classes`` = max id + 1 (COCO 2017: 91, as upstream's
-    ``num_classes`` and ``dn_labelbook_size``).
-    """
-
-    kind: str
-    category_ids: tuple[int, ...]
-    names: tuple[str, ...]
-
-    def __post_init__(self):
-        if self.kind not in LABEL_SPACES:
-            raise ValueError(f"label_space: got {self.kind!r}; expected one of {', '.join(LABEL_SPACES)}")
-        if self.kind == "coco_ids" and self.category_ids and min(self.category_ids) < 0:
-            raise ValueError(
-                f"label_space: coco_ids needs category ids >= 0 (they become class indices); got {min(self.category_ids)}"
-            )
-
-    @property
-    def num_classes(self) -> int:
-        """Outputs of the class heads."""
-        if self.kind == "coco_ids":
-            return max(self.category_ids, default=-1) + 1
-        return len(self.category_ids)
-
-    def label(self, category_id: int) -> int:
-        """The class index of JSON ``category_id`` (KeyError when not declared)."""
-        if category_id not in self.category_ids:
-            raise KeyError(category_id)
-        return category_id if self.kind == "coco_ids" else self.category_ids.index(category_id)
-
-    def category_id(self, label: int) -> int | None:
-        """The JSON category id of class ``label``; None for a label no category declares."""
-        if self.kind == "coco_ids":
-            return label if label in self.category_ids else None
-        return self.category_ids[label] if 0 <= label < len(self.category_ids) else None
-
-    def name(self, label: int) -> str | None:
-        """The category name of class ``label``; None for a label no category declares."""
-        cid = self.category_id(label)
-        return None if cid is None else self.names[self.category_ids.index(cid)]
-
-    def dense(self) -> tuple[list[int], list[str]]:
-        """Per class index ``0..num_classes-1``: its category id and name (``coco_ids``: the index itself and
-        ``""`` where no category is declared), for code that indexes by label."""
-        ids = [self.category_id(k) for k in range(self.num_classes)]
-        return [k if c is None else c for k, c in enumerate(ids)], [self.name(k) or "" for k in range(self.num_classes)]
-
-    def to_label_space(self) -> dict:
-        """The JSON form stored in checkpoints: ``{"categories": names, "category_ids": ids}`` (declared, in id
-        order), plus ``"label_space": "coco_ids"`` and ``"num_classes"`` in that space (absent for contiguous, so
-        checkpoints written before the option compare equal)."""
-        out = {"categories": list(self.names), "category_ids": list(self.category_ids)}
-        if self.kind != "contiguous":
-            out.update(label_space=self.kind, num_classes=self.num_classes)
-        return out
-
-    @classmethod
-    def from_label_space(cls, label_space: dict) -> LabelMap:
-        """The map of a checkpoint's ``label_space`` (:meth:`to_label_space`; without ``category_ids``: 0..K-1)."""
-        names = tuple(label_space.get("categories") or ())
-        ids = tuple(int(i) for i in (label_space.get("category_ids") or range(len(names))))
-        return cls(str(label_space.get("label_space") or "contiguous"), ids, names)
-
-
-def apply_label_space(split: CocoSplit, kind: str) -> CocoSplit:
-    """``split`` (labels contiguous, as :func:`scan_coco` returns it) with its box and crowd labels in label space
-    ``kind`` (:data:`LABEL_SPACES`); the same split for ``contiguous``.
-
-    Raises:
-        ValueError: an unknown ``kind``, or ``coco_ids`` with a negative category id (one phrase).
-    """
-    target = LabelMap(kind, tuple(split.label_to_category_id), tuple(split.categories))
-    if kind == split.label_space:
-        return split
-    ids = np.asarray(split.label_to_category_id, dtype=np.int64)
-    if kind == "coco_ids":  # from contiguous
-        labels, crowd = ids[split.labels], ids[split.crowd_labels]
-    else:
-        back = {c: target.label(c) for c in target.category_ids}
-        labels = np.asarray([back[int(c)] for c in split.labels], dtype=np.int64)
-        crowd = np.asarray([back[int(c)] for c in split.crowd_labels], dtype=np.int64)
-    return replace(split, labels=labels, crowd_labels=crowd, label_space=kind)
 
 
 def _is_int(x) -> bool:

@@ -1,13 +1,18 @@
 """The config half of the detection task: the checks made before any data is read (one ``ConfigError`` line
 naming the field) and the settings derived from the config (the canvases setting, the matcher's solver, the
 :class:`~trainer.models.dino.DinoConfig`). :class:`DetectionSettings` is mixed into
-:class:`~trainer.tasks.detection.task.DetectionTask`, which holds the training and evaluation half."""
+:class:`~trainer.tasks.detection.task.DetectionTask`, which holds the training and evaluation half; plus the two
+checks it makes of the machine and the data (:func:`compile_unavailable`, :func:`check_metric_keys`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Optional
 
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, DataError
+
+if TYPE_CHECKING:
+    import torch
 
 
 class DetectionSettings:
@@ -210,4 +215,47 @@ class DetectionSettings:
             dn_box_noise_scale=cfg.dn_box_noise_scale,
             dn_label_noise_ratio=cfg.dn_label_noise_ratio,
             dn_max_boxes=cfg.dn_max_boxes,
+        )
+
+
+def compile_unavailable(device: torch.device) -> Optional[str]:
+    """Why ``torch.compile`` (Inductor) cannot compile for ``device``, or None: CUDA needs Triton
+    (``torch.utils._triton.has_triton``), the CPU a C++ compiler (``torch._inductor.config.cpp.cxx`` or ``$CXX``,
+    else g++/c++ on PATH)."""
+    import os
+    import shutil
+
+    if device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        return None if has_triton() else "Triton is not installed (torch.compile needs it for CUDA)"
+    if device.type == "cpu":
+        from torch._inductor import config
+
+        cxx = config.cpp.cxx
+        cxx = (cxx,) if isinstance(cxx, str) else tuple(cxx or ())
+        candidates = [c for c in (*cxx, os.environ.get("CXX"), "g++", "c++") if c]
+        if not any(shutil.which(c) for c in candidates):
+            return "no C++ compiler on PATH (torch.compile needs one for the CPU; set CXX)"
+    return None
+
+
+def check_metric_keys(split) -> None:
+    """Every category's per-class AP key (``ap_<name>``, :func:`~trainer.engine.evaluation.metric_key`) must be its
+    own: two categories whose names give one key would merge their AP in the metrics (segmentation refuses the
+    same for its IoU keys).
+
+    Raises:
+        DataError: naming the annotations file and the categories (JSON id and name) that share a key.
+    """
+    from trainer.engine.evaluation import metric_key
+
+    by_key: dict[str, list[str]] = {}
+    for cat_id, name in zip(split.label_to_category_id, split.categories):
+        by_key.setdefault(f"ap_{metric_key(name)}", []).append(f"id {cat_id} {name!r}")
+    clashes = [f"{' and '.join(v)} -> {k}" for k, v in by_key.items() if len(v) > 1]
+    if clashes:
+        raise DataError(
+            f"{split.annotations}: categories share a per-class metric key ({'; '.join(clashes[:3])}); "
+            "give each category its own name"
         )

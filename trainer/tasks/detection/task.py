@@ -21,7 +21,7 @@ from trainer.errors import ConfigError, DataError
 from trainer.tasks.base import StepOutput, Task, TaskData
 from trainer.tasks.detection.evaluator import CocoEvaluator
 from trainer.tasks.detection.serving import DetectionServing
-from trainer.tasks.detection.settings import DetectionSettings
+from trainer.tasks.detection.settings import DetectionSettings, check_metric_keys, compile_unavailable
 
 #: Loss terms logged per step and epoch (weighted, as they enter the total): the last decoder layer, its
 #: denoising queries and the encoder proposals. The earlier layers' auxiliary terms enter the total only.
@@ -40,28 +40,6 @@ LOGGED_TERMS = (
 #: resize to 400/500/600, then a random crop of 384..600), so small CPU runs keep the recipe's proportions.
 CROP_RESIZE_FRACTIONS = (0.5, 0.625, 0.75)
 CROP_SIZE_FRACTIONS = (0.48, 0.75)
-
-
-def compile_unavailable(device: torch.device) -> Optional[str]:
-    """Why ``torch.compile`` (Inductor) cannot compile for ``device``, or None: CUDA needs Triton
-    (``torch.utils._triton.has_triton``), the CPU a C++ compiler (``torch._inductor.config.cpp.cxx`` or ``$CXX``,
-    else g++/c++ on PATH)."""
-    import os
-    import shutil
-
-    if device.type == "cuda":
-        from torch.utils._triton import has_triton
-
-        return None if has_triton() else "Triton is not installed (torch.compile needs it for CUDA)"
-    if device.type == "cpu":
-        from torch._inductor import config
-
-        cxx = config.cpp.cxx
-        cxx = (cxx,) if isinstance(cxx, str) else tuple(cxx or ())
-        candidates = [c for c in (*cxx, os.environ.get("CXX"), "g++", "c++") if c]
-        if not any(shutil.which(c) for c in candidates):
-            return "no C++ compiler on PATH (torch.compile needs one for the CPU; set CXX)"
-    return None
 
 
 def training_scales(min_scale: int, max_scale: int, step: int) -> tuple[int, ...]:
@@ -187,7 +165,7 @@ class DetectionTask(DetectionSettings, DetectionServing, Task):
                 f"{train.annotations} has {int(counts[i])} boxes; one-to-one matching needs num_queries >= the "
                 f"most boxes in one image (raise num_queries to at least {int(counts.max())})"
             )
-        _check_metric_keys(train)
+        check_metric_keys(train)
         for split, why in (
             (train, "nothing to learn from"),
             (val, "COCO mAP is undefined without ground truth (it would read 0.0 and pick a 'best')"),
@@ -262,6 +240,14 @@ class DetectionTask(DetectionSettings, DetectionServing, Task):
                 )
             except ValueError as e:
                 raise ConfigError(f"init_from: {e}") from None
+            r = self.init_report
+            if rank0 and r.reinitialised and self.cfg.label_space == "contiguous" and r.checkpoint_classes:
+                print(
+                    f"init_from: the file's class heads have {r.checkpoint_classes} columns; if they are COCO category "
+                    "ids (upstream DINO) and the data uses the same ids, label_space: coco_ids loads them as they are "
+                    "(docs/detection.md)",
+                    flush=True,
+                )
         return model
 
     def _build_heads(self, num_classes: int) -> None:
@@ -431,24 +417,3 @@ class DetectionTask(DetectionSettings, DetectionServing, Task):
             "image_ids": list(range(batch_size)),
             "n": batch_size,
         }
-
-
-def _check_metric_keys(split) -> None:
-    """Every category's per-class AP key (``ap_<name>``, :func:`~trainer.engine.evaluation.metric_key`) must be its
-    own: two categories whose names give one key would merge their AP in the metrics (segmentation refuses the
-    same for its IoU keys).
-
-    Raises:
-        DataError: naming the annotations file and the categories (JSON id and name) that share a key.
-    """
-    from trainer.engine.evaluation import metric_key
-
-    by_key: dict[str, list[str]] = {}
-    for cat_id, name in zip(split.label_to_category_id, split.categories):
-        by_key.setdefault(f"ap_{metric_key(name)}", []).append(f"id {cat_id} {name!r}")
-    clashes = [f"{' and '.join(v)} -> {k}" for k, v in by_key.items() if len(v) > 1]
-    if clashes:
-        raise DataError(
-            f"{split.annotations}: categories share a per-class metric key ({'; '.join(clashes[:3])}); "
-            "give each category its own name"
-        )
