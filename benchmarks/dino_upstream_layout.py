@@ -75,7 +75,7 @@ def main() -> None:
     config.update(data_dir=str(out / "val171"), coco_images=str(src / "val2017"), eval_batch_size=8)
     (out / "eval171.yaml").write_text(yaml.safe_dump(config))
     (out / "imgs").mkdir(exist_ok=True)
-    for f in sorted((src / "val2017").iterdir())[:16]:
+    for f in sorted((src / "val2017").glob("*.jpg"))[:16]:
         shutil.copy(f, out / "imgs" / f.name)
     print(f"wrote {out}: ck/, upstream_layout.pth, eval.yaml, eval171.yaml, imgs/", flush=True)
 
