@@ -94,8 +94,12 @@ def test_a_failing_sink_is_dropped_with_one_warning_and_the_others_get_everythin
     assert sinks.run_ids == {"bad": "r-bad", "good": "r-good"}  # kept for the checkpoint
 
 
-def test_finish_gives_up_on_a_hung_tracker_after_its_timeout():
-    gate = threading.Event()  # never set: the tracker hangs
+@pytest.mark.parametrize("timeout_s", [None, 0.2])
+def test_finish_gives_up_on_the_rows_of_a_hung_tracker_but_still_ends_its_run(timeout_s):
+    """The rows still queued after the flush timeout (the sinks' own, or finish's ``timeout_s``, as after a
+    second Ctrl-C) are given up with one WARNING; the run is still ended, from the caller (issue 53: a run left
+    RUNNING for ever)."""
+    gate = threading.Event()  # never set: the tracker's row delivery hangs
     rec = Recorder(gate=gate)
     warnings: list[str] = []
     sinks = TrackingSinks([rec], warnings.append, flush_timeout_s=0.5)
@@ -103,11 +107,14 @@ def test_finish_gives_up_on_a_hung_tracker_after_its_timeout():
     sinks.log_metrics("step", 1, {"loss": 1.0})
     assert rec.entered.wait(10)
     sinks.log_metrics("step", 2, {"loss": 0.5})
-    sinks.finish("FINISHED")
+    sinks.finish("KILLED", timeout_s=timeout_s)
+    limit = "0.5" if timeout_s is None else "0.2"
     assert warnings == [
-        "WARNING: tracking: 2 items were not delivered within 0.5 s (finish included); metrics.jsonl keeps every row"
+        f"WARNING: tracking: 2 items were not delivered within {limit} s (finish included); metrics.jsonl keeps "
+        "every row; ending the tracked runs without them"
     ]
-    assert ("finish", "FINISHED") not in rec.calls and sinks.live == []
+    assert rec.calls[-1] == ("finish", "KILLED") and ("row", "step", 2, {"loss": 0.5}) not in rec.calls
+    assert sinks.live == []
     gate.set()
 
 

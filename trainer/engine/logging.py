@@ -202,13 +202,14 @@ class MetricsLogger:
         self.finish_tracking(status)
         return png
 
-    def finish_tracking(self, status: str) -> None:
-        """Finish the trackers (after what is queued) with ``status``: FINISHED, KILLED (stopped, exit 75) or
-        FAILED (exit 2 or 3, or a crash); a no-op when none is running (rank != 0, no ``tracking``, already
-        finished)."""
+    def finish_tracking(self, status: str, timeout_s: Optional[float] = None) -> None:
+        """Finish the trackers (after what is queued, waiting at most ``timeout_s`` seconds for it: default
+        :data:`~trainer.engine.tracking.FLUSH_TIMEOUT_S`) with ``status``: FINISHED, KILLED (stopped, exit 75;
+        aborted, exit 130) or FAILED (exit 2 or 3, or a crash); a no-op when none is running (rank != 0, no
+        ``tracking``, already finished)."""
         if self.tracking is not None:
             tracking, self.tracking = self.tracking, None
-            tracking.finish(status)
+            tracking.finish(status, timeout_s=timeout_s)
 
 
 _CURVE_PREFIXES = ("train_", "val_", "ema_val_")

@@ -41,6 +41,9 @@ CONNECT_TIMEOUT_S = 5.0
 MAX_PENDING = 10_000
 #: Seconds :meth:`TrackingSinks.finish` waits for the trackers to take the items still queued.
 FLUSH_TIMEOUT_S = 60.0
+#: Seconds the trackers get after a second Ctrl-C (exit 130) to take what is queued and end KILLED: the user asked
+#: to stop now, so the flush is short.
+ABORT_FLUSH_TIMEOUT_S = 10.0
 #: Metrics per MLflow ``log_batch`` call (MLflow's REST limit is 1,000).
 MLFLOW_BATCH_METRICS = 1000
 _STOP = object()
@@ -438,15 +441,17 @@ class TrackingSinks:
                     "until they catch up (metrics.jsonl keeps every row)"
                 )
 
-    def _close(self, what: str, call: Callable[[Tracker], None]) -> None:
-        """Queue the closing call, wait up to ``flush_timeout_s`` for the thread to deliver everything."""
+    def _close(self, what: str, call: Callable[[Tracker], None], timeout_s: Optional[float] = None) -> None:
+        """Queue the closing call, wait up to ``timeout_s`` (default ``flush_timeout_s``) for the thread to deliver
+        everything."""
+        timeout_s = self.flush_timeout_s if timeout_s is None else timeout_s
         if self._thread is None:
             self._each(what, call)
         else:
-            deadline = time.monotonic() + self.flush_timeout_s
+            deadline = time.monotonic() + timeout_s
             stop_queued = False
             try:
-                self._queue.put((what, call), timeout=self.flush_timeout_s)
+                self._queue.put((what, call), timeout=max(timeout_s, 0.001))
                 self._queue.put(_STOP, timeout=max(deadline - time.monotonic(), 0.001))
                 stop_queued = True
             except queue.Full:
@@ -455,8 +460,11 @@ class TrackingSinks:
             if self._thread.is_alive():
                 self.warn(
                     f"WARNING: tracking: {self._queue.qsize() - stop_queued} items were not delivered within "
-                    f"{self.flush_timeout_s:g} s ({what} included); metrics.jsonl keeps every row"
+                    f"{timeout_s:g} s ({what} included); metrics.jsonl keeps every row"
+                    + ("; ending the tracked runs without them" if what == "finish" else "")
                 )
+                if what == "finish":  # a true end state (not RUNNING for ever) matters more than the last rows
+                    self._each(what, call)
             self._thread = None
         if self._dropped:
             self.warn(f"WARNING: tracking: {self._dropped} items were dropped while the trackers lagged behind")
@@ -500,6 +508,7 @@ class TrackingSinks:
         """:meth:`Tracker.detach` on every live sink after everything queued; the sinks are then closed."""
         self._close("detach", lambda t: t.detach())
 
-    def finish(self, status: str = "FINISHED") -> None:
-        """:meth:`Tracker.finish` on every live sink after everything queued; the sinks are then closed."""
-        self._close("finish", lambda t: t.finish(status))
+    def finish(self, status: str = "FINISHED", timeout_s: Optional[float] = None) -> None:
+        """:meth:`Tracker.finish` on every live sink after everything queued (waiting at most ``timeout_s``
+        seconds, default ``flush_timeout_s``); the sinks are then closed."""
+        self._close("finish", lambda t: t.finish(status), timeout_s)

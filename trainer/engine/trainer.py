@@ -92,6 +92,17 @@ class Trainer(ResumeMixin):
         self.best_metric = self.task.target_metric
         self.best_direction = self.task.metric_directions()[self.best_metric]
         self.ckpt = self._open_checkpoint_dir()
+        try:
+            self._build(cfg, info)
+        except BaseException:
+            self.ckpt.release_lock()  # a run that never trained leaves the folder to the next one at once
+            raise
+
+    def _build(self, cfg: TrainConfig, info: dist.DistInfo) -> None:
+        """The rest of :meth:`__init__`, once rank 0 holds the checkpoint folder's lock: data, loaders, model,
+        optimizer, resume, tracking."""
+        if self.ckpt.lock_note:
+            self.log.info("WARNING: " + self.ckpt.lock_note)
         data = self.task.build_data()
         self.label_space = dict(data.label_space)
         self.val_left_out = data.val_left_out
@@ -145,8 +156,8 @@ class Trainer(ResumeMixin):
             if info.is_main:
                 self.log.info(self.ckpt.prepare(self._state()))
             previous = self.ckpt.pop_interrupted() if info.is_main else None
-        except Exception:
-            self.log.finish_tracking("FAILED")  # run.run never holds this trainer: end its tracked run here
+        except BaseException as e:  # run.run never holds this trainer: end its tracked run here
+            self.log.finish_tracking("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
             raise
         if previous:
             self.log.info(f"checkpoint: the previous run was interrupted: {previous.get('reason')}")
@@ -484,7 +495,8 @@ class Trainer(ResumeMixin):
     def fit(self) -> dict:
         """Train until ``epochs``, ``target_value`` of the target metric or an agreed stop request; return the last epoch's
         metrics. Every checkpoint started is durable when this returns or raises, except after
-        ``KeyboardInterrupt`` (a second Ctrl-C): then the one being written is abandoned (:meth:`abort`).
+        ``KeyboardInterrupt`` (a second Ctrl-C): then the one being written is abandoned (:meth:`abort`). A run
+        that raises lets go of the checkpoint folder's writer lock (it writes no more checkpoints).
 
         Raises CheckpointError (every rank) when a checkpoint could not be written."""
         try:
@@ -494,6 +506,7 @@ class Trainer(ResumeMixin):
             raise
         except BaseException:
             self.ckpt.join()  # its own error, if any, must not hide the one that got us here
+            self.ckpt.release_lock()  # a failed run writes no more checkpoints
             raise
         self._writer_check(wait=True)
         return last
@@ -503,6 +516,7 @@ class Trainer(ResumeMixin):
         stay) and stop the loader workers. Returns :meth:`final_checkpoint`. Idempotent."""
         self.ckpt.abort()
         self.ckpt.close()
+        self.ckpt.release_lock()
         shutdown_all()
         return self.final_checkpoint()
 
@@ -617,6 +631,7 @@ class Trainer(ResumeMixin):
         FINISHED; :func:`trainer.engine.run.run` passes FAILED for a non-finite loss)."""
         self.ckpt.wait()
         self.ckpt.close()
+        self.ckpt.release_lock()
         shutdown_all()
         tags = {}
         if self.log.tracking is not None:
