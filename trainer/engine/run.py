@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import sys
@@ -11,6 +12,7 @@ from typing import Optional
 
 from trainer import failures
 from trainer.config import TrainConfig
+from trainer.config.validation import check_mlflow_uri
 from trainer.engine import distributed as dist
 from trainer.engine.interruption import SignalHandlers, SpotNoticePoller, StopFlag
 from trainer.errors import EXIT_ABORTED, EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_OK, exit_code
@@ -91,6 +93,8 @@ def run(cfg: TrainConfig, notes: Sequence[str] = ()) -> int:
     handlers = poller = trainer = info = None
     failure: Optional[tuple[int, str]] = None
     try:
+        if "mlflow" in cfg.tracking and not cfg.tracking_uri:  # the store MLflow would use: refused before any work
+            check_mlflow_uri(os.environ.get("MLFLOW_TRACKING_URI"), "MLFLOW_TRACKING_URI")
         if cfg.num_workers > 0 and not cfg.use_ffcv:
             _fork_worker_server(cfg)
         info = dist.init(cfg.device)

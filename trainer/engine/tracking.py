@@ -21,7 +21,6 @@ import json
 import math
 import os
 import queue
-import socket
 import subprocess
 import threading
 import time
@@ -34,7 +33,7 @@ from trainer.config.schema import TRACKERS  # noqa: F401 - the values of the tra
 
 #: MLflow's limit on a parameter value (characters); longer values are truncated with a note.
 MLFLOW_PARAM_MAX = 500
-#: Seconds allowed to open a TCP connection to an http(s) tracking server before the sink gives up.
+#: Seconds an http(s) tracking server (MLflow's, W&B's) has to answer a first request before the sink gives up.
 CONNECT_TIMEOUT_S = 5.0
 #: Items (metric rows, tags, params, artifacts) that may wait for a slow tracker before new rows are dropped from
 #: the trackers (the JSONL and TensorBoard files keep every row).
@@ -149,14 +148,53 @@ class Tracker:
 
 
 def _check_reachable(uri: str) -> None:
-    """Raise OSError when an http(s) tracking URI's host does not accept a TCP connection within
-    :data:`CONNECT_TIMEOUT_S` (so an unreachable server costs seconds, not MLflow's retry minutes)."""
+    """Raise OSError when an http(s) tracking server does not answer an HTTP request within
+    :data:`CONNECT_TIMEOUT_S` (no TCP connection, or one that is accepted and never answered), so that an
+    unreachable server costs seconds, not the tracking library's retry minutes (MLflow ~70 s, W&B ~90 s: issue 53).
+    Any HTTP answer counts as reachable (401, 404: the library's own calls say what is wrong). Other schemes
+    (file stores, plugins) are not checked."""
+    import urllib.error
+    import urllib.request
+
     u = urlparse(uri)
     if u.scheme not in ("http", "https"):
         return
-    port = u.port or (443 if u.scheme == "https" else 80)
-    with socket.create_connection((u.hostname, port), timeout=CONNECT_TIMEOUT_S):
-        pass
+    try:
+        with urllib.request.urlopen(urllib.request.Request(uri, method="GET"), timeout=CONNECT_TIMEOUT_S):
+            pass
+    except urllib.error.HTTPError:
+        return  # it answered
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", e)  # the OS error behind it (refused, timed out, no such host)
+        kind = type(reason) if isinstance(reason, OSError) else OSError
+        raise kind(f"{u.scheme}://{u.netloc} did not answer within {CONNECT_TIMEOUT_S:g} s: {reason}") from None
+
+
+def root_cause(e: BaseException, limit: int = 300) -> str:
+    """One line for a tracker's failure that keeps its root cause: ``Type: message`` of ``e`` (cut to ``limit``
+    characters), followed by ``; cause: Type: message`` of the innermost exception it was raised from (MLflow and
+    W&B wrap the network error that explains it in a long message of their own, which used to be cut before it)."""
+
+    def one(x: BaseException) -> str:
+        text = " ".join(str(x).split()) or type(x).__name__
+        return f"{type(x).__name__}: {text[:limit] + ('...' if len(text) > limit else '')}"
+
+    inner, seen = e, {id(e)}
+    while True:
+        nxt = inner.__cause__ or inner.__context__
+        if nxt is None or id(nxt) in seen:
+            break
+        seen.add(id(nxt))
+        inner = nxt
+    return one(e) + (f"; cause: {one(inner)}" if inner is not e else "")
+
+
+def wandb_base_url() -> Optional[str]:
+    """The W&B server a run would talk to (``WANDB_BASE_URL``, default ``https://api.wandb.ai``), or None when W&B
+    runs without one (``WANDB_MODE`` offline, dryrun or disabled)."""
+    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "dryrun", "disabled"):
+        return None
+    return os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai"
 
 
 #: The MLflow store of a run that names none (no ``tracking_uri``, no ``MLFLOW_TRACKING_URI``): a file store in this
@@ -289,8 +327,13 @@ class WandbTracker(Tracker):
         self.run = None
 
     def start(self, run_id: Optional[str]) -> str:
+        """Check the server first (:func:`_check_reachable` of :func:`wandb_base_url`: seconds, not W&B's own
+        ~90 s ``init_timeout``), then ``wandb.init``."""
         import wandb
 
+        base = wandb_base_url()
+        if base:
+            _check_reachable(base)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(
             project=self.project,
@@ -392,11 +435,7 @@ class TrackingSinks:
                 call(t)
             except Exception as e:  # noqa: BLE001 - any tracker failure (import, network, server) disables it
                 self.live.remove(t)
-                detail = " ".join(str(e).split())[:300] or type(e).__name__
-                self.warn(
-                    f"WARNING: tracking {t.name}: {what} failed ({type(e).__name__}: {detail}); "
-                    f"{self.continues} without it"
-                )
+                self.warn(f"WARNING: tracking {t.name}: {what} failed ({root_cause(e)}); {self.continues} without it")
 
     # .. the delivery thread ..............................................................................
     def _deliver(self) -> None:

@@ -168,7 +168,8 @@ class Trainer(ResumeMixin):
     def _start_tracking(self) -> None:
         """Start the ``tracking`` sinks on rank 0 (continuing the run ids of a resumed checkpoint): the flat
         config as params; task, model, seed, config file (``TRAINSTACK_CONFIG_FILE``, set by the command line),
-        world size and the system facts as tags. A failing tracker is a warning (MetricsLogger). MLflow's store:
+        sweep trial and sweep folder (``TRAINSTACK_SWEEP_TRIAL``, ``TRAINSTACK_SWEEP``, set by ``sweep``), world
+        size and the system facts as tags. A failing tracker is a warning (MetricsLogger). MLflow's store:
         :func:`~trainer.engine.tracking.resolve_mlflow_uri` (``tracking_uri``, ``MLFLOW_TRACKING_URI``, the resumed
         checkpoint's, else ``<log_dir>/mlruns``); the resolved URI goes into every checkpoint (``tracking_uri``)."""
         cfg = self.cfg
@@ -189,6 +190,9 @@ class Trainer(ResumeMixin):
         config_file = os.environ.get("TRAINSTACK_CONFIG_FILE")
         if config_file:
             tags["config"] = Path(config_file).name
+        for tag, var in (("trial", "TRAINSTACK_SWEEP_TRIAL"), ("sweep", "TRAINSTACK_SWEEP")):  # set by `sweep`
+            if os.environ.get(var):
+                tags[tag] = os.environ[var]
         tags.update(system_facts())
         self.log.start_tracking(trackers, self._tracking_ids, cfg.to_dict(), tags)
 
@@ -438,6 +442,7 @@ class Trainer(ResumeMixin):
                 self.global_step,
                 self._step_values(window_loss, window_n, t0, st.images - images0) if log_now else {},
                 cfg.log_every_steps,
+                last_of_epoch=self.step_in_epoch == self.steps_per_epoch,
             )
             if log_now:
                 window_loss.zero_()
