@@ -446,6 +446,16 @@ def export(args: argparse.Namespace) -> list[str]:
     why = task.export_unsupported(args.format)
     if why:
         raise ExportError(f"--format: {why}")
+    if args.format == "torchscript":  # one line instead of torch's FutureWarning per torch.jit call (trace, save, load)
+        import warnings
+
+        warnings.filterwarnings("ignore", message=r"`torch\.jit\.\w+` is deprecated", category=FutureWarning)
+        print(
+            f"note: --format torchscript: torch {torch.__version__.split('+')[0]} deprecates TorchScript (torch.jit) "
+            "in favour of torch.export; --format onnx is the exchange format that stays",
+            file=sys.stderr,
+            flush=True,
+        )
     manifest = json.loads((ckpt / "manifest.json").read_text())
     meta = task.export_metadata(label_space)
     meta.update(checkpoint=ckpt.name, weights=which, config_fingerprint=str(state.get("fingerprint")))

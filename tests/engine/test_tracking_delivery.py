@@ -206,3 +206,26 @@ def test_without_a_stop_the_held_row_goes_with_the_epoch_row(tmp_path):
     log.step(3, {"loss": 0.4}, every=1, last_of_epoch=True)  # a last step, then the run ends without its epoch row
     log.close(status="FINISHED")
     assert [c[1:3] for c in rec.calls if c[0] == "row"] == [("step", 1), ("step", 2), ("epoch", 2), ("step", 3)]
+
+
+@pytest.mark.parametrize(
+    ("status", "preempting", "code"), [("KILLED", True, 1), ("FAILED", False, 1), ("FINISHED", False, 0)]
+)
+def test_a_resumable_wandb_stop_is_marked_preempting_not_failed(tmp_path, status, preempting, code):
+    """Issue 53 (N16): a run stopped with a checkpoint (KILLED, exit 75 or 130) is ``mark_preempting()``-ed before
+    it finishes, so W&B shows it resumable; FAILED and FINISHED are not. (The W&B run is a recording double.)"""
+    from trainer.engine.tracking import WandbTracker
+
+    class Run:
+        calls: list = []
+
+        def mark_preempting(self):
+            self.calls.append("preempting")
+
+        def finish(self, exit_code):
+            self.calls.append(("finish", exit_code))
+
+    tracker = WandbTracker("p", None, tmp_path)
+    tracker.run = Run()
+    tracker.finish(status)
+    assert tracker.run.calls == (["preempting"] if preempting else []) + [("finish", code)]

@@ -116,6 +116,8 @@ def _start(tmp: Path, env: dict, *args: str, **extra) -> tuple[subprocess.Popen,
     return p, _Lines(p)
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_second_train_on_the_same_checkpoint_dir_exits_2_naming_the_first_which_trains_on(tmp_path: Path):
     """Must show (issue 53): while one ``train`` runs, a second one on its checkpoint_dir exits 2 with one line
     naming the first's pid; the first keeps training and ends as usual (SIGTERM: exit 75)."""
@@ -147,6 +149,8 @@ def test_a_second_train_on_the_same_checkpoint_dir_exits_2_naming_the_first_whic
     assert not (tmp_path / "ck" / LOCK_FILE).exists()  # released at the end of the run
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_second_ctrl_c_leaves_the_mlflow_run_killed(tmp_path: Path, monkeypatch):
     """Must show (issue 53, N3): Ctrl-C, then Ctrl-C again while the stop checkpoint is being written: exit 130
     and the (local file-store) MLflow run ends KILLED, not RUNNING for ever."""

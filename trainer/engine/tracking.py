@@ -371,8 +371,12 @@ class WandbTracker(Tracker):
         self.run.save(str(path), base_path=str(base if base is not None else Path(path).parent), policy="now")
 
     def finish(self, status: str = "FINISHED") -> None:
-        """``wandb.Run.finish`` with exit code 0 for FINISHED, 1 for KILLED or FAILED (W&B marks a run whose exit
-        code is not 0 as failed)."""
+        """``wandb.Run.finish`` with exit code 0 for FINISHED, 1 for KILLED or FAILED. KILLED (stopped with a
+        checkpoint: the same command resumes it) is first marked ``mark_preempting()``, so W&B shows a preempted,
+        resumable run rather than a failed one (W&B docs, "Signal handling and sweep runs":
+        https://docs.wandb.ai/models/sweeps/signal-handling-sweep-runs)."""
+        if status == "KILLED":
+            self.run.mark_preempting()
         self.run.finish(exit_code=0 if status == "FINISHED" else 1)
 
 

@@ -641,8 +641,8 @@ class Trainer(ResumeMixin):
         tags = {}
         if self.log.tracking is not None:
             final, best = self.final_checkpoint(), self.ckpt.pointer("best")
-            if final is not None:
-                tags["checkpoint_final"] = str(final)
+            if final is not None:  # absolute: a tag must name the folder from wherever it is read
+                tags["checkpoint_final"] = str(Path(final).resolve())
             if best:
-                tags["checkpoint_best"] = str(self.ckpt.dir / best)
+                tags["checkpoint_best"] = str((self.ckpt.dir / best).resolve())
         return self.log.close(tags, status=status or ("KILLED" if self.interrupted else "FINISHED"))
