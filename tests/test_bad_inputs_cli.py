@@ -217,6 +217,28 @@ CASES = [
         "error: tracking: got 'tensorbord'; allowed: mlflow, wandb (a list: mlflow,wandb)",
         _nothing_trained,
     ),
+    Case(  # issue 53, N8: accepted before, then nothing tracked
+        "tracking-uri-sqlite-without-sqlalchemy",
+        lambda t: trainer_cmd("train", *TINY, "--tracking", "mlflow", "--tracking-uri", "sqlite:///mlflow.db"),
+        2,
+        "error: tracking_uri: got 'sqlite:///mlflow.db': scheme sqlite: needs SQLAlchemy",
+        _nothing_trained,
+    ),
+    Case(
+        "tracking-uri-ftp",
+        lambda t: trainer_cmd("train", *TINY, "--tracking", "mlflow", "--tracking-uri", "ftp://h/mlruns"),
+        2,
+        "error: tracking_uri: got 'ftp://h/mlruns': scheme ftp: this install's MLflow opens a path or file:, http:",
+        _nothing_trained,
+    ),
+    Case(
+        "mlflow-tracking-uri-env-ftp",
+        lambda t: trainer_cmd("train", *TINY, "--warmup-epochs", "0", "--tracking", "mlflow"),
+        2,
+        "error: MLFLOW_TRACKING_URI: got 'ftp://h/mlruns': scheme ftp:",
+        _nothing_trained,
+        env={"MLFLOW_TRACKING_URI": "ftp://h/mlruns"},
+    ),
     Case(
         "progressive-min-size-100000",
         lambda t: trainer_cmd("train", "--progressive-min-size", "100000"),

@@ -6,6 +6,7 @@ metadata, the model card; the bad-input rows (exit 2, one line)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -147,6 +148,9 @@ def test_video_exports_onnx_with_top1_agreement(shared_data, tmp_path, capsys):
     meta = _check_onnx(tmp_path / "onnx" / "model.onnx", clips, 1)
     assert json.loads(meta["num_frames"]) == 4 and json.loads(meta["inputs"]) == ["clip"]
     assert len(json.loads(meta["classes"])) == 7
+    # the card says what predict does to each frame: resize the shorter side, then the centre crop (issue 53, N11)
+    card = (tmp_path / "onnx" / "model_card.md").read_text()
+    assert "each resized (shorter side to 32 px, antialiased) and centre-cropped to 32x32" in card
 
 
 def test_detection_exports_onnx_torchscript_safetensors(shared_data, tmp_path, capsys):
@@ -242,8 +246,36 @@ def _high_opset(tmp: Path, ckpt: Path) -> list[str]:
     return trainer_cmd("export", "--checkpoint", str(ckpt), "--format", "onnx", "--out", "out", "--opset", "99")
 
 
+def _opset_17(tmp: Path, ckpt: Path) -> list[str]:
+    return trainer_cmd("export", "--checkpoint", str(ckpt), "--format", "onnx", "--out", "out", "--opset", "17")
+
+
+def _opset_17_torchscript(tmp: Path, ckpt: Path) -> list[str]:
+    return trainer_cmd("export", "--checkpoint", str(ckpt), "--format", "torchscript", "--out", "out", "--opset", "17")
+
+
+def _opset_safetensors(tmp: Path, ckpt: Path) -> list[str]:
+    return trainer_cmd("export", "--checkpoint", str(ckpt), "--format", "safetensors", "--out", "out", "--opset", "18")
+
+
+def _out_holds_another_format(tmp: Path, ckpt: Path) -> list[str]:
+    (tmp / "other").mkdir()
+    (tmp / "other" / "model.pt").write_bytes(b"an earlier torchscript export")
+    return trainer_cmd("export", "--checkpoint", str(ckpt), "--format", "onnx", "--out", "other")
+
+
+def _out_holds_another_checkpoint(tmp: Path, ckpt: Path) -> list[str]:
+    (tmp / "other").mkdir()
+    (tmp / "other" / "model_card.md").write_text("Exported 2026-11-01 by `x` from checkpoint `/runs/b/ckpt-000000004`")
+    (tmp / "other" / "model.onnx").write_bytes(b"the export of run b")
+    return trainer_cmd("export", "--checkpoint", str(ckpt), "--format", "onnx", "--out", "other")
+
+
 def _no_output(tmp: Path) -> None:
     assert not (tmp / "out").exists() or not any((tmp / "out").iterdir())
+    if (tmp / "other").exists():  # the export already there is left as it was
+        assert {p.name for p in (tmp / "other").iterdir()} <= {"model.pt", "model.onnx", "model_card.md"}
+        assert b"export" in b"".join(p.read_bytes() for p in (tmp / "other").iterdir())
 
 
 #: (id, setup(tmp, checkpoint_dir) -> argv, fragment of the last stderr line)
@@ -253,8 +285,13 @@ ROWS = [
     ("corrupt-checkpoint", _corrupt, "SHA-256 differs from the manifest (corrupt)"),
     ("out-cannot-be-created", _out_under_file, "error: --out: cannot create afile/out"),
     ("unsupported-format", _bad_format, "error: export: --format: invalid choice: 'tflite'"),
-    ("opset-below-17", _low_opset, "error: export: --opset: must be >= 17"),
-    ("opset-above-highest", _high_opset, "error: --opset: got 99; this exporter writes opsets 17 to 25"),
+    ("opset-below-lowest", _low_opset, "error: --opset: got 13; this exporter writes opsets 18 to 25"),
+    ("opset-17", _opset_17, "error: --opset: got 17; this exporter writes opsets 18 to 25"),
+    ("opset-17-torchscript", _opset_17_torchscript, "error: --opset: got 17; this exporter writes opsets 18 to 25"),
+    ("opset-without-onnx", _opset_safetensors, "error: --opset: --format safetensors writes no ONNX opset"),
+    ("opset-above-highest", _high_opset, "error: --opset: got 99; this exporter writes opsets 18 to 25"),
+    ("out-holds-another-format", _out_holds_another_format, "error: --out: other holds another export (model.pt)"),
+    ("out-holds-another-checkpoint", _out_holds_another_checkpoint, "holds the export of another checkpoint"),
 ]
 
 
@@ -296,3 +333,79 @@ def test_model_card_reproduce_command_retrains_and_says_when_nothing_was_evaluat
     manifest = {"progress": {"epoch": 0, "step_in_epoch": 9, "global_step": 9}}
     text = model_card(meta, facts, _metrics({"history": []}, manifest, "top1"), [], "x")
     assert "no evaluation was recorded in this checkpoint" in text and "validation metrics the training" not in text
+
+
+def test_export_replaces_its_own_files_atomically_and_falls_back_with_a_warning(
+    digits_run,  # noqa: F811 - the fixture
+    tmp_path,
+    capsys,
+    monkeypatch,
+):
+    """Issue 53: (N12) an export into a folder that holds the same checkpoint's export replaces its files, and one
+    that fails mid-write (a full disk) leaves the earlier model file whole and no temporary file; (N13, N14) a
+    dangling ``latest`` and a truncated state.pt whose manifest was rewritten to match both fall back to the older
+    checkpoint with the same ``warning: --checkpoint: skipped`` line."""
+    import errno
+    import hashlib
+    import shutil
+
+    import torch.jit
+
+    ckpt, _ = digits_run
+    run = tmp_path / "run"
+    shutil.copytree(ckpt, run)
+    newest = (run / "latest").read_text().strip()
+    older = "ckpt-000000001"
+    shutil.copytree(run / newest, run / older)  # an older complete checkpoint to fall back to
+
+    def export(fmt: str, out: str) -> tuple[int, str]:
+        rc = main(["export", "--checkpoint", str(run), "--format", fmt, "--out", str(tmp_path / out), "--no-verify"])
+        return rc, capsys.readouterr().err
+
+    rc, err = export("torchscript", "ts")
+    assert rc == 0 and err.startswith("note: --format torchscript: torch ") and "FutureWarning" not in err, err
+    assert export("torchscript", "ts")[0] == 0  # the same export again: its files replaced
+    before = (tmp_path / "ts" / "model.pt").read_bytes()
+    from trainer.engine.durable import WriterLock
+
+    lock = WriterLock(run)  # a training run writing the folder: the reader is not blocked, and says so
+    assert lock.acquire() is None
+    try:
+        rc, err = export("safetensors", "st0")
+    finally:
+        lock.release()
+    assert rc == 0 and f"is being written by a training run (pid {os.getpid()} on host " in err, err
+
+    def full_disk(obj, f, _extra_files=None):
+        Path(f).write_bytes(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device", str(f))
+
+    with monkeypatch.context() as m:
+        m.setattr(torch.jit, "save", full_disk)
+        rc, err = export("torchscript", "ts")
+    assert rc == 2 and "error: --out: cannot write in" in err and "No space left on device (ENOSPC)" in err
+    assert (tmp_path / "ts" / "model.pt").read_bytes() == before  # the earlier export whole, no temporary file
+    assert sorted(p.name for p in (tmp_path / "ts").iterdir()) == ["model.pt", "model_card.md", "train_config.yaml"]
+
+    # N13: latest names a checkpoint that is gone
+    shutil.move(run / newest, tmp_path / "moved")
+    rc, err = export("safetensors", "st1")
+    assert (
+        rc == 0
+        and (
+            f"warning: --checkpoint: skipped {newest} (the 'latest' pointer names it, but it does not exist); "
+            f"using the older {older}"
+        )
+        in err
+    ), err
+    shutil.move(tmp_path / "moved", run / newest)
+    # N14: state.pt cut short and its manifest rewritten to match
+    state = run / newest / "state.pt"
+    state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
+    manifest = json.loads((run / newest / "manifest.json").read_text())
+    digest = hashlib.sha256(state.read_bytes()).hexdigest()
+    manifest["files"]["state.pt"] = {"bytes": state.stat().st_size, "sha256": digest}
+    (run / newest / "manifest.json").write_text(json.dumps(manifest))
+    rc, err = export("safetensors", "st2")
+    assert rc == 0 and f"warning: --checkpoint: skipped {newest} (" in err, err
+    assert "not a complete torch archive" in err and f"using the older {older}" in err and "Errno 22" not in err

@@ -3,7 +3,7 @@
 Usage::
 
     python -m trainer export --checkpoint CKPT --format onnx|torchscript|safetensors --out DIR
-        [--opset 17] [--weights ema|raw] [--verify/--no-verify] [--task TASK]
+        [--opset 18] [--weights ema|raw] [--verify/--no-verify] [--task TASK]
 
 ``CKPT`` is a checkpoint folder (``ckpt-*``) or a run's ``checkpoint_dir``, resolved and loaded exactly as
 ``predict`` does (:func:`trainer.predict.resolve_checkpoint`, :func:`trainer.predict.load_model`). The task says
@@ -21,8 +21,14 @@ CPU, or the loaded TorchScript module) against PyTorch on real inputs (a few fil
 (top-1 / mask pixels), printed and written into the model card; ONNX is also run at batch 1.
 
 Exit status: 0 done; 2 bad input, one line: missing or invalid checkpoint, a checkpoint of another task than
-``--task``, an output folder that cannot be created, a format the task cannot export, an ``--opset`` above the
-exporter's highest (:func:`highest_opset`).
+``--task``, an output folder that cannot be created or that holds another export (another checkpoint's, or another
+format's: :func:`check_out`), a format the task cannot export, an ``--opset`` outside what this install's exporter
+writes (:func:`opset_range`, checked the same for every format) or given with a format that has no opset.
+
+Writes: every file (model, ``train_config.yaml``, ``model_card.md``) goes to a temporary name in ``DIR`` and is
+renamed into place when complete (:func:`trainer.engine.durable.atomic_write_bytes`), so an export that fails (a full
+disk) leaves the previous export's file or none, never a truncated one. A checkpoint_dir that a training run is
+writing is read, not waited for: its ``latest`` names only complete checkpoints, and a ``note:`` line names the run.
 
 DINO's graph (:mod:`trainer.tasks.detection.export`) runs the deformable attention as the PyTorch reference
 (``GridSample``), so it needs no custom-op library at serving time; its input is a fixed square canvas plus each
@@ -34,6 +40,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Optional
@@ -69,11 +76,11 @@ def add_export_command(sub) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (created)")
     p.add_argument(
         "--opset",
-        type=bounded_number(int, 17, why=" (grid_sample, LayerNormalization)"),
-        default=18,
+        type=bounded_number(int),
+        default=None,
         metavar="N",
-        help="ONNX opset, 17 to the exporter's highest (25 with onnxscript 0.7; default 18, the exporter's own; "
-        "others are converted where onnxscript's converter can, else 18 is written with a warning)",
+        help="ONNX opset (--format onnx only): 18 (torch.onnx's, the default) to the highest onnxscript's version "
+        "converter writes (25 with onnxscript 0.7); others are refused",
     )
     p.add_argument(
         "--weights",
@@ -170,18 +177,86 @@ def compare(task, reference: list, exported: list) -> list[str]:
     return lines
 
 
-def highest_opset() -> int:
-    """The highest ONNX opset :func:`export_onnx` can write: the exporter writes opset 18 and converts to
-    another with onnxscript's version converter, whose range ends at
-    ``onnxscript.version_converter._version_converter.SUPPORTED_MAX_ONNX_OPSET`` (25 in onnxscript 0.7.2); asked
-    for more, ``torch.onnx.export`` keeps 18 without a word, so ``export`` refuses it. 18 when that constant is
-    not where onnxscript 0.7 keeps it."""
+def opset_range() -> tuple[int, int]:
+    """``(lowest, highest)`` ONNX opset :func:`export_onnx` can write with this install (18 and 25 with torch 2.14
+    and onnxscript 0.7.2).
+
+    Lowest: torch.onnx's torch.export-based exporter implements opset ``TORCHLIB_OPSET`` (18,
+    ``torch/onnx/_internal/exporter/_constants.py``); asked for less, it converts with onnxscript's version
+    converter, whose range starts at ``SUPPORTED_MIN_ONNX_OPSET`` (18 in
+    ``onnxscript/version_converter/_version_converter.py``), so it keeps 18 (the issue-53 QA pass: ``--opset 17``
+    wrote 18 with exit 0). Highest: that converter's ``SUPPORTED_MAX_ONNX_OPSET`` (25); asked for more,
+    ``torch.onnx.export`` keeps 18 without a word. 18 for both ends where those constants are not found."""
+    lowest = highest = 18
+    try:
+        from torch.onnx._internal.exporter import _constants
+
+        lowest = int(_constants.TORCHLIB_OPSET)
+    except (ImportError, AttributeError, TypeError, ValueError):
+        pass
     try:
         from onnxscript.version_converter import _version_converter
 
-        return int(_version_converter.SUPPORTED_MAX_ONNX_OPSET)
+        lowest = max(lowest, int(_version_converter.SUPPORTED_MIN_ONNX_OPSET))
+        highest = int(_version_converter.SUPPORTED_MAX_ONNX_OPSET)
     except (ImportError, AttributeError, TypeError, ValueError):
-        return 18
+        pass
+    return lowest, max(lowest, highest)
+
+
+def check_opset(opset: Optional[int], fmt: str) -> int:
+    """The opset to write: ``opset`` (default: the lowest of :func:`opset_range`), checked the same way for every
+    format before anything is read.
+
+    Raises:
+        ExportError: outside :func:`opset_range`, or given with a format that writes no opset."""
+    lowest, highest = opset_range()
+    if opset is not None and not lowest <= opset <= highest:
+        raise ExportError(
+            f"--opset: got {opset}; this exporter writes opsets {lowest} to {highest} (torch.onnx's lowest, "
+            "onnxscript's version converter's highest); give one of those"
+        )
+    if opset is not None and fmt != "onnx":
+        raise ExportError(f"--opset: --format {fmt} writes no ONNX opset; leave --opset out or use --format onnx")
+    return lowest if opset is None else opset
+
+
+#: Names of the files an export writes into ``--out`` (the model files of every format, the config, the card).
+EXPORT_FILES = (*FILES.values(), "train_config.yaml", MODEL_CARD)
+_CARD_CHECKPOINT = re.compile(r"from checkpoint `([^`]+)`")
+
+
+def check_out(out: Path, ckpt: Path, fmt: str) -> None:
+    """Refuse an ``--out`` that holds another export: a model file of another format, or a model card of another
+    checkpoint (an export of the same checkpoint and format is replaced, file by file, atomically).
+
+    Raises:
+        ExportError: naming what is there."""
+    if not out.is_dir():
+        return
+    others = sorted(name for f, name in FILES.items() if f != fmt and (out / name).exists())
+    if others:
+        raise ExportError(
+            f"--out: {out} holds another export ({', '.join(others)}); give an empty folder (one export per folder, "
+            "so that its model card describes every file in it)"
+        )
+    try:
+        card = (out / MODEL_CARD).read_text()
+    except (OSError, UnicodeDecodeError):
+        return
+    found = _CARD_CHECKPOINT.search(card)
+    if found and Path(found.group(1)).resolve() != ckpt.resolve():
+        raise ExportError(
+            f"--out: {out} holds the export of another checkpoint ({found.group(1)}); give an empty folder or "
+            "that export's own --checkpoint"
+        )
+
+
+def _tmp_name(path: Path) -> Path:
+    """Where a file of the export is written before it is renamed to ``path`` (same folder, so the rename is atomic)."""
+    import os
+
+    return path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
 
 
 def _metadata_strings(meta: dict) -> dict[str, str]:
@@ -338,13 +413,10 @@ def export(args: argparse.Namespace) -> list[str]:
     import yaml
 
     from trainer.engine.checkpoint import describe_os_error
+    from trainer.engine.durable import atomic_write_bytes, describe_holder, lock_holder
     from trainer.predict import PredictError, load_model, read_state, resolve_checkpoint
 
-    if args.format == "onnx" and args.opset > highest_opset():
-        raise ExportError(
-            f"--opset: got {args.opset}; this exporter writes opsets 17 to {highest_opset()} (onnxscript's version "
-            "converter); give one of those"
-        )
+    opset = check_opset(args.opset, args.format)
     try:
         ckpt = resolve_checkpoint(args.checkpoint)
     except PredictError as e:
@@ -354,6 +426,15 @@ def export(args: argparse.Namespace) -> list[str]:
         raise ExportError(
             f"--checkpoint: {ckpt} is a {found} checkpoint, not {args.task}; give a {args.task} checkpoint"
         )
+    holder = lock_holder(ckpt.parent)
+    if holder is not None:
+        print(
+            f"note: --checkpoint: {ckpt.parent} is being written by a training run ({describe_holder(holder)}); "
+            f"exporting its complete checkpoint {ckpt.name}",
+            file=sys.stderr,
+            flush=True,
+        )
+    check_out(Path(args.out), ckpt, args.format)
     out = prepare_out(args.out)
     try:
         state = read_state(ckpt)
@@ -365,20 +446,30 @@ def export(args: argparse.Namespace) -> list[str]:
     why = task.export_unsupported(args.format)
     if why:
         raise ExportError(f"--format: {why}")
+    if args.format == "torchscript":  # one line instead of torch's FutureWarning per torch.jit call (trace, save, load)
+        import warnings
+
+        warnings.filterwarnings("ignore", message=r"`torch\.jit\.\w+` is deprecated", category=FutureWarning)
+        print(
+            f"note: --format torchscript: torch {torch.__version__.split('+')[0]} deprecates TorchScript (torch.jit) "
+            "in favour of torch.export; --format onnx is the exchange format that stays",
+            file=sys.stderr,
+            flush=True,
+        )
     manifest = json.loads((ckpt / "manifest.json").read_text())
     meta = task.export_metadata(label_space)
     meta.update(checkpoint=ckpt.name, weights=which, config_fingerprint=str(state.get("fingerprint")))
     model.float().eval()
     path = out / FILES[args.format]
+    tmp = _tmp_name(path)  # renamed to path once written and verified
     lines, verify, verified_on = [], [], ""
     try:
-        (out / "train_config.yaml").write_text(yaml.safe_dump(state["config"], sort_keys=False))
         if args.format == "safetensors":
             from safetensors.torch import load_file, save_file
 
             weights = {k: v.detach().cpu().clone().contiguous() for k, v in model.state_dict().items()}
-            save_file(weights, str(path), metadata=_metadata_strings(meta))
-            back = load_file(str(path))
+            save_file(weights, str(tmp), metadata=_metadata_strings(meta))
+            back = load_file(str(tmp))
             same = back.keys() == weights.keys() and all(torch.equal(back[k], weights[k]) for k in weights)
             verify = [f"{len(weights)} tensors read back {'identical' if same else 'DIFFERENT'}"]
             verified_on, how = "the saved file", "safetensors.torch.save_file: weights only (the model's state_dict)"
@@ -386,17 +477,17 @@ def export(args: argparse.Namespace) -> list[str]:
             module = task.export_module(model).eval()
             example = task.export_example(2)
             if args.format == "onnx":
-                opset = export_onnx(module, example, path, task, args.opset, meta)
-                if opset != args.opset:
+                written = export_onnx(module, example, tmp, task, opset, meta)
+                if written != opset:
                     print(
-                        f"warning: --opset {args.opset}: the converter could not convert this graph; wrote opset "
-                        f"{opset} (the model card says so)",
+                        f"warning: --opset {opset}: the converter could not convert this graph; wrote opset "
+                        f"{written} (the model card says so)",
                         file=sys.stderr,
                         flush=True,
                     )
                 how = (
                     f"torch.onnx.export (torch {torch.__version__.split('+')[0]}, torch.export-based exporter, "
-                    f"onnxscript), opset {opset} (asked {args.opset}), dynamic axes: {', '.join(meta['dynamic_axes'])}; "
+                    f"onnxscript), opset {written} (asked {opset}), dynamic axes: {', '.join(meta['dynamic_axes'])}; "
                     "standard ONNX ops only; "
                     "metadata in metadata_props (JSON strings)"
                 )
@@ -408,21 +499,21 @@ def export(args: argparse.Namespace) -> list[str]:
                     # runs the traced module on the real inputs)
                     warnings.simplefilter("ignore", torch.jit.TracerWarning)
                     traced = torch.jit.trace(module, example, check_trace=False)
-                torch.jit.save(traced, str(path), _extra_files={"metadata.json": json.dumps(meta)})
+                torch.jit.save(traced, str(tmp), _extra_files={"metadata.json": json.dumps(meta)})
                 how = "torch.jit.trace; metadata as _extra_files['metadata.json']"
             if args.verify:
                 inputs, verified_on = verification_inputs(task)
                 ref = _torch_outputs(module, inputs)
                 if args.format == "onnx":
-                    got = run_onnx(path, inputs)
-                    one = run_onnx(path, tuple(x[:1] for x in inputs))
+                    got = run_onnx(tmp, inputs)
+                    one = run_onnx(tmp, tuple(x[:1] for x in inputs))
                     verified_on += "; ONNX Runtime CPU vs PyTorch float32"
                     verify = compare(task, ref, got) + [
                         f"batch 1 run: max |diff| {task.export_output_names[0]} vs PyTorch "
                         f"{float(abs(one[0].astype('float64') - ref[0][:1]).max()):.3g}"
                     ]
                 else:
-                    got = _torch_outputs(torch.jit.load(str(path)), inputs)
+                    got = _torch_outputs(torch.jit.load(str(tmp)), inputs)
                     verified_on += "; loaded TorchScript vs PyTorch float32"
                     verify = compare(task, ref, got)
         facts = {
@@ -438,11 +529,16 @@ def export(args: argparse.Namespace) -> list[str]:
             "how": how,
             "verified_on": verified_on,
         }
-        (out / MODEL_CARD).write_text(
-            model_card(meta, facts, _metrics(state, manifest, task.check_target()[0]), verify, task.backbone_license())
+        card = model_card(
+            meta, facts, _metrics(state, manifest, task.check_target()[0]), verify, task.backbone_license()
         )
+        tmp.replace(path)
+        atomic_write_bytes(out / "train_config.yaml", yaml.safe_dump(state["config"], sort_keys=False).encode())
+        atomic_write_bytes(out / MODEL_CARD, card.encode())
     except OSError as e:
         raise ExportError(f"--out: cannot write in {out}: {describe_os_error(e)}; give a writable folder") from None
+    finally:
+        tmp.unlink(missing_ok=True)
     if verify:
         lines.append(f"verify: on {verified_on}")
     lines += [f"verify: {v}" for v in verify]

@@ -319,3 +319,50 @@ def test_failed_runs_are_marked_failed_in_mlflow_and_wandb(tiny_digits, tmp_path
     with pytest.raises(ZeroDivisionError):
         train.run(load_config(None, {**o, "tracking": ["mlflow"], "tracking_uri": str(bug / "mlruns")}))
     assert _mlflow_status(str(bug / "mlruns")) == ["FAILED"]
+
+
+def test_a_server_that_never_answers_costs_seconds_and_the_warning_keeps_the_cause(monkeypatch, tmp_path):
+    """Issue 53 (N6, N7): an MLflow or W&B server that accepts the connection and never answers fails the start
+    after CONNECT_TIMEOUT_S (here 0.5 s), not after the library's own retries (~70 s, ~90 s); the WARNING line keeps
+    the innermost cause of a long wrapped error (it was cut before it)."""
+    import socket
+
+    from trainer.engine import tracking
+    from trainer.engine.tracking import MlflowTracker, TrackingSinks, WandbTracker
+
+    pytest.importorskip("wandb")
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # accepts (the kernel completes the handshake) and never answers
+    url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    monkeypatch.setattr(tracking, "CONNECT_TIMEOUT_S", 0.5)
+    monkeypatch.setenv("WANDB_BASE_URL", url)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    warnings: list[str] = []
+    try:
+        sinks = TrackingSinks([MlflowTracker(url, "e", None), WandbTracker("e", None, tmp_path)], warnings.append)
+        sinks.start({})
+    finally:
+        silent.close()
+    assert sinks.live == [] and len(warnings) == 2, warnings
+    for name, line in zip(("mlflow", "wandb"), warnings):
+        assert line.startswith(
+            f"WARNING: tracking {name}: start failed (TimeoutError: {url} did not answer within 0.5 s"
+        )
+
+    class Wrapped(Exception):
+        pass
+
+    class Failing(tracking.Tracker):
+        name = "mlflow"
+
+        def start(self, run_id):
+            try:
+                raise ConnectionRefusedError(111, "Connection refused")
+            except ConnectionRefusedError as e:
+                raise Wrapped("API request to endpoint /api/2.0/mlflow/runs/create failed " + "x" * 600) from e
+
+    warnings.clear()
+    TrackingSinks([Failing()], warnings.append).start({})
+    assert warnings[0].startswith("WARNING: tracking mlflow: start failed (Wrapped: API request to endpoint")
+    assert "...; cause: ConnectionRefusedError: [Errno 111] Connection refused); training continues" in warnings[0]

@@ -94,8 +94,12 @@ def test_a_failing_sink_is_dropped_with_one_warning_and_the_others_get_everythin
     assert sinks.run_ids == {"bad": "r-bad", "good": "r-good"}  # kept for the checkpoint
 
 
-def test_finish_gives_up_on_a_hung_tracker_after_its_timeout():
-    gate = threading.Event()  # never set: the tracker hangs
+@pytest.mark.parametrize("timeout_s", [None, 0.2])
+def test_finish_gives_up_on_the_rows_of_a_hung_tracker_but_still_ends_its_run(timeout_s):
+    """The rows still queued after the flush timeout (the sinks' own, or finish's ``timeout_s``, as after a
+    second Ctrl-C) are given up with one WARNING; the run is still ended, from the caller (issue 53: a run left
+    RUNNING for ever)."""
+    gate = threading.Event()  # never set: the tracker's row delivery hangs
     rec = Recorder(gate=gate)
     warnings: list[str] = []
     sinks = TrackingSinks([rec], warnings.append, flush_timeout_s=0.5)
@@ -103,11 +107,14 @@ def test_finish_gives_up_on_a_hung_tracker_after_its_timeout():
     sinks.log_metrics("step", 1, {"loss": 1.0})
     assert rec.entered.wait(10)
     sinks.log_metrics("step", 2, {"loss": 0.5})
-    sinks.finish("FINISHED")
+    sinks.finish("KILLED", timeout_s=timeout_s)
+    limit = "0.5" if timeout_s is None else "0.2"
     assert warnings == [
-        "WARNING: tracking: 2 items were not delivered within 0.5 s (finish included); metrics.jsonl keeps every row"
+        f"WARNING: tracking: 2 items were not delivered within {limit} s (finish included); metrics.jsonl keeps "
+        "every row; ending the tracked runs without them"
     ]
-    assert ("finish", "FINISHED") not in rec.calls and sinks.live == []
+    assert rec.calls[-1] == ("finish", "KILLED") and ("row", "step", 2, {"loss": 0.5}) not in rec.calls
+    assert sinks.live == []
     gate.set()
 
 
@@ -159,3 +166,66 @@ def test_mlflow_logs_a_batch_of_rows_in_log_batch_calls_of_at_most_1000_metrics(
     hist = t.client.get_metric_history(run_id, "step/loss")
     assert sorted((m.step, m.value) for m in hist) == [(s, 1.0 / s) for s in range(1, 601)]
     assert {m.timestamp for m in hist if m.step == 7} == {1_700_000_007_000}  # the row's time, not delivery's
+
+
+def test_a_stop_after_an_epochs_last_step_leaves_that_step_to_the_resumed_run(tmp_path):
+    """Issue 53 (N4): the row of an epoch's last step reaches the trackers only with the epoch's row. A run stopped
+    between that step and the evaluation (KILLED) has not used the step in the trackers; the resumed run, which
+    evaluates the epoch, sends the step row (kept in metrics.jsonl) and the validation row at it: no step is used
+    by both segments, and each row reaches the trackers once."""
+    from trainer.engine.logging import MetricsLogger
+
+    first, second = Recorder("rec"), Recorder("rec")
+    log = MetricsLogger(tmp_path, enabled=True)
+    log.start_tracking([first], {}, {}, {})
+    for step in (1, 2, 3, 4):  # an epoch of 4 steps; the stop comes after step 4, before the evaluation
+        log.step(step, {"loss": 1.0 / step}, every=1, last_of_epoch=step == 4)
+    log.close(status="KILLED")
+
+    log = MetricsLogger(tmp_path, enabled=True)
+    assert log.resume_at(4, evaluated=False) == 0  # the step rows are kept: step 4 was trained
+    log.start_tracking([second], {"rec": "run-1"}, {}, {})
+    log.epoch(1, 4, {"val_top1": 0.5})
+    log.close(status="FINISHED")
+
+    rows = lambda rec: [c[1:3] for c in rec.calls if c[0] == "row"]  # noqa: E731 - (kind, step)
+    assert rows(first) == [("step", 1), ("step", 2), ("step", 3)]
+    assert rows(second) == [("step", 4), ("epoch", 4)]
+    assert first.calls[-1] == ("finish", "KILLED") and second.calls[-1] == ("finish", "FINISHED")
+
+
+def test_without_a_stop_the_held_row_goes_with_the_epoch_row(tmp_path):
+    from trainer.engine.logging import MetricsLogger
+
+    rec = Recorder("rec")
+    log = MetricsLogger(tmp_path, enabled=True)
+    log.start_tracking([rec], {}, {}, {})
+    log.step(1, {"loss": 1.0}, every=1)
+    log.step(2, {"loss": 0.5}, every=1, last_of_epoch=True)
+    log.epoch(1, 2, {"val_top1": 0.5})
+    log.step(3, {"loss": 0.4}, every=1, last_of_epoch=True)  # a last step, then the run ends without its epoch row
+    log.close(status="FINISHED")
+    assert [c[1:3] for c in rec.calls if c[0] == "row"] == [("step", 1), ("step", 2), ("epoch", 2), ("step", 3)]
+
+
+@pytest.mark.parametrize(
+    ("status", "preempting", "code"), [("KILLED", True, 1), ("FAILED", False, 1), ("FINISHED", False, 0)]
+)
+def test_a_resumable_wandb_stop_is_marked_preempting_not_failed(tmp_path, status, preempting, code):
+    """Issue 53 (N16): a run stopped with a checkpoint (KILLED, exit 75 or 130) is ``mark_preempting()``-ed before
+    it finishes, so W&B shows it resumable; FAILED and FINISHED are not. (The W&B run is a recording double.)"""
+    from trainer.engine.tracking import WandbTracker
+
+    class Run:
+        calls: list = []
+
+        def mark_preempting(self):
+            self.calls.append("preempting")
+
+        def finish(self, exit_code):
+            self.calls.append(("finish", exit_code))
+
+    tracker = WandbTracker("p", None, tmp_path)
+    tracker.run = Run()
+    tracker.finish(status)
+    assert tracker.run.calls == (["preempting"] if preempting else []) + [("finish", code)]

@@ -16,6 +16,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from bad_input_table import REPO, check_error_line
@@ -30,6 +31,7 @@ from trainer.config.sweep import (
     search_space,
     trial_name,
 )
+from trainer.engine.durable import WriterLock, lock_holder
 from trainer.errors import ConfigError
 from trainer.planning.local import max_local_jobs
 from trainer.planning.sweep import parallel_for_space, resource_overrides, trial_result, worst_overrides
@@ -240,6 +242,7 @@ def test_parallel_above_what_fits_is_refused_in_one_line(swept, tmp_path):
     assert f"use --parallel {fit} or less" in lines[0] and "Traceback" not in proc.stdout + proc.stderr
     check_error_line(lines[0])
     assert not list((tmp_path / "o").glob("t*/train.log"))  # nothing started
+    assert not (tmp_path / "o" / "sweep.json").exists()  # so the corrected command is not "another space" (N10)
 
 
 def test_a_swept_model_is_checked_per_model_and_the_tightest_sets_k(shared_data, tmp_path, monkeypatch):
@@ -276,3 +279,86 @@ def test_a_swept_model_is_checked_per_model_and_the_tightest_sets_k(shared_data,
     )
     with pytest.raises(ConfigError, match=r"^--parallel 2: 2 trials at a time do not fit this machine"):
         parallel_for_space(BASE, fixed, trials, 4, 2, None, out)
+
+
+# ------------------------------------------------------------------------------- one writer per trial (issue 53)
+def _popen_sweep(args: list[str]) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "trainer", "sweep", "--config", str(BASE), *args]
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait(pred, what: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_sighup_stops_like_sigterm_and_a_killed_sweep_takes_its_trial_along(swept, tmp_path):
+    """SIGHUP (the SSH session closed) is forwarded like SIGTERM (exit 75); a sweep killed outright (SIGKILL, as
+    the OOM killer does) takes its running trial along: the trial gets SIGTERM (PR_SET_PDEATHSIG), checkpoints and
+    ends, so its checkpoint folder's lock is free for the sweep run again (N1)."""
+    out, (_, data, *_), _, _ = swept
+    new = tmp_path / "o"
+    args = ["--data", data, *TINY, "--epochs", "1000", "--grid", "lr=[0.02]", "--out", str(new)]
+    args += ["--probe-report", str(out / "probe" / "probe.json")]
+    ck = new / "t000" / "checkpoints"
+
+    proc = _popen_sweep(args)
+    for line in proc.stdout:
+        if "t000: started" in line:
+            break
+    _wait(lambda: lock_holder(ck), "the trial never took its lock")
+    proc.send_signal(signal.SIGHUP)
+    rest, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 75 and "t000: forwarding SIGTERM" in rest and "t000: interrupted" in rest, rest
+
+    proc = _popen_sweep(args)  # resumes t000; then the sweep is killed outright
+    for line in proc.stdout:
+        if "t000: started" in line:
+            break
+    _wait(lambda: lock_holder(ck), "the resumed trial never took its lock")
+    trial = lock_holder(ck)["pid"]
+    proc.kill()
+    proc.wait(60)
+    _wait(lambda: lock_holder(ck) is None, f"trial pid {trial} outlived its killed sweep", timeout=180)
+    log = (new / "t000" / "train.log").read_text()
+    # the lock is let go once the last checkpoint is durable: both segments stopped on SIGTERM with a checkpoint
+    assert len(re.findall(r"interrupted: SIGTERM; stopped at global step \d+ .*durable", log)) == 2, log[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_trial_whose_lock_is_held_is_not_started_and_trials_share_one_tracking_store(swept, tmp_path, monkeypatch):
+    """A resumed sweep never starts a trial whose checkpoint folder another process writes (it names that process;
+    exit 75); the others run, all tracked in one MLflow store (OUT/mlruns) as runs named and tagged by trial (N9)."""
+    pytest.importorskip("mlflow")
+    out, args, _, _ = swept
+    new = tmp_path / "o"
+    args = [a if a != str(out) else str(new) for a in args]
+    args += ["--probe-report", str(out / "probe" / "probe.json"), "--tracking", "mlflow"]
+    lock = WriterLock(new / "t000" / "checkpoints")
+    (new / "t000" / "checkpoints").mkdir(parents=True)
+    assert lock.acquire() is None
+    try:
+        proc = _sweep(*args, "--parallel", "1")
+    finally:
+        lock.release()
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 75, text[-3000:]
+    assert (
+        f"sweep: t000: not started: its checkpoint_dir {new / 't000' / 'checkpoints'} is being written by pid {os.getpid()}"
+        in text
+    )
+    assert "t001: done" in text and not (new / "t000" / "status.json").exists()
+    assert not (new / "t000" / "logs").exists() and not (new / "t001" / "logs" / "mlruns").exists()
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=(new / "mlruns").resolve().as_uri())
+    runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
+    assert [(r.info.run_name, r.data.tags.get("trial"), r.info.status) for r in runs] == [("t001", "t001", "FINISHED")]
+    assert runs[0].data.tags["sweep"] == str(new)

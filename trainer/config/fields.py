@@ -212,7 +212,8 @@ class TrainConfig:
         None,
         "MLflow tracking URI: file:/path (local store), http(s)://host, or a SageMaker managed MLflow tracking "
         "server ARN (arn:aws:sagemaker:...:mlflow-tracking-server/NAME; needs the sagemaker-mlflow plugin); "
-        "default: MLFLOW_TRACKING_URI, else a file store at <log_dir>/mlruns. W&B reads WANDB_* variables instead.",
+        "default: MLFLOW_TRACKING_URI, else a file store at <log_dir>/mlruns. A scheme this install cannot open (sqlite: "
+        "without SQLAlchemy, ftp:) is refused. W&B reads WANDB_* variables instead.",
     )
     tracking_experiment: str = _log(
         "trainstack", "MLflow experiment / W&B project of the tracked run (created when missing)."

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import TYPE_CHECKING, Optional
 
 from trainer.config.schema import BUILTIN_DIGITS, MAX_IMAGE_SIZE, TRACKERS, choices_of, is_task_section, section_of
@@ -61,6 +62,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError(f"tracking: got {cfg.tracking!r}; name each tracker once")
     if not cfg.tracking_experiment.strip():
         raise ConfigError("tracking_experiment: empty; give an MLflow experiment / W&B project name")
+    if "mlflow" in cfg.tracking:  # MLFLOW_TRACKING_URI: checked by train (engine/run.py), not by every reader
+        check_mlflow_uri(cfg.tracking_uri, "tracking_uri")
     _positive = (
         "batch_size",
         "accumulate_grad_batches",
@@ -139,3 +142,47 @@ def _check_target(cfg: TrainConfig) -> None:
     m = cfg.target_metric
     if m is not None and (not isinstance(m, str) or not m.strip() or any(c.isspace() for c in m)):
         raise ConfigError(f"target_metric: got {m!r}; must be a metric name without spaces, e.g. top1")
+
+
+#: MLflow tracking-store schemes that need SQLAlchemy (``mlflow/store/db/db_types.py`` ``DATABASE_ENGINES``).
+_SQL_SCHEMES = ("postgresql", "mysql", "sqlite", "mssql")
+
+
+def mlflow_uri_schemes() -> list[str]:
+    """The tracking-URI schemes this install's MLflow opens, as MLflow registers them
+    (``mlflow/tracking/_tracking_service/utils.py`` ``_register_tracking_stores``, MLflow 3.x): ``file`` (and a
+    plain path), ``databricks``, ``databricks-uc``, ``uc``, ``http``, ``https``; the SQL engines only when
+    SQLAlchemy is installed (mlflow-skinny, which requirements-trainer.txt pins, does not ship it); and the
+    schemes of installed store plugins (the ``mlflow.tracking_store`` entry points: ``arn`` from sagemaker-mlflow).
+    Found without importing MLflow."""
+    import importlib.util
+    from importlib.metadata import entry_points
+
+    schemes = ["file", "http", "https", "databricks", "databricks-uc", "uc"]
+    if importlib.util.find_spec("sqlalchemy") is not None:
+        schemes += list(_SQL_SCHEMES)
+    schemes += [e.name for e in entry_points(group="mlflow.tracking_store")]
+    return schemes
+
+
+def check_mlflow_uri(uri: Optional[str], name: str) -> None:
+    """Refuse an MLflow tracking URI this install cannot open (``ftp:``, or ``sqlite:`` without SQLAlchemy), which
+    MLflow would otherwise accept and then fail on at the first call, tracking nothing.
+
+    Raises:
+        ConfigError: ``name: got URI: ...``, naming the schemes that work (:func:`mlflow_uri_schemes`)."""
+    if not uri:
+        return
+    from urllib.parse import urlparse
+
+    scheme = urlparse(uri).scheme
+    if not scheme or (len(scheme) == 1 and os.name == "nt"):
+        return  # a local path: a file store
+    schemes = mlflow_uri_schemes()
+    if scheme in schemes:
+        return
+    why = " needs SQLAlchemy, which this install lacks (mlflow-skinny);" if scheme in _SQL_SCHEMES else ""
+    raise ConfigError(
+        f"{name}: got {uri!r}: scheme {scheme}:{why} this install's MLflow opens a path or "
+        f"{', '.join(s + ':' for s in schemes)}; give one of those (e.g. file:/path/mlruns)"
+    )

@@ -45,6 +45,7 @@ import shutil
 import sys
 import threading
 import time
+import zipfile
 from pathlib import Path
 from typing import Any, Optional
 
@@ -53,6 +54,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.engine.durable import (  # noqa: F401 - re-exported: the durable file primitives' old home
+    WriterLock,
     _tensor_bytes,
     atomic_torch_save,
     atomic_write_bytes,
@@ -130,6 +132,18 @@ def _as_tuple(x):
 
 
 # --- the manager ----------------------------------------------------------------------------------------
+def _check_archive(path: Path) -> None:
+    """Raise :class:`CheckpointError` when ``path`` is not a complete ``torch.save`` archive (a zip file whose
+    central directory, at its end, can be read): a truncated file whose manifest was rewritten to match it passes
+    the size and SHA-256 checks, then fails ``torch.load`` with an opaque ``[Errno 22] Invalid argument``. Reads
+    only the central directory (no decompression)."""
+    try:
+        with zipfile.ZipFile(path):
+            pass
+    except (zipfile.BadZipFile, OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: not a complete torch archive ({error_detail(e, 200)}; truncated?)") from None
+
+
 class CheckpointManager:
     """Save, validate, find and load checkpoints in one directory.
 
@@ -148,9 +162,15 @@ class CheckpointManager:
             thread). ``process`` and ``auto`` fall back to the thread, with a message in :attr:`notes`, where
             Linux's ``memfd_create`` is missing.
 
+    One writer per folder: rank 0 takes the folder's :class:`~trainer.engine.durable.WriterLock` here, before it
+    cleans up what a killed run left, and holds it until :meth:`release_lock` (or its process ends). Readers
+    (``predict``, ``export``, ``resume_from`` of another run) take no lock: they follow ``latest``, which names only
+    complete checkpoints.
+
     Raises:
         CheckpointError: (rank 0) the folder cannot be created or a file cannot be written in it (read-only
-            file system, no permission, a file in the way): checked here, before any training.
+            file system, no permission, a file in the way), or another run holds its lock (named by pid, host
+            and start time): checked here, before any training.
     """
 
     def __init__(
@@ -174,8 +194,11 @@ class CheckpointManager:
         self._abort = threading.Event()
         self._staging = StagingBuffers()
         self.last_durable: Optional[tuple[Path, float]] = None  # (path, time.monotonic() when durable)
+        self.lock = WriterLock(self.dir)  #: rank 0's one-writer lock on the folder (held until release_lock)
+        self.lock_note: Optional[str] = None  #: a line for the run's log when the folder cannot be locked
         if rank == 0:
             self._check_writable()
+            self.lock_note = self.lock.acquire()  # before anything below touches a file another run may write
             for stale in self.dir.glob(".tmp-ckpt-*"):  # a write killed mid-way (SIGKILL, power loss)
                 shutil.rmtree(stale, ignore_errors=True)
             for stale in self.dir.iterdir():
@@ -295,6 +318,10 @@ class CheckpointManager:
             self._process.close()
             self._staging.release()
             self._staging = StagingBuffers(shared=True)
+
+    def release_lock(self) -> None:
+        """Let go of the folder's writer lock (idempotent; the kernel also releases it when the process ends)."""
+        self.lock.release()
 
     def wait(self) -> Optional[Path]:
         """Block until the last checkpoint write finished; re-raise its error (a :class:`CheckpointError`
@@ -505,6 +532,8 @@ class CheckpointManager:
                 raise CheckpointError(f"{f}: {f.stat().st_size} bytes, manifest says {meta['bytes']} (truncated?)")
             if sha256_file(f) != meta["sha256"]:
                 raise CheckpointError(f"{f}: SHA-256 differs from the manifest (corrupt)")
+            if f.suffix == ".pt":
+                _check_archive(f)
         return manifest
 
     def find_resume(self) -> tuple[Optional[Path], list[str]]:
@@ -517,6 +546,8 @@ class CheckpointManager:
         latest = self.pointer("latest")
         if latest:
             candidates.sort(key=lambda p: p.name != latest)
+            if not (self.dir / latest).is_dir():  # a dangling pointer is a fallback too, said like the others
+                notes.append(f"checkpoint: skipping {latest}: the 'latest' pointer names it, but it does not exist")
         for p in candidates:
             try:
                 self.validate(p)

@@ -4,19 +4,27 @@ fsync), ``torch.save`` streamed to disk with its size and SHA-256, and the OS er
 Used by :mod:`trainer.engine.checkpoint` (the manager and the writer thread) and by
 :mod:`trainer.engine.checkpoint_writer` (the writer process), which therefore import this module and not each
 other. Readers of a file written here see the old file or the new one, never a part (POSIX ``rename``).
+
+One writer per run: :class:`WriterLock` is the exclusive lock a training run holds on its checkpoint folder
+(``flock`` on :data:`LOCK_FILE` inside it), and :func:`lock_holder` says who holds it.
 """
 
 from __future__ import annotations
 
+import datetime
 import errno
+import fcntl
 import hashlib
+import json
 import os
+import socket
+import time
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from trainer.errors import error_detail
+from trainer.errors import CheckpointError, error_detail
 
 #: Bytes :func:`explain_write_failure` tries to append to find the OS error behind a failed torch.save.
 _PROBE_BYTES = 1 << 20
@@ -132,3 +140,134 @@ def sha256_file(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+#: The lock file a training run holds inside its checkpoint folder (:class:`WriterLock`).
+LOCK_FILE = "writer.lock"
+#: Further tries of a refused ``flock`` before the folder counts as written by another run (0.05 s, 0.1 s, ...).
+_BUSY_TRIES = 4
+
+
+def _read_holder(path: Path) -> dict:
+    """The ``{"pid", "host", "started"}`` a holder wrote into the lock file (``{}`` when unreadable)."""
+    try:
+        holder = json.loads(Path(path).read_text() or "{}")
+    except (OSError, ValueError):
+        return {}
+    return holder if isinstance(holder, dict) else {}
+
+
+def describe_holder(holder: dict) -> str:
+    """``"pid 4242 on host ip-10-0-0-5 since 2026-11-28T06:30:00Z"`` (``"an unknown process"`` when empty)."""
+    if not holder:
+        return "an unknown process"
+    return f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')} since {holder.get('started', '?')}"
+
+
+class WriterLock:
+    """The exclusive lock of the one process that writes a checkpoint folder (a training run's rank 0).
+
+    ``flock(LOCK_EX | LOCK_NB)`` on ``<directory>/writer.lock``; the holder writes ``{"pid", "host", "started"}``
+    (started: UTC, ISO 8601) into the file so that a refused writer can name it. The kernel releases the lock when
+    the holder's last file descriptor closes, so a process that dies (SIGKILL, OOM, a lost node's fencing) leaves
+    no stale lock, whatever the file still says. :meth:`release` deletes the file while it still holds the lock;
+    :meth:`acquire` therefore checks, once it holds a lock, that the path still names the file it locked
+    (and tries again otherwise).
+
+    Where it works: local disks and EBS (one kernel), and Amazon FSx for Lustre, whose clients mount with the
+    ``flock`` option (coherent across all client nodes: mount.lustre(8); the AWS guide's mount command uses it:
+    https://docs.aws.amazon.com/fsx/latest/LustreGuide/mounting-ec2-instance.html). A Lustre client mounted
+    ``localflock`` locks only within its own node; one mounted ``noflock`` fails ``flock`` with ENOSYS, and so do
+    some network file systems: :meth:`acquire` then returns a note and the run goes on unguarded.
+
+    Forked children (loader workers forked after the lock was taken) share its file description, so the lock
+    lasts until they too have exited; the checkpoint writer process is started with ``exec`` and does not.
+    """
+
+    def __init__(self, directory: str | Path):
+        self.path = Path(directory) / LOCK_FILE
+        self._fd: Optional[int] = None
+
+    @property
+    def held(self) -> bool:
+        """Whether this object holds the lock."""
+        return self._fd is not None
+
+    def acquire(self) -> Optional[str]:
+        """Take the lock; returns None, or a one-line note when the file system cannot lock (the run goes on).
+
+        Raises:
+            CheckpointError: another process holds it (the message names its pid, host and start time), or the
+                lock file cannot be created.
+        """
+        busy = 0
+        while self._fd is None:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except OSError as e:
+                raise CheckpointError(
+                    f"checkpoint_dir: cannot create the lock file {self.path}: {describe_os_error(e)}; "
+                    "choose a writable folder"
+                ) from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                os.close(fd)
+                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES) and busy < _BUSY_TRIES:
+                    busy += 1  # a reader's momentary shared lock (lock_holder) lasts microseconds
+                    time.sleep(0.05 * busy)
+                    continue
+                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise CheckpointError(
+                        f"checkpoint_dir: {self.path.parent} is being written by another run: "
+                        f"{describe_holder(_read_holder(self.path))} (lock {self.path}); wait for it to end or stop "
+                        "it, or give this run another checkpoint_dir"
+                    ) from None
+                return (
+                    f"checkpoint: {self.path.parent} cannot be locked ({describe_os_error(e)}: a file system "
+                    "mounted without flock support); nothing stops a second run from writing it"
+                )
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+            except FileNotFoundError:
+                same = False
+            if not same:  # released and deleted by its previous holder between our open and our flock
+                os.close(fd)
+                continue
+            self._fd = fd
+        started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": started}).encode()
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, record, 0)
+        return None
+
+    def release(self) -> None:
+        """Delete the lock file and let go of the lock (idempotent)."""
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        try:
+            self.path.unlink(missing_ok=True)
+        except OSError:
+            pass
+        os.close(fd)
+
+
+def lock_holder(directory: str | Path) -> Optional[dict]:
+    """Who writes the checkpoint folder ``directory`` now: the holder's ``{"pid", "host", "started"}`` (``{}``
+    when it wrote none yet), or None when no process holds :class:`WriterLock` there (or it cannot be asked).
+    Takes no lock that a writer could wait for: a shared ``flock`` tried once and let go at once."""
+    path = Path(directory) / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return _read_holder(path)
+        return None
+    finally:
+        os.close(fd)
+    return None

@@ -57,6 +57,8 @@ class MetricsLogger:
         self._jsonl = None
         self._purge_step: Optional[int] = None
         self.tracking = None  # TrackingSinks after start_tracking
+        # the step row of an epoch's last step, held back from the trackers until the epoch's row (see step)
+        self._held: Optional[tuple[str, int, dict]] = None
         if enabled:
             try:
                 self.dir.mkdir(parents=True, exist_ok=True)
@@ -88,6 +90,9 @@ class MetricsLogger:
                     keep = False
                 if keep:
                     kept.append(line if line.endswith("\n") else line + "\n")
+                    if not evaluated and step == global_step and row.get("kind") == "step":
+                        values = {k: v for k, v in row.items() if k not in ("kind", "step", "time")}
+                        self._held = ("step", global_step, values)  # sent with the epoch row (see step)
                 else:
                     dropped += 1
         if dropped:
@@ -146,9 +151,15 @@ class MetricsLogger:
 
             self._bar = tqdm(total=steps, initial=initial, desc=f"epoch {epoch}", dynamic_ncols=True, leave=False)
 
-    def step(self, global_step: int, values: dict, every: int) -> None:
+    def step(self, global_step: int, values: dict, every: int, last_of_epoch: bool = False) -> None:
         """Per-step progress: bar update on a terminal; a plain ``key=value`` line every ``every`` steps
-        otherwise. ``values`` is also written to JSONL/TensorBoard at those steps."""
+        otherwise. ``values`` is also written to JSONL/TensorBoard at those steps, and to the trackers.
+
+        ``last_of_epoch``: the row of an epoch's last step goes to the trackers only with the epoch's row (same
+        step), so that a run stopped between that step and the evaluation leaves the step unused in the trackers:
+        the resumed run (:meth:`resume_at` with ``evaluated=False``) sends both then. Otherwise the earlier segment
+        had used the step and the resumed one logged the validation row at it again (W&B drops a row below its
+        current step: issue 53, N4)."""
         if not self.enabled:
             return
         if self._bar is not None:
@@ -159,7 +170,7 @@ class MetricsLogger:
         if global_step % every == 0:
             if self._bar is None:
                 print(format_kv({"step": global_step, **values}), flush=True)
-            self._record("step", global_step, values)
+            self._record("step", global_step, values, hold=last_of_epoch)
 
     def end_epoch(self) -> None:
         """Close the progress bar."""
@@ -175,12 +186,19 @@ class MetricsLogger:
         self.info(format_kv({"epoch": epoch, "step": global_step, **values}))
         self._record("epoch", global_step, {"epoch": epoch, **values})
 
-    def _record(self, kind: str, global_step: int, values: dict) -> None:
+    def _record(self, kind: str, global_step: int, values: dict, hold: bool = False) -> None:
         row = {"kind": kind, "step": global_step, "time": time.time(), **values}
         self._jsonl.write(json.dumps(row) + "\n")
         for k, v in values.items():
             if isinstance(v, (int, float)) and k != "epoch" and math.isfinite(v):
                 self._writer().add_scalar(f"{kind}/{k}", v, global_step)
+        if hold:
+            self._held = (kind, global_step, dict(values))
+            return
+        if self._held is not None:  # the epoch's row (or anything after the held one): the held row goes first
+            held, self._held = self._held, None
+            if self.tracking is not None:
+                self.tracking.log_metrics(*held)
         if self.tracking is not None:
             self.tracking.log_metrics(kind, global_step, values)
 
@@ -202,13 +220,17 @@ class MetricsLogger:
         self.finish_tracking(status)
         return png
 
-    def finish_tracking(self, status: str) -> None:
-        """Finish the trackers (after what is queued) with ``status``: FINISHED, KILLED (stopped, exit 75) or
-        FAILED (exit 2 or 3, or a crash); a no-op when none is running (rank != 0, no ``tracking``, already
-        finished)."""
+    def finish_tracking(self, status: str, timeout_s: Optional[float] = None) -> None:
+        """Finish the trackers (after what is queued, waiting at most ``timeout_s`` seconds for it: default
+        :data:`~trainer.engine.tracking.FLUSH_TIMEOUT_S`) with ``status``: FINISHED, KILLED (stopped, exit 75;
+        aborted, exit 130) or FAILED (exit 2 or 3, or a crash); a no-op when none is running (rank != 0, no
+        ``tracking``, already finished)."""
+        held, self._held = self._held, None
         if self.tracking is not None:
             tracking, self.tracking = self.tracking, None
-            tracking.finish(status)
+            if held is not None and status == "FINISHED":  # else the resumed run sends it with the epoch's row
+                tracking.log_metrics(*held)
+            tracking.finish(status, timeout_s=timeout_s)
 
 
 _CURVE_PREFIXES = ("train_", "val_", "ema_val_")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import sys
@@ -11,6 +12,7 @@ from typing import Optional
 
 from trainer import failures
 from trainer.config import TrainConfig
+from trainer.config.validation import check_mlflow_uri
 from trainer.engine import distributed as dist
 from trainer.engine.interruption import SignalHandlers, SpotNoticePoller, StopFlag
 from trainer.errors import EXIT_ABORTED, EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_OK, exit_code
@@ -32,11 +34,19 @@ def _summary(trainer, last: dict, plot: Optional[Path]) -> None:
 
 
 def _aborted(checkpoint_dir: str, is_main: bool, trainer=None) -> int:
-    """A second Ctrl-C: abandon the checkpoint being written, say so naming the last durable one, remove
-    half-written checkpoint folders (rank 0), return 130."""
+    """A second Ctrl-C: abandon the checkpoint being written, end the tracked runs KILLED (waiting at most
+    :data:`~trainer.engine.tracking.ABORT_FLUSH_TIMEOUT_S` for the rows still queued), say so naming the last
+    durable checkpoint, remove half-written checkpoint folders (rank 0), return 130."""
+    from trainer.engine.tracking import ABORT_FLUSH_TIMEOUT_S
+
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a third Ctrl-C must not interrupt the clean-up
     try:
         durable = trainer.abort() if trainer is not None else None
+        if trainer is not None:
+            try:
+                trainer.log.finish_tracking("KILLED", timeout_s=ABORT_FLUSH_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - a tracker's failure must not hide the abort
+                pass
         if is_main:
             print(
                 "aborted by a second Ctrl-C; no checkpoint written for the current step; last durable "
@@ -71,8 +81,9 @@ def run(cfg: TrainConfig, notes: Sequence[str] = ()) -> int:
     Returns an exit code (:mod:`trainer.errors`): 0 done; 2 config, data or checkpoint error (ConfigError,
     DataError, CheckpointError, raised anywhere from process-group set-up to the last step); 3 non-finite loss;
     75 interrupted with a durable checkpoint (run the same command again to resume); 130 aborted by a second
-    Ctrl-C. The tracked runs (``tracking``) end FINISHED (0), KILLED (75) or FAILED (2, 3, and any exception that
-    is a bug). Those errors end as one line (:func:`trainer.failures.fail`: printed by rank 0, or handed to
+    Ctrl-C. The tracked runs (``tracking``) end FINISHED (0), KILLED (75, 130) or FAILED (2, 3, and any exception
+    that is a bug). Rank 0 holds the checkpoint folder's writer lock from the trainer's start to its end (a second
+    run on the same folder exits 2 naming this one: :class:`~trainer.engine.durable.WriterLock`). Those errors end as one line (:func:`trainer.failures.fail`: printed by rank 0, or handed to
     torchrun / the image's entrypoint, which show it once). Any other exception is a bug and propagates with its
     traceback (exit 1).
     """
@@ -82,6 +93,8 @@ def run(cfg: TrainConfig, notes: Sequence[str] = ()) -> int:
     handlers = poller = trainer = info = None
     failure: Optional[tuple[int, str]] = None
     try:
+        if "mlflow" in cfg.tracking and not cfg.tracking_uri:  # the store MLflow would use: refused before any work
+            check_mlflow_uri(os.environ.get("MLFLOW_TRACKING_URI"), "MLFLOW_TRACKING_URI")
         if cfg.num_workers > 0 and not cfg.use_ffcv:
             _fork_worker_server(cfg)
         info = dist.init(cfg.device)
@@ -122,6 +135,8 @@ def run(cfg: TrainConfig, notes: Sequence[str] = ()) -> int:
             raise
         failure = (code, failures.one_line(e, with_type=False))
     finally:
+        if trainer is not None:
+            trainer.ckpt.release_lock()
         if poller is not None:
             poller.stop()
         if handlers is not None:

@@ -21,7 +21,6 @@ import json
 import math
 import os
 import queue
-import socket
 import subprocess
 import threading
 import time
@@ -34,13 +33,16 @@ from trainer.config.schema import TRACKERS  # noqa: F401 - the values of the tra
 
 #: MLflow's limit on a parameter value (characters); longer values are truncated with a note.
 MLFLOW_PARAM_MAX = 500
-#: Seconds allowed to open a TCP connection to an http(s) tracking server before the sink gives up.
+#: Seconds an http(s) tracking server (MLflow's, W&B's) has to answer a first request before the sink gives up.
 CONNECT_TIMEOUT_S = 5.0
 #: Items (metric rows, tags, params, artifacts) that may wait for a slow tracker before new rows are dropped from
 #: the trackers (the JSONL and TensorBoard files keep every row).
 MAX_PENDING = 10_000
 #: Seconds :meth:`TrackingSinks.finish` waits for the trackers to take the items still queued.
 FLUSH_TIMEOUT_S = 60.0
+#: Seconds the trackers get after a second Ctrl-C (exit 130) to take what is queued and end KILLED: the user asked
+#: to stop now, so the flush is short.
+ABORT_FLUSH_TIMEOUT_S = 10.0
 #: Metrics per MLflow ``log_batch`` call (MLflow's REST limit is 1,000).
 MLFLOW_BATCH_METRICS = 1000
 _STOP = object()
@@ -146,14 +148,53 @@ class Tracker:
 
 
 def _check_reachable(uri: str) -> None:
-    """Raise OSError when an http(s) tracking URI's host does not accept a TCP connection within
-    :data:`CONNECT_TIMEOUT_S` (so an unreachable server costs seconds, not MLflow's retry minutes)."""
+    """Raise OSError when an http(s) tracking server does not answer an HTTP request within
+    :data:`CONNECT_TIMEOUT_S` (no TCP connection, or one that is accepted and never answered), so that an
+    unreachable server costs seconds, not the tracking library's retry minutes (MLflow ~70 s, W&B ~90 s: issue 53).
+    Any HTTP answer counts as reachable (401, 404: the library's own calls say what is wrong). Other schemes
+    (file stores, plugins) are not checked."""
+    import urllib.error
+    import urllib.request
+
     u = urlparse(uri)
     if u.scheme not in ("http", "https"):
         return
-    port = u.port or (443 if u.scheme == "https" else 80)
-    with socket.create_connection((u.hostname, port), timeout=CONNECT_TIMEOUT_S):
-        pass
+    try:
+        with urllib.request.urlopen(urllib.request.Request(uri, method="GET"), timeout=CONNECT_TIMEOUT_S):
+            pass
+    except urllib.error.HTTPError:
+        return  # it answered
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", e)  # the OS error behind it (refused, timed out, no such host)
+        kind = type(reason) if isinstance(reason, OSError) else OSError
+        raise kind(f"{u.scheme}://{u.netloc} did not answer within {CONNECT_TIMEOUT_S:g} s: {reason}") from None
+
+
+def root_cause(e: BaseException, limit: int = 300) -> str:
+    """One line for a tracker's failure that keeps its root cause: ``Type: message`` of ``e`` (cut to ``limit``
+    characters), followed by ``; cause: Type: message`` of the innermost exception it was raised from (MLflow and
+    W&B wrap the network error that explains it in a long message of their own, which used to be cut before it)."""
+
+    def one(x: BaseException) -> str:
+        text = " ".join(str(x).split()) or type(x).__name__
+        return f"{type(x).__name__}: {text[:limit] + ('...' if len(text) > limit else '')}"
+
+    inner, seen = e, {id(e)}
+    while True:
+        nxt = inner.__cause__ or inner.__context__
+        if nxt is None or id(nxt) in seen:
+            break
+        seen.add(id(nxt))
+        inner = nxt
+    return one(e) + (f"; cause: {one(inner)}" if inner is not e else "")
+
+
+def wandb_base_url() -> Optional[str]:
+    """The W&B server a run would talk to (``WANDB_BASE_URL``, default ``https://api.wandb.ai``), or None when W&B
+    runs without one (``WANDB_MODE`` offline, dryrun or disabled)."""
+    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "dryrun", "disabled"):
+        return None
+    return os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai"
 
 
 #: The MLflow store of a run that names none (no ``tracking_uri``, no ``MLFLOW_TRACKING_URI``): a file store in this
@@ -286,8 +327,13 @@ class WandbTracker(Tracker):
         self.run = None
 
     def start(self, run_id: Optional[str]) -> str:
+        """Check the server first (:func:`_check_reachable` of :func:`wandb_base_url`: seconds, not W&B's own
+        ~90 s ``init_timeout``), then ``wandb.init``."""
         import wandb
 
+        base = wandb_base_url()
+        if base:
+            _check_reachable(base)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(
             project=self.project,
@@ -325,8 +371,12 @@ class WandbTracker(Tracker):
         self.run.save(str(path), base_path=str(base if base is not None else Path(path).parent), policy="now")
 
     def finish(self, status: str = "FINISHED") -> None:
-        """``wandb.Run.finish`` with exit code 0 for FINISHED, 1 for KILLED or FAILED (W&B marks a run whose exit
-        code is not 0 as failed)."""
+        """``wandb.Run.finish`` with exit code 0 for FINISHED, 1 for KILLED or FAILED. KILLED (stopped with a
+        checkpoint: the same command resumes it) is first marked ``mark_preempting()``, so W&B shows a preempted,
+        resumable run rather than a failed one (W&B docs, "Signal handling and sweep runs":
+        https://docs.wandb.ai/models/sweeps/signal-handling-sweep-runs)."""
+        if status == "KILLED":
+            self.run.mark_preempting()
         self.run.finish(exit_code=0 if status == "FINISHED" else 1)
 
 
@@ -389,11 +439,7 @@ class TrackingSinks:
                 call(t)
             except Exception as e:  # noqa: BLE001 - any tracker failure (import, network, server) disables it
                 self.live.remove(t)
-                detail = " ".join(str(e).split())[:300] or type(e).__name__
-                self.warn(
-                    f"WARNING: tracking {t.name}: {what} failed ({type(e).__name__}: {detail}); "
-                    f"{self.continues} without it"
-                )
+                self.warn(f"WARNING: tracking {t.name}: {what} failed ({root_cause(e)}); {self.continues} without it")
 
     # .. the delivery thread ..............................................................................
     def _deliver(self) -> None:
@@ -438,15 +484,17 @@ class TrackingSinks:
                     "until they catch up (metrics.jsonl keeps every row)"
                 )
 
-    def _close(self, what: str, call: Callable[[Tracker], None]) -> None:
-        """Queue the closing call, wait up to ``flush_timeout_s`` for the thread to deliver everything."""
+    def _close(self, what: str, call: Callable[[Tracker], None], timeout_s: Optional[float] = None) -> None:
+        """Queue the closing call, wait up to ``timeout_s`` (default ``flush_timeout_s``) for the thread to deliver
+        everything."""
+        timeout_s = self.flush_timeout_s if timeout_s is None else timeout_s
         if self._thread is None:
             self._each(what, call)
         else:
-            deadline = time.monotonic() + self.flush_timeout_s
+            deadline = time.monotonic() + timeout_s
             stop_queued = False
             try:
-                self._queue.put((what, call), timeout=self.flush_timeout_s)
+                self._queue.put((what, call), timeout=max(timeout_s, 0.001))
                 self._queue.put(_STOP, timeout=max(deadline - time.monotonic(), 0.001))
                 stop_queued = True
             except queue.Full:
@@ -455,8 +503,11 @@ class TrackingSinks:
             if self._thread.is_alive():
                 self.warn(
                     f"WARNING: tracking: {self._queue.qsize() - stop_queued} items were not delivered within "
-                    f"{self.flush_timeout_s:g} s ({what} included); metrics.jsonl keeps every row"
+                    f"{timeout_s:g} s ({what} included); metrics.jsonl keeps every row"
+                    + ("; ending the tracked runs without them" if what == "finish" else "")
                 )
+                if what == "finish":  # a true end state (not RUNNING for ever) matters more than the last rows
+                    self._each(what, call)
             self._thread = None
         if self._dropped:
             self.warn(f"WARNING: tracking: {self._dropped} items were dropped while the trackers lagged behind")
@@ -500,6 +551,7 @@ class TrackingSinks:
         """:meth:`Tracker.detach` on every live sink after everything queued; the sinks are then closed."""
         self._close("detach", lambda t: t.detach())
 
-    def finish(self, status: str = "FINISHED") -> None:
-        """:meth:`Tracker.finish` on every live sink after everything queued; the sinks are then closed."""
-        self._close("finish", lambda t: t.finish(status))
+    def finish(self, status: str = "FINISHED", timeout_s: Optional[float] = None) -> None:
+        """:meth:`Tracker.finish` on every live sink after everything queued (waiting at most ``timeout_s``
+        seconds, default ``flush_timeout_s``); the sinks are then closed."""
+        self._close("finish", lambda t: t.finish(status), timeout_s)

@@ -92,6 +92,17 @@ class Trainer(ResumeMixin):
         self.best_metric = self.task.target_metric
         self.best_direction = self.task.metric_directions()[self.best_metric]
         self.ckpt = self._open_checkpoint_dir()
+        try:
+            self._build(cfg, info)
+        except BaseException:
+            self.ckpt.release_lock()  # a run that never trained leaves the folder to the next one at once
+            raise
+
+    def _build(self, cfg: TrainConfig, info: dist.DistInfo) -> None:
+        """The rest of :meth:`__init__`, once rank 0 holds the checkpoint folder's lock: data, loaders, model,
+        optimizer, resume, tracking."""
+        if self.ckpt.lock_note:
+            self.log.info("WARNING: " + self.ckpt.lock_note)
         data = self.task.build_data()
         self.label_space = dict(data.label_space)
         self.val_left_out = data.val_left_out
@@ -145,8 +156,8 @@ class Trainer(ResumeMixin):
             if info.is_main:
                 self.log.info(self.ckpt.prepare(self._state()))
             previous = self.ckpt.pop_interrupted() if info.is_main else None
-        except Exception:
-            self.log.finish_tracking("FAILED")  # run.run never holds this trainer: end its tracked run here
+        except BaseException as e:  # run.run never holds this trainer: end its tracked run here
+            self.log.finish_tracking("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
             raise
         if previous:
             self.log.info(f"checkpoint: the previous run was interrupted: {previous.get('reason')}")
@@ -157,7 +168,8 @@ class Trainer(ResumeMixin):
     def _start_tracking(self) -> None:
         """Start the ``tracking`` sinks on rank 0 (continuing the run ids of a resumed checkpoint): the flat
         config as params; task, model, seed, config file (``TRAINSTACK_CONFIG_FILE``, set by the command line),
-        world size and the system facts as tags. A failing tracker is a warning (MetricsLogger). MLflow's store:
+        sweep trial and sweep folder (``TRAINSTACK_SWEEP_TRIAL``, ``TRAINSTACK_SWEEP``, set by ``sweep``), world
+        size and the system facts as tags. A failing tracker is a warning (MetricsLogger). MLflow's store:
         :func:`~trainer.engine.tracking.resolve_mlflow_uri` (``tracking_uri``, ``MLFLOW_TRACKING_URI``, the resumed
         checkpoint's, else ``<log_dir>/mlruns``); the resolved URI goes into every checkpoint (``tracking_uri``)."""
         cfg = self.cfg
@@ -178,6 +190,9 @@ class Trainer(ResumeMixin):
         config_file = os.environ.get("TRAINSTACK_CONFIG_FILE")
         if config_file:
             tags["config"] = Path(config_file).name
+        for tag, var in (("trial", "TRAINSTACK_SWEEP_TRIAL"), ("sweep", "TRAINSTACK_SWEEP")):  # set by `sweep`
+            if os.environ.get(var):
+                tags[tag] = os.environ[var]
         tags.update(system_facts())
         self.log.start_tracking(trackers, self._tracking_ids, cfg.to_dict(), tags)
 
@@ -427,6 +442,7 @@ class Trainer(ResumeMixin):
                 self.global_step,
                 self._step_values(window_loss, window_n, t0, st.images - images0) if log_now else {},
                 cfg.log_every_steps,
+                last_of_epoch=self.step_in_epoch == self.steps_per_epoch,
             )
             if log_now:
                 window_loss.zero_()
@@ -484,7 +500,8 @@ class Trainer(ResumeMixin):
     def fit(self) -> dict:
         """Train until ``epochs``, ``target_value`` of the target metric or an agreed stop request; return the last epoch's
         metrics. Every checkpoint started is durable when this returns or raises, except after
-        ``KeyboardInterrupt`` (a second Ctrl-C): then the one being written is abandoned (:meth:`abort`).
+        ``KeyboardInterrupt`` (a second Ctrl-C): then the one being written is abandoned (:meth:`abort`). A run
+        that raises lets go of the checkpoint folder's writer lock (it writes no more checkpoints).
 
         Raises CheckpointError (every rank) when a checkpoint could not be written."""
         try:
@@ -494,6 +511,7 @@ class Trainer(ResumeMixin):
             raise
         except BaseException:
             self.ckpt.join()  # its own error, if any, must not hide the one that got us here
+            self.ckpt.release_lock()  # a failed run writes no more checkpoints
             raise
         self._writer_check(wait=True)
         return last
@@ -503,6 +521,7 @@ class Trainer(ResumeMixin):
         stay) and stop the loader workers. Returns :meth:`final_checkpoint`. Idempotent."""
         self.ckpt.abort()
         self.ckpt.close()
+        self.ckpt.release_lock()
         shutdown_all()
         return self.final_checkpoint()
 
@@ -617,12 +636,13 @@ class Trainer(ResumeMixin):
         FINISHED; :func:`trainer.engine.run.run` passes FAILED for a non-finite loss)."""
         self.ckpt.wait()
         self.ckpt.close()
+        self.ckpt.release_lock()
         shutdown_all()
         tags = {}
         if self.log.tracking is not None:
             final, best = self.final_checkpoint(), self.ckpt.pointer("best")
-            if final is not None:
-                tags["checkpoint_final"] = str(final)
+            if final is not None:  # absolute: a tag must name the folder from wherever it is read
+                tags["checkpoint_final"] = str(Path(final).resolve())
             if best:
-                tags["checkpoint_best"] = str(self.ckpt.dir / best)
+                tags["checkpoint_best"] = str((self.ckpt.dir / best).resolve())
         return self.log.close(tags, status=status or ("KILLED" if self.interrupted else "FINISHED"))

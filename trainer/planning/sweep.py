@@ -20,15 +20,23 @@ Usage::
   existing one for all.
   ``--parallel K`` above that K is refused (exit 2), so a sweep cannot repeat seed 004's 4-jobs incident.
 * Each trial: ``sys.executable -m trainer train ...`` in its own session (a terminal's Ctrl-C reaches only the
-  sweep), output in ``OUT/<trial>/train.log``, ``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` = vCPUs // K (at least 1),
+  sweep) that dies with the sweep (Linux ``PR_SET_PDEATHSIG``: SIGTERM when the sweep ends in any way, SIGKILL and
+  OOM included, so the trial checkpoints and exits 75 instead of training on as an orphan), output in
+  ``OUT/<trial>/train.log``, ``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` = vCPUs // K (at least 1),
   and with several GPUs ``CUDA_VISIBLE_DEVICES`` = its slot's GPU (slot i of K: GPU i mod GPUs).
+* Tracking (``--tracking``): every trial logs to one MLflow store, ``OUT/mlruns`` unless ``--tracking-uri`` or
+  ``MLFLOW_TRACKING_URI`` names one, as a run named after the trial (unless ``--tracking-run-name``) with the tags
+  ``trial`` (``t000``...) and ``sweep`` (``OUT``).
 * ``OUT/sweep.json``: the manifest (base config path, its SHA-256 and resolved values, fixed flags, the space,
-  its seed, the metric, the trials). ``OUT/<trial>/status.json``: ``{"status": "done" | "failed" |
+  its seed, the metric, the trials), written only once every check has passed (the configs, K). ``OUT/<trial>/status.json``: ``{"status": "done" | "failed" |
   "interrupted", "rc", "wall_s"}``. Re-running the same command resumes: done and failed trials are skipped
   (delete a trial's ``status.json`` to run it again), interrupted and pending ones run (the trainer resumes from
   their checkpoints). Another space, metric or base config against an existing ``OUT`` is exit 2.
-* SIGTERM / SIGINT: forwarded once as SIGTERM to the running trials, which checkpoint and exit 75; the sweep
-  waits for them, writes the partial results and exits 75.
+* SIGTERM / SIGINT / SIGHUP (a closed terminal or SSH session): forwarded once as SIGTERM to the running trials,
+  which checkpoint and exit 75; the sweep waits for them, writes the partial results and exits 75.
+* A trial whose checkpoint folder another process is writing (a trial of an earlier sweep still alive: its
+  ``writer.lock``, :func:`trainer.engine.durable.lock_holder`) is not started: the sweep names that process and
+  exits 75 once the others are done (run the same command again when it has ended).
 * Results (:func:`trial_result`): per trial the best value of the objective over its epoch rows of
   ``OUT/<trial>/logs/metrics.jsonl`` (``kind == "epoch"``) and its epoch, the last value, status, wall seconds;
   ranked (:func:`trainer.config.sweep.rank`, done trials only) into ``OUT/results.md|json|png``.
@@ -131,6 +139,15 @@ def trial_dirs(out: Path, name: str) -> dict[str, Path]:
         "log": d / "train.log",
         "status": d / "status.json",
     }
+
+
+def tracking_overrides(cfg, out: Path) -> dict[str, str]:
+    """``{"tracking_uri": file URI of OUT/mlruns}`` when the trials track to MLflow and no store is named
+    (``tracking_uri``, ``MLFLOW_TRACKING_URI``): one store for the whole sweep instead of one per trial's
+    ``log_dir``; else ``{}``."""
+    if "mlflow" not in (cfg.tracking or []) or cfg.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"):
+        return {}
+    return {"tracking_uri": (out / "mlruns").resolve().as_uri()}
 
 
 def _check_manifest(out: Path, manifest: dict) -> None:
@@ -292,8 +309,34 @@ def trial_result(name: str, values: dict, metric: str, mode: str, out: Path) -> 
     return row
 
 
+#: ``prctl`` option: the signal the calling process gets when its parent dies (linux/prctl.h).
+_PR_SET_PDEATHSIG = 1
+#: Signals that stop the sweep (forwarded to the trials as SIGTERM).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def die_with_parent() -> Optional[Callable[[], None]]:
+    """A ``preexec_fn`` for :class:`subprocess.Popen` that makes the child get SIGTERM when this process dies (Linux
+    ``prctl(PR_SET_PDEATHSIG, SIGTERM)``, kept across ``exec``: prctl(2)), and SIGTERM at once when this process
+    died between the fork and the ``prctl``. None off Linux (nothing to arm)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    parent = os.getpid()
+
+    def arm() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return arm
+
+
 class _Stop:
-    """Set by SIGTERM/SIGINT: the sweep stops starting trials and forwards SIGTERM once to the running ones."""
+    """Set by SIGTERM/SIGINT/SIGHUP: the sweep stops starting trials and forwards SIGTERM once to the running
+    ones."""
 
     def __init__(self):
         self.signum: Optional[int] = None
@@ -302,12 +345,16 @@ class _Stop:
         self.signum = signum
 
 
-def _run_trials(todo: list[tuple[str, list[str]]], out: Path, k: int, gpus: int, log: Callable) -> bool:
-    """Run ``todo`` (trial name, train argv) ``k`` at a time; write each ``status.json``. Returns True when a
-    signal stopped the sweep (running trials were sent SIGTERM and waited for)."""
+def _run_trials(todo: list[tuple[str, list[str]]], out: Path, k: int, gpus: int, log: Callable) -> tuple[bool, int]:
+    """Run ``todo`` (trial name, train argv) ``k`` at a time; write each ``status.json``. Returns (whether a signal
+    stopped the sweep: running trials were sent SIGTERM and waited for; how many trials were not started because
+    another process holds their checkpoint folder's lock)."""
+    from trainer.engine.durable import describe_holder, lock_holder
+
     threads = str(max(1, (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()) // k))
     stop = _Stop()
-    old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    old = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
+    held = 0
     running: dict[int, tuple[str, subprocess.Popen, float, Any]] = {}  # slot -> (name, proc, start, log file)
     queue = list(todo)
     forwarded = False
@@ -322,6 +369,15 @@ def _run_trials(todo: list[tuple[str, list[str]]], out: Path, k: int, gpus: int,
                 slot = next(s for s in range(k) if s not in running)
                 name, argv = queue.pop(0)
                 paths = trial_dirs(out, name)
+                holder = lock_holder(paths["checkpoints"])
+                if holder is not None:
+                    held += 1
+                    log(
+                        f"sweep: {name}: not started: its checkpoint_dir {paths['checkpoints']} is being written by "
+                        f"{describe_holder(holder)} (a trial of an earlier sweep?); run the same command again once "
+                        "it has ended"
+                    )
+                    continue
                 paths["dir"].mkdir(parents=True, exist_ok=True)
                 env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1"}
                 if gpus > 1:
@@ -329,7 +385,16 @@ def _run_trials(todo: list[tuple[str, list[str]]], out: Path, k: int, gpus: int,
                 fh = open(paths["log"], "a")
                 fh.write(f"$ {' '.join(argv)}\n")
                 fh.flush()
-                proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                env["TRAINSTACK_SWEEP_TRIAL"] = name  # the trial's tag in the trackers
+                env["TRAINSTACK_SWEEP"] = str(out)
+                proc = subprocess.Popen(
+                    argv,
+                    stdout=fh,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    start_new_session=True,
+                    preexec_fn=die_with_parent(),
+                )
                 running[slot] = (name, proc, time.monotonic(), fh)
                 log(f"sweep: {name}: started (slot {slot}, {threads} CPU thread(s)); log {paths['log']}")
             for slot, (name, proc, t0, fh) in list(running.items()):
@@ -350,7 +415,7 @@ def _run_trials(todo: list[tuple[str, list[str]]], out: Path, k: int, gpus: int,
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-    return stop.signum is not None
+    return stop.signum is not None, held
 
 
 def run_sweep(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
@@ -369,9 +434,12 @@ def run_sweep(args: argparse.Namespace, log: Callable[[str], None] = print) -> i
     trials = space.trials()
     names = [trial_name(i) for i in range(len(trials))]
     argvs = []
+    shared = tracking_overrides(cfg, out)
     for name, values in zip(names, trials):  # every trial's config, before any trial runs
         paths = trial_dirs(out, name)
-        where = {"checkpoint_dir": str(paths["checkpoints"]), "log_dir": str(paths["logs"])}
+        where = {"checkpoint_dir": str(paths["checkpoints"]), "log_dir": str(paths["logs"]), **shared}
+        if cfg.tracking and not cfg.tracking_run_name and "tracking_run_name" not in values:
+            where["tracking_run_name"] = name
         try:
             load_config(base, {**fixed, **values, **where})
         except ConfigError as e:
@@ -395,8 +463,6 @@ def run_sweep(args: argparse.Namespace, log: Callable[[str], None] = print) -> i
         "trials": [{"trial": n, **t} for n, t in zip(names, trials)],
     }
     _check_manifest(out, manifest)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str) + "\n")
 
     def state(name: str) -> str:
         p = trial_dirs(out, name)["status"]
@@ -406,13 +472,17 @@ def run_sweep(args: argparse.Namespace, log: Callable[[str], None] = print) -> i
     skipped = len(names) - len(todo)
     if skipped:
         log(f"sweep: {skipped} of {len(names)} trial(s) already finished in {out}: skipped")
-    stopped = False
+    stopped, held = False, 0
+    k, why = (
+        parallel_for_space(base, fixed, trials, len(todo), args.parallel, args.probe_report, out) if todo else (0, "")
+    )
+    out.mkdir(parents=True, exist_ok=True)  # every check has passed: the manifest marks OUT as this sweep's
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str) + "\n")
     if todo:
-        k, why = parallel_for_space(base, fixed, trials, len(todo), args.parallel, args.probe_report, out)
         log(why)
         from trainer.planning.local import local_machine
 
-        stopped = _run_trials(todo, out, k, local_machine().gpus, log)
+        stopped, held = _run_trials(todo, out, k, local_machine().gpus, log)
     rows = rank([trial_result(n, t, metric, mode, out) for n, t in zip(names, trials)], metric, mode)
     import logging
 
@@ -420,7 +490,7 @@ def run_sweep(args: argparse.Namespace, log: Callable[[str], None] = print) -> i
     paths = write_results(rows, space.names, metric, mode, out, extra=("best_epoch", "last"))
     print(results_markdown(rows, space.names, metric, mode, extra=("best_epoch", "last")), end="")
     log(f"sweep: results: {paths['md']}, {paths['json']}, {paths['png']}")
-    if stopped:
+    if stopped or held:
         log(f"sweep: interrupted; run the same command again to resume ({out})")
         return EXIT_INTERRUPTED
     if any(r["status"].startswith("failed") for r in rows):

@@ -336,7 +336,8 @@ class VideoTask(Task):
             "num_frames": cfg.num_frames,
             "frame_stride": cfg.frame_stride,
             "preprocess": f"{cfg.num_frames} frames every {cfg.frame_stride} from the clip's centre, each resized "
-            f"to {cfg.image_size} px",
+            f"(shorter side to {cfg.image_size} px, antialiased) and centre-cropped to {cfg.image_size}x"
+            f"{cfg.image_size} (predict's read_frames)",
             "top_k": 5,
         }
 
