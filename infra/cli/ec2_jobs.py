@@ -19,7 +19,7 @@ from botocore.exceptions import ClientError
 from infra import job_record as jr
 from infra.cli.outputs import Outputs
 from infra.cli.session import Aws, CliError, explain
-from infra.recovery import live_job_instances
+from infra.recovery_ec2 import live_job_instances
 
 _STEP = re.compile(r"^step=(\d+) ")
 _RESUME = re.compile(r"resuming from \S*ckpt-(\d+)")

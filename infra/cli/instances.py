@@ -18,7 +18,7 @@ import catalog
 from infra import job_record as jr
 from infra.cli.outputs import Outputs, image_exists
 from infra.cli.session import CAPACITY_ERRORS, Aws, CliError, explain
-from infra.recovery import on_demand_version, run_job_instance  # noqa: F401  (on_demand_version: re-exported)
+from infra.recovery_ec2 import on_demand_version, run_job_instance  # noqa: F401  (on_demand_version: re-exported)
 
 LIVE_STATES = ["pending", "running", "stopping", "stopped"]
 _JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")

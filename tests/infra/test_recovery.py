@@ -154,10 +154,34 @@ def _launch(aws, job: str, *flags: str) -> str:
     return iid
 
 
+RECLAIM = ("Server.SpotInstanceTermination", "Server.SpotInstanceTermination: Spot instance termination")
+USER = ("Client.UserInitiatedShutdown", "Client.UserInitiatedShutdown: User initiated shutdown")
+INSIDE = ("Client.InstanceInitiatedShutdown", "Client.InstanceInitiatedShutdown: Instance initiated shutdown")
+
+
+def _set_state_reason(iid: str, reason: tuple[str, str]) -> None:
+    """Give moto's instance the StateReason EC2 reports (code, message). moto's TerminateInstances always
+    records ``Client.UserInitiatedShutdown`` (right for teardown/stop/an alarm action, which call the EC2 API)
+    and has no spot reclaim, so a reclaim is the API termination with its StateReason then replaced on moto's
+    instance object, which DescribeInstances serializes as AWS does (``StateReason: {Code, Message}``)."""
+    from moto.ec2.models import ec2_backends
+    from moto.ec2.models.instances import StateReason
+
+    inst = ec2_backends[moto_env.ACCOUNT][moto_env.REGION].get_instance(iid)
+    inst.state_reason = StateReason(reason[1], reason[0])
+
+
 def _interrupt(aws, iid: str) -> list[dict]:
-    """What EC2 does to a reclaimed spot instance: the warning, then shutting-down and terminated."""
+    """What EC2 does to a reclaimed spot instance: the warning, then shutting-down and terminated with
+    StateReason ``Server.SpotInstanceTermination`` (injected: :func:`_set_state_reason`)."""
     aws.client("ec2").terminate_instances(InstanceIds=[iid])
+    _set_state_reason(iid, RECLAIM)
     return [warning(iid), state(iid, "shutting-down"), state(iid, "terminated")]
+
+
+def _reclaim(aws, iid: str) -> dict:
+    """A spot reclaim without a warning having reached the function: the terminated event only."""
+    return _interrupt(aws, iid)[-1]
 
 
 def _topic_messages(aws) -> list[str]:
@@ -211,8 +235,7 @@ def test_relaunch_waits_until_the_data_volume_is_released(aws):
     aws.client("ec2").attach_volume(VolumeId=volume, InstanceId=other["InstanceId"], Device="/dev/sdf")
     clock = Clock()
     ctl = _controller(aws, clock)
-    aws.client("ec2").terminate_instances(InstanceIds=[old])
-    assert "release the data volume" in ctl.handle(state(old, "terminated"))[0]
+    assert "release the data volume" in ctl.handle(_reclaim(aws, old))[0]
     assert _live(aws, "vol") == [] and _record(aws, "vol")["state"] == jr.WAITING
     aws.client("ec2").detach_volume(VolumeId=volume, InstanceId=other["InstanceId"], Device="/dev/sdf")
     clock.t += recovery.VOLUME_WAIT_S
@@ -485,8 +508,7 @@ def test_recovery_role_allows_what_the_controller_calls_and_nothing_wider(aws, t
     clock = Clock()
     ec2 = Ec2(session.client("ec2"), refuse={("g5.2xlarge", "spot"): "InsufficientInstanceCapacity"})
     ctl = recovery.Controller(_controller(aws, clock).s, ec2, session.client("s3"), session.client("sns"), now=clock)
-    aws.client("ec2").terminate_instances(InstanceIds=[iid])
-    lines = ctl.handle(state(iid, "terminated"))
+    lines = ctl.handle(_reclaim(aws, iid))
     for _ in range(recovery.SPOT_ONLY_ROUNDS):
         clock.t += recovery.BACKOFF_MAX_S
         lines += ctl.handle(TICK)
