@@ -15,7 +15,9 @@ Record fields: ``job``, ``env``, ``state`` (:data:`STATES`), ``reason``, ``recov
 None), ``prices`` (type -> {"spot", "on-demand"}: USD per hour from the catalog at launch), ``tags`` (the
 instance tags, image digest included), ``attempts`` (each: ``instance_id``, ``type``, ``market``,
 ``version``, ``start``, ``end`` (epoch seconds or None), ``ended_by``, ``warned_at``), ``recoveries``,
-``capacity_rounds``, ``next_try_at``, ``lease_until`` (epoch seconds or None), ``notes`` (last capacity errors).
+``capacity_rounds``, ``transient_rounds`` (rounds ended by a throttling/server error), ``next_try_at``,
+``lease_until`` (epoch seconds or None), ``notes`` (the last round's errors), ``refusals`` ("<type> <market>" ->
+{"code", "at"}: EC2's last refusal of each).
 boto3 only: the recovery function imports this module.
 """
 
@@ -88,9 +90,11 @@ def new_record(
         "attempts": [],
         "recoveries": 0,
         "capacity_rounds": 0,
+        "transient_rounds": 0,
         "next_try_at": None,
         "lease_until": None,
         "notes": [],
+        "refusals": {},
     }
 
 
@@ -133,6 +137,27 @@ def save(s3, bucket: str, stored: Stored) -> Stored:
 def replace(s3, bucket: str, record: dict) -> Stored:
     """Write ``record`` unconditionally (``launch`` reusing a job name whose run is final)."""
     return _put(s3, bucket, record)
+
+
+def end(s3, bucket: str, job: str, state: str, reason: str, tries: int = 10) -> Optional[dict]:
+    """Mark ``job`` ended on purpose (``state``, e.g. :data:`STOPPED`, with ``reason``) *before* its instances are
+    terminated, so that the recovery controller relaunches nothing: a conditional write, read again when another
+    writer came in between. A job already final keeps its state (``done`` stays ``done``). Returns the record as
+    written (or as found when final), None when the job has no record. Raises :class:`Conflict` when the
+    record kept changing ``tries`` times, botocore ClientError for S3 errors."""
+    for _ in range(tries):
+        stored = load(s3, bucket, job)
+        if stored is None:
+            return None
+        r = stored.record
+        if r["state"] in FINAL_STATES and r["state"] != STOPPED:
+            return r
+        r["state"], r["reason"], r["lease_until"] = state, reason, None
+        try:
+            return save(s3, bucket, stored).record
+        except Conflict:
+            continue
+    raise Conflict(job)
 
 
 def exit_code(s3, bucket: str, job: str, instance_id: str) -> Optional[int]:

@@ -173,6 +173,8 @@ def live_job_instances(ec2, env: str, job: Optional[str] = None) -> list[str]:
     """Ids of the instances of ``job`` (of any job when None) in environment ``env`` that are not terminated
     (they may hold the data volume). Raises botocore ClientError."""
     filters = [{"Name": "tag:trainstack:env", "Values": [env]}, {"Name": "instance-state-name", "Values": LIVE_STATES}]
-    filters.append({"Name": "tag:trainstack:job", "Values": [job]} if job else {"Name": "tag-key", "Values": ["trainstack:job"]})
+    filters.append(
+        {"Name": "tag:trainstack:job", "Values": [job]} if job else {"Name": "tag-key", "Values": ["trainstack:job"]}
+    )
     pages = ec2.get_paginator("describe_instances").paginate(Filters=filters)
     return [i["InstanceId"] for page in pages for r in page["Reservations"] for i in r["Instances"]]
