@@ -575,13 +575,15 @@ def test_synthesized_rules_target_the_function_with_the_handler(templates):
         "TRAINSTACK_TOPIC_ARN",
         "TRAINSTACK_VOLUME_ID",
         "TRAINSTACK_LAUNCH_TEMPLATES",
+        "TRAINSTACK_IDLE_ALARM_PREFIX",
     }
+    assert p["Environment"]["Variables"]["TRAINSTACK_IDLE_ALARM_PREFIX"] == f"trainstack-{moto_env.ENV}-gpu-idle-"
     rules = {
         r["Properties"]["Description"].split(": ", 1)[1]: r["Properties"]
         for r in resources(t, "AWS::Events::Rule").values()
         if "recovery" in r["Properties"]["Description"]
     }
-    assert len(rules) == 3
+    assert len(rules) == 4
     patterns = [r.get("EventPattern") for r in rules.values()]
     assert {
         "source": ["aws.ec2"],
@@ -593,5 +595,10 @@ def test_synthesized_rules_target_the_function_with_the_handler(templates):
         "detail": {"state": ["stopping", "shutting-down", "terminated"]},
     } in patterns
     assert any(r.get("ScheduleExpression") == f"rate({recovery.TICK_S // 60} minutes)" for r in rules.values())
+    assert {
+        "source": ["aws.cloudwatch"],
+        "detail-type": ["CloudWatch Alarm State Change"],
+        "detail": {"alarmName": [{"prefix": f"trainstack-{moto_env.ENV}-gpu-idle-"}], "state": {"value": ["ALARM"]}},
+    } in patterns
     for r in rules.values():
         assert r["Targets"][0]["Arn"] == {"Fn::GetAtt": [fn_id, "Arn"]}
