@@ -137,6 +137,9 @@ def launch(
             f"job {job} is {old.record['state']} ({old.record['reason']})",
             f"`python -m infra --env {aws.env} stop {job}` first, or pick another --job",
         )
+    # The instance runs the image by digest (tag trainstack:image-digest, read by the user data into
+    # /etc/trainstack.env), so every restart of the job after exit 75 runs the image it started with.
+    digest = image_exists(aws, outputs, image_tag, ecr)
     other = other_running_job(aws, outputs, job, ec2, s3)
     if other is not None:
         raise CliError(
@@ -144,9 +147,6 @@ def launch(
             "has one writer)",
             f"`python -m infra --env {aws.env} stop {other[0]}` first, or launch in another environment",
         )
-    # The instance runs the image by digest (tag trainstack:image-digest, read by the user data into
-    # /etc/trainstack.env), so every restart of the job after exit 75 runs the image it started with.
-    digest = image_exists(aws, outputs, image_tag, ecr)
     tags = _tags(aws.env, job, config, image_tag, digest, args, keep)
     try:
         got = Launched(*run_job_instance(ec2, template_id, tags, "spot"), market="spot")
