@@ -352,4 +352,10 @@ def test_d2_the_function_has_an_on_failure_queue_and_an_errors_alarm(templates):
     names = {m.get("MetricStat", {}).get("Metric", {}).get("MetricName") for m in alarm["Metrics"]}
     assert {"Errors", "Throttles"} <= names
     assert alarm["Threshold"] == 1 and alarm["ComparisonOperator"] == "GreaterThanOrEqualToThreshold"
-    assert "AlarmTopicArn" in json.dumps(alarm["AlarmActions"]) or "Alarms" in json.dumps(alarm["AlarmActions"])
+    # its actions are the monitoring stack's alarm topic (imported by its export)
+    mon = templates["MonitoringStack"]
+    exports = {o["Export"]["Name"]: o["Value"] for o in mon["Outputs"].values() if "Export" in o}
+    ((topic_id, _),) = resources(mon, "AWS::SNS::Topic").items()
+    for actions in (alarm["AlarmActions"], alarm["OKActions"]):
+        ((action,),) = [actions]
+        assert exports[action["Fn::ImportValue"]] == {"Ref": topic_id}
