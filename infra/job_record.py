@@ -1,7 +1,7 @@
 """The durable record of one EC2 job: ``s3://<data bucket>/jobs/<job>/record.json``, and its exit records.
 
 One JSON object per job, written by ``python -m infra launch`` and updated by the recovery controller
-(:mod:`infra.recovery`) and by ``stop``; ``status``, ``logs`` and ``stop`` read it. Every update is a
+(:mod:`infra.recovery`) and by ``stop``/``teardown`` (:func:`end`, before they terminate anything); ``status``, ``logs`` and ``stop`` read it. Every update is a
 conditional write (S3 ``PutObject`` with ``If-Match`` on the ETag read, or ``If-None-Match: *`` when created;
 Amazon S3 user guide, "Add preconditions to S3 operations with conditional requests"), so two writers never
 overwrite each other: the second gets :class:`Conflict` and reads again.
@@ -179,6 +179,21 @@ def list_jobs(s3, bucket: str) -> list[str]:
     out = []
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=PREFIX, Delimiter="/"):
         out += [p["Prefix"][len(PREFIX) : -1] for p in page.get("CommonPrefixes", [])]
+    return out
+
+
+def unfinished(s3, bucket: str) -> list[tuple[str, Optional[dict]]]:
+    """(name, record) of every job in ``bucket`` whose record is not final; a record that is not JSON comes with
+    None (it may be anything: the caller decides). Raises botocore ClientError for S3 errors."""
+    out = []
+    for name in list_jobs(s3, bucket):
+        try:
+            stored = load(s3, bucket, name)
+        except ValueError:
+            out.append((name, None))
+            continue
+        if stored is not None and stored.record.get("state") not in FINAL_STATES:
+            out.append((name, stored.record))
     return out
 
 

@@ -204,14 +204,9 @@ def other_running_job(aws: Aws, outputs: Outputs, job: str, ec2, s3) -> Optional
     one whose record is not final, or a live instance tagged with another job. None when there is none. A record
     that cannot be parsed is passed over (the recovery tick reports it). Raises CliError when AWS refuses a call."""
     try:
-        names = [n for n in jr.list_jobs(s3, outputs.bucket) if n != job]
-        for name in names:
-            try:
-                stored = jr.load(s3, outputs.bucket, name)
-            except ValueError:
-                continue
-            if stored is not None and stored.record.get("state") not in jr.FINAL_STATES:
-                return name, str(stored.record.get("state"))
+        for name, record in jr.unfinished(s3, outputs.bucket):
+            if name != job and record is not None:
+                return name, str(record["state"])
     except ClientError as e:
         raise explain(e, "reading the job records of the environment") from None
     for inst in list_instances(aws, ec2):
@@ -300,16 +295,9 @@ def end_jobs(aws: Aws, outputs: Optional[Outputs], apply: bool, s3=None) -> list
     s3 = s3 or aws.client("s3")
     found = []
     try:
-        for name in jr.list_jobs(s3, outputs.bucket):
-            try:
-                stored = jr.load(s3, outputs.bucket, name)
-            except ValueError:
-                found.append(f"{name}(unreadable record)")
-                continue
-            if stored is None or stored.record.get("state") in jr.FINAL_STATES:
-                continue
-            found.append(name)
-            if apply:
+        for name, record in jr.unfinished(s3, outputs.bucket):
+            found.append(name if record is not None else f"{name}(unreadable record)")
+            if apply and record is not None:
                 jr.end(s3, outputs.bucket, name, jr.STOPPED, "stopped by `python -m infra teardown`")
     except jr.Conflict as e:
         raise CliError(f"job {e}: its record kept changing", "rerun the teardown", code=75) from None
