@@ -1,7 +1,7 @@
 """The durable record of one EC2 job: ``s3://<data bucket>/jobs/<job>/record.json``, and its exit records.
 
 One JSON object per job, written by ``python -m infra launch`` and updated by the recovery controller
-(:mod:`infra.recovery`) and by ``stop``; ``status``, ``logs`` and ``stop`` read it. Every update is a
+(:mod:`infra.recovery`) and by ``stop``/``teardown`` (:func:`end`, before they terminate anything); ``status``, ``logs`` and ``stop`` read it. Every update is a
 conditional write (S3 ``PutObject`` with ``If-Match`` on the ETag read, or ``If-None-Match: *`` when created;
 Amazon S3 user guide, "Add preconditions to S3 operations with conditional requests"), so two writers never
 overwrite each other: the second gets :class:`Conflict` and reads again.
@@ -15,7 +15,9 @@ Record fields: ``job``, ``env``, ``state`` (:data:`STATES`), ``reason``, ``recov
 None), ``prices`` (type -> {"spot", "on-demand"}: USD per hour from the catalog at launch), ``tags`` (the
 instance tags, image digest included), ``attempts`` (each: ``instance_id``, ``type``, ``market``,
 ``version``, ``start``, ``end`` (epoch seconds or None), ``ended_by``, ``warned_at``), ``recoveries``,
-``capacity_rounds``, ``next_try_at``, ``lease_until`` (epoch seconds or None), ``notes`` (last capacity errors).
+``capacity_rounds``, ``transient_rounds`` (rounds ended by a throttling/server error), ``next_try_at``,
+``lease_until`` (epoch seconds or None), ``notes`` (the last round's errors), ``refusals`` ("<type> <market>" ->
+{"code", "at"}: EC2's last refusal of each).
 boto3 only: the recovery function imports this module.
 """
 
@@ -88,9 +90,11 @@ def new_record(
         "attempts": [],
         "recoveries": 0,
         "capacity_rounds": 0,
+        "transient_rounds": 0,
         "next_try_at": None,
         "lease_until": None,
         "notes": [],
+        "refusals": {},
     }
 
 
@@ -135,6 +139,27 @@ def replace(s3, bucket: str, record: dict) -> Stored:
     return _put(s3, bucket, record)
 
 
+def end(s3, bucket: str, job: str, state: str, reason: str, tries: int = 10) -> Optional[dict]:
+    """Mark ``job`` ended on purpose (``state``, e.g. :data:`STOPPED`, with ``reason``) *before* its instances are
+    terminated, so that the recovery controller relaunches nothing: a conditional write, read again when another
+    writer came in between. A job already final keeps its state (``done`` stays ``done``). Returns the record as
+    written (or as found when final), None when the job has no record. Raises :class:`Conflict` when the
+    record kept changing ``tries`` times, botocore ClientError for S3 errors."""
+    for _ in range(tries):
+        stored = load(s3, bucket, job)
+        if stored is None:
+            return None
+        r = stored.record
+        if r["state"] in FINAL_STATES and r["state"] != STOPPED:
+            return r
+        r["state"], r["reason"], r["lease_until"] = state, reason, None
+        try:
+            return save(s3, bucket, stored).record
+        except Conflict:
+            continue
+    raise Conflict(job)
+
+
 def exit_code(s3, bucket: str, job: str, instance_id: str) -> Optional[int]:
     """The final exit code the user data recorded for ``instance_id``, or None (none: it was interrupted)."""
     try:
@@ -154,6 +179,21 @@ def list_jobs(s3, bucket: str) -> list[str]:
     out = []
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=PREFIX, Delimiter="/"):
         out += [p["Prefix"][len(PREFIX) : -1] for p in page.get("CommonPrefixes", [])]
+    return out
+
+
+def unfinished(s3, bucket: str) -> list[tuple[str, Optional[dict]]]:
+    """(name, record) of every job in ``bucket`` whose record is not final; a record that is not JSON comes with
+    None (it may be anything: the caller decides). Raises botocore ClientError for S3 errors."""
+    out = []
+    for name in list_jobs(s3, bucket):
+        try:
+            stored = load(s3, bucket, name)
+        except ValueError:
+            out.append((name, None))
+            continue
+        if stored is not None and stored.record.get("state") not in FINAL_STATES:
+            out.append((name, stored.record))
     return out
 
 

@@ -19,7 +19,8 @@ from botocore.exceptions import ClientError
 from infra import job_record as jr
 from infra.cli.outputs import Outputs
 from infra.cli.session import Aws, CliError, explain
-from infra.recovery import live_job_instances
+from infra.recovery import iso
+from infra.recovery_ec2 import live_job_instances
 
 _STEP = re.compile(r"^step=(\d+) ")
 _RESUME = re.compile(r"resuming from \S*ckpt-(\d+)")
@@ -96,6 +97,11 @@ def status(aws: Aws, outputs: Outputs, stored: jr.Stored, logs=None, now: Option
         "recoveries": f"{r['recoveries']} of {r['max_recoveries']}",
         "spend_usd": round(jr.spend_usd(r, now), 2),
         "max_cost_usd": r["max_cost_usd"],
+        "next_try_at": iso(r["next_try_at"]) if r["state"] == jr.WAITING else None,
+        "refusals": [
+            {"type": k.split(" ")[0], "market": k.split(" ")[-1], "code": v["code"], "at": iso(v["at"])}
+            for k, v in sorted(r.get("refusals", {}).items())
+        ],
         "attempts": [
             {
                 "instance_id": a["instance_id"],
@@ -117,6 +123,11 @@ def print_status(info: dict, table) -> None:
     print(f"job {info['job']}: {info['state']} ({info['reason']})")
     print(f"recovery: {'on' if info['recover'] else 'off (--no-recover)'}, recoveries {info['recoveries']}")
     print(f"spend so far: ${info['spend_usd']:.2f} of {cap} (catalog price x hours)")
+    if info["next_try_at"]:
+        print(f"next try: {info['next_try_at']}")
+    if info["refusals"]:
+        print("last refusal per type and market:")
+        table(info["refusals"], ["type", "market", "code", "at"])
     print("attempts:")
     table(info["attempts"], ["instance_id", "type", "market", "start", "end", "ended_by"])
     print("time lost per interruption:")
@@ -136,23 +147,14 @@ def stop(aws: Aws, outputs: Outputs, job: str, ec2=None, s3=None) -> str:
     what it launched) and terminate its live instances. Returns what was done. Raises CliError when the job
     has no record or AWS refuses a call."""
     ec2, s3 = ec2 or aws.client("ec2"), s3 or aws.client("s3")
-    for _ in range(10):  # conditional write: read again when the controller wrote in between
-        stored = load(aws, outputs, job, s3)
-        if stored is None:
-            raise CliError(f"no EC2 job {job!r} in environment {aws.env}", "`python -m infra status` lists them")
-        r = stored.record
-        if r["state"] in jr.FINAL_STATES and r["state"] != jr.STOPPED:
-            break
-        r["state"], r["reason"], r["lease_until"] = jr.STOPPED, "stopped by `python -m infra stop`", None
-        try:
-            jr.save(s3, outputs.bucket, stored)
-            break
-        except jr.Conflict:
-            continue
-        except ClientError as e:
-            raise explain(e, f"stopping job {job}") from None
-    else:
-        raise CliError(f"job {job}: its record kept changing", "rerun the stop", code=75)
+    try:
+        r = jr.end(s3, outputs.bucket, job, jr.STOPPED, "stopped by `python -m infra stop`")
+    except jr.Conflict:
+        raise CliError(f"job {job}: its record kept changing", "rerun the stop", code=75) from None
+    except ClientError as e:
+        raise explain(e, f"stopping job {job}") from None
+    if r is None:
+        raise CliError(f"no EC2 job {job!r} in environment {aws.env}", "`python -m infra status` lists them")
     try:
         live = live_job_instances(ec2, aws.env, job)
         if live:

@@ -18,7 +18,7 @@ import catalog
 from infra import job_record as jr
 from infra.cli.outputs import Outputs, image_exists
 from infra.cli.session import CAPACITY_ERRORS, Aws, CliError, explain
-from infra.recovery import on_demand_version, run_job_instance  # noqa: F401  (on_demand_version: re-exported)
+from infra.recovery_ec2 import on_demand_version, run_job_instance  # noqa: F401  (on_demand_version: re-exported)
 
 LIVE_STATES = ["pending", "running", "stopping", "stopped"]
 _JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
@@ -140,6 +140,13 @@ def launch(
     # The instance runs the image by digest (tag trainstack:image-digest, read by the user data into
     # /etc/trainstack.env), so every restart of the job after exit 75 runs the image it started with.
     digest = image_exists(aws, outputs, image_tag, ecr)
+    other = other_running_job(aws, outputs, job, ec2, s3)
+    if other is not None:
+        raise CliError(
+            f"job {other[0]} is {other[1]} in environment {aws.env}: one job per environment (its data volume "
+            "has one writer)",
+            f"`python -m infra --env {aws.env} stop {other[0]}` first, or launch in another environment",
+        )
     tags = _tags(aws.env, job, config, image_tag, digest, args, keep)
     try:
         got = Launched(*run_job_instance(ec2, template_id, tags, "spot"), market="spot")
@@ -192,6 +199,22 @@ def launch(
     return got
 
 
+def other_running_job(aws: Aws, outputs: Outputs, job: str, ec2, s3) -> Optional[tuple[str, str]]:
+    """(name, what it is doing) of a job other than ``job`` that may still write the environment's data volume:
+    one whose record is not final, or a live instance tagged with another job. None when there is none. A record
+    that cannot be parsed is passed over (the recovery tick reports it). Raises CliError when AWS refuses a call."""
+    try:
+        for name, record in jr.unfinished(s3, outputs.bucket):
+            if name != job and record is not None:
+                return name, str(record["state"])
+    except ClientError as e:
+        raise explain(e, "reading the job records of the environment") from None
+    for inst in list_instances(aws, ec2):
+        if inst["job"] not in ("-", job):
+            return inst["job"], f"running on {inst['instance_id']}"
+    return None
+
+
 def list_instances(aws: Aws, ec2=None) -> list[dict]:
     """This environment's live instances: id, type, state, market, job, launch time, AZ."""
     ec2 = ec2 or aws.client("ec2")
@@ -222,10 +245,12 @@ def list_instances(aws: Aws, ec2=None) -> list[dict]:
     return out
 
 
-def stop_instance(aws: Aws, instance_id: str, ec2=None) -> str:
+def stop_instance(aws: Aws, instance_id: str, ec2=None, outputs: Optional[Outputs] = None, s3=None) -> str:
     """Stop an on-demand instance, terminate a spot one (one-time spot cannot be stopped). Returns the action.
+    When it is the current attempt of a job, the job's record is marked ``stopped`` first (infra/job_record.py
+    ``end``), so that recovery does not bring it back.
 
-    Raises CliError if the instance is not this environment's.
+    Raises CliError if the instance is not this environment's, or AWS refuses a call.
     """
     ec2 = ec2 or aws.client("ec2")
     mine = {i["instance_id"]: i for i in list_instances(aws, ec2)}
@@ -233,6 +258,17 @@ def stop_instance(aws: Aws, instance_id: str, ec2=None) -> str:
         raise CliError(
             f"{instance_id} is not a live instance of environment {aws.env}", "`python -m infra status` lists them"
         )
+    job = mine[instance_id]["job"]
+    if outputs is not None and outputs.bucket and job != "-":
+        s3 = s3 or aws.client("s3")
+        try:
+            stored = jr.load(s3, outputs.bucket, job)
+            if stored is not None and (jr.current(stored.record) or {}).get("instance_id") == instance_id:
+                jr.end(s3, outputs.bucket, job, jr.STOPPED, f"stopped by `python -m infra stop {instance_id}`")
+        except jr.Conflict:
+            raise CliError(f"job {job}: its record kept changing", "rerun the stop", code=75) from None
+        except ClientError as e:
+            raise explain(e, f"stopping job {job}") from None
     try:
         if mine[instance_id]["market"] == "spot":
             ec2.terminate_instances(InstanceIds=[instance_id])
@@ -249,13 +285,36 @@ def idle_alarm_prefix(env: str) -> str:
     return f"trainstack-{env}-gpu-idle-"
 
 
+def end_jobs(aws: Aws, outputs: Optional[Outputs], apply: bool, s3=None) -> list[str]:
+    """The EC2 jobs of this environment whose record is not final; with ``apply`` each is marked ``stopped``
+    first (infra/job_record.py ``end``), so that the recovery controller relaunches none of the instances
+    ``teardown`` then terminates. A record that cannot be parsed is listed and left alone. Raises CliError when
+    AWS refuses a call."""
+    if outputs is None or not outputs.bucket:
+        return []
+    s3 = s3 or aws.client("s3")
+    found = []
+    try:
+        for name, record in jr.unfinished(s3, outputs.bucket):
+            found.append(name if record is not None else f"{name}(unreadable record)")
+            if apply and record is not None:
+                jr.end(s3, outputs.bucket, name, jr.STOPPED, "stopped by `python -m infra teardown`")
+    except jr.Conflict as e:
+        raise CliError(f"job {e}: its record kept changing", "rerun the teardown", code=75) from None
+    except ClientError as e:
+        raise explain(e, "stopping the jobs of the environment") from None
+    return found
+
+
 def sweep(aws: Aws, outputs: Optional[Outputs], apply: bool, ec2=None, cw=None) -> dict[str, list[str]]:
-    """Find (and with ``apply`` remove) what keeps billing: live instances, open spot requests and unattached
-    volumes of this environment, and its per-instance idle alarms (all of them: the instances go too). The
-    data volume (``trainstack:role=data`` or the stack's volume id) is never touched.
-    Returns {"instances": [...], "spot_requests": [...], "volumes": [...], "alarms": [...]}.
+    """Find (and with ``apply`` remove) what keeps billing: the EC2 jobs (marked ``stopped`` first:
+    :func:`end_jobs`), live instances, open spot requests and unattached volumes of this environment, and its
+    per-instance idle alarms (all of them: the instances go too). The data volume (``trainstack:role=data`` or
+    the stack's volume id) is never touched.
+    Returns {"jobs": [...], "instances": [...], "spot_requests": [...], "volumes": [...], "alarms": [...]}.
     Raises CliError when AWS refuses a call.
     """
+    jobs = end_jobs(aws, outputs, apply)
     ec2 = ec2 or aws.client("ec2")
     cw = cw or aws.client("cloudwatch")
     env_filter = [{"Name": "tag:trainstack:env", "Values": [aws.env]}]
@@ -295,7 +354,7 @@ def sweep(aws: Aws, outputs: Optional[Outputs], apply: bool, ec2=None, cw=None) 
                 cw.delete_alarms(AlarmNames=alarms[start : start + 100])
     except ClientError as e:
         raise explain(e, "sweeping the environment") from None
-    return {"instances": instances, "spot_requests": requests, "volumes": volumes, "alarms": alarms}
+    return {"jobs": jobs, "instances": instances, "spot_requests": requests, "volumes": volumes, "alarms": alarms}
 
 
 #: How long ``teardown --wait`` waits for terminated instances to be gone and the data volume free: 40 polls

@@ -395,7 +395,7 @@ def run(args: argparse.Namespace) -> int:
         if _ec2_job(aws, outputs, args.target) is not None:
             print(ec2_jobs.stop(aws, outputs, args.target))
         elif args.target.startswith("i-"):
-            print(f"{instances.stop_instance(aws, args.target)} {args.target}")
+            print(f"{instances.stop_instance(aws, args.target, outputs=outputs)} {args.target}")
         else:
             print(tuning.stop_tuning_job(aws, args.target) or jobs.stop_run(aws, args.target))
     elif cmd == "teardown":

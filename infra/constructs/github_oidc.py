@@ -5,7 +5,8 @@ subject ``repo:<owner>/<name>:ref:refs/heads/*`` (branches), ``:pull_request`` (
 ``:environment:*``. Permissions: assume the CDK bootstrap roles (``cdk-hnb659fds-*``: deploy, file and image
 publishing, lookup), read stack outputs, push to this project's ECR repositories and pull the AWS Deep Learning
 Containers base image (account 763104351884), and what ``python -m infra teardown`` needs in the destroy
-workflow (terminate, cancel, delete volumes, stop executions, delete idle alarms), and what ``python -m infra
+workflow (mark the EC2 job records under ``jobs/`` of the data buckets stopped, terminate, cancel, delete
+volumes, stop executions, delete idle alarms), and what ``python -m infra
 sweep``/``sweep-status`` need: start the state machines' executions (jobs strategy), create, describe, list and
 stop ``trainstack-*`` hyperparameter tuning jobs with their tags (``teardown`` lists and stops the running
 ones), pass the training stacks' SageMaker role to
@@ -185,6 +186,20 @@ class GithubOidcDeployRole(Construct):
                 resources=[dlc],
             )
         )
+        # teardown marks this project's EC2 jobs stopped before it terminates them (infra/job_record.py end: the
+        # recovery function then relaunches none): the job records under jobs/ of the data buckets, whose names
+        # CloudFormation makes from the stack name <env>-DataStack (lower case) and a random suffix.
+        data_buckets = f"arn:{stack.partition}:s3:::*datastack*"
+        self.role.add_to_policy(
+            iam.PolicyStatement(
+                actions=["s3:ListBucket"],
+                resources=[data_buckets],
+                conditions={"StringLike": {"s3:prefix": ["jobs/*"]}},
+            )
+        )
+        self.role.add_to_policy(
+            iam.PolicyStatement(actions=["s3:GetObject", "s3:PutObject"], resources=[f"{data_buckets}/jobs/*"])
+        )
         acct, reg = env_literals(account, region)
         ack_findings(
             self.role,
@@ -199,12 +214,15 @@ class GithubOidcDeployRole(Construct):
                 "Resource::" + nag_arn("sagemaker", "hyper-parameter-tuning-job/trainstack-*", account, region),
                 f"Resource::arn:<AWS::Partition>:iam::{acct}:role/trainstack-*-{SAGEMAKER_ROLE_SUFFIX}-*",
                 f"Resource::arn:<AWS::Partition>:ecr:*:{DLC_REGISTRY_ACCOUNT}:repository/*",
+                "Resource::arn:<AWS::Partition>:s3:::*datastack*",
+                "Resource::arn:<AWS::Partition>:s3:::*datastack*/jobs/*",
             ],
             "Describe/List calls only accept '*'; terminate/cancel/delete only on resources tagged trainstack:env; "
             "the CDK bootstrap roles are the documented way to deploy with CDK; ECR push only to trainstack-* "
             "repositories; ECR pull of the AWS Deep Learning Containers registry's public base images; stop "
             "executions and delete idle alarms only of trainstack-* names; sweeps start trainstack-* state machines, "
-            "manage trainstack-* tuning jobs and pass only the training stacks' SageMaker role, to SageMaker only.",
+            "manage trainstack-* tuning jobs and pass only the training stacks' SageMaker role, to SageMaker only; "
+            "teardown reads and marks the EC2 job records under jobs/ of the data buckets (generated names).",
         )
         cdk.CfnOutput(
             stack,

@@ -9,7 +9,9 @@ and a tick every ``infra.recovery.TICK_S`` seconds.
 
 Least privilege (EC2 user guide, "Example policies for working with the Amazon EC2 API": launch templates;
 IAM user guide, "Granting a user permissions to pass a role"): RunInstances only through this environment's
-launch templates (``ec2:LaunchTemplate``) and never without the ``trainstack:env`` tag (an explicit Deny),
+launch templates (``ec2:LaunchTemplate``), their subnet, security group and AMI as the templates name them
+(``ec2:IsLaunchTemplateResource``; AMI owners Amazon or this account) and never without the ``trainstack:env``
+tag (an explicit Deny),
 CreateTags only as part of RunInstances, PassRole only of the instance role to EC2, TerminateInstances only on
 this environment's instances, S3 only under ``jobs/`` of the data bucket, Publish only to the alarm topic.
 """
@@ -24,23 +26,30 @@ from aws_cdk import aws_events as events
 from aws_cdk import aws_events_targets as targets
 from aws_cdk import aws_iam as iam
 from aws_cdk import aws_lambda as lambda_
+from aws_cdk import aws_lambda_destinations as destinations
 from aws_cdk import aws_logs as logs
 from aws_cdk import aws_s3 as s3
 from aws_cdk import aws_sns as sns
+from aws_cdk import aws_sqs as sqs
 from constructs import Construct
 
 from infra import job_record, recovery
-from infra.constructs.nag import ack_findings, env_literals, nag_arn
+from infra.constructs.nag import ack, ack_findings, env_literals, nag_arn
+from infra.stacks.monitoring import function_failure_alarm
 
 REPO = Path(__file__).resolve().parents[2]
 #: Everything but the infra package (and its caches) stays out of the function's code.
 ASSET_EXCLUDE = ["*", ".*", "!infra", "!infra/**", "**/__pycache__", "**/*.pyc"]
 STATE_CHANGES = ["stopping", "shutting-down", "terminated"]
 HANDLER = "infra.recovery.handler"
+#: Lambda's own retries of a failed asynchronous invocation before the event goes to the on-failure queue.
+ASYNC_RETRIES = 2
 
 
 class RecoveryController(Construct):
-    """Attributes: ``function``, ``role``, ``rules`` (name -> Rule). ``launch_templates``: instance type ->
+    """Attributes: ``function``, ``role``, ``rules`` (name -> Rule), ``failures`` (the on-failure SQS queue),
+    ``alarm`` (Errors + Throttles -> the topic). ``idle_alarm_prefix``: name prefix of the per-instance GPU-idle
+    alarms (their ALARM state fails the job). ``launch_templates``: instance type ->
     launch template id (CDK tokens); ``bucket_finding``: the data bucket's ARN as cdk-nag names it in a finding
     (``Resource::<import>``); ``account``/``region``: the stack's when env-aware (cdk-nag prints them)."""
 
@@ -57,6 +66,7 @@ class RecoveryController(Construct):
         launch_templates: Mapping[str, str],
         instance_role: iam.IRole,
         bucket_finding: str,
+        idle_alarm_prefix: str,
         account: str | None = None,
         region: str | None = None,
     ) -> None:
@@ -76,6 +86,26 @@ class RecoveryController(Construct):
             retention=logs.RetentionDays.THREE_MONTHS,
             removal_policy=cdk.RemovalPolicy.DESTROY,
         )
+        # Loud failure: an event whose invocation still fails after Lambda's retries (or that EventBridge could
+        # not deliver) lands here (14 days), and the alarm below tells the topic (AWS Lambda developer guide,
+        # "Capturing records of Lambda asynchronous invocations": on-failure destinations).
+        self.failures = sqs.Queue(
+            self,
+            "Failures",
+            queue_name=f"{prefix}-recovery-failures",
+            retention_period=cdk.Duration.days(14),
+            encryption=sqs.QueueEncryption.SQS_MANAGED,
+            enforce_ssl=True,
+        )
+        ack(
+            self.failures,
+            "AwsSolutions-SQS3",
+            "This queue is the dead-letter queue: the function's on-failure destination and the EventBridge "
+            "targets' dead-letter queue; a queue behind it would only hide failures once more.",
+        )
+        # No reserved concurrency: one invocation at a time is not needed (a lease and conditional writes in the
+        # job record let one invocation act per job), and a reservation fails the deploy in accounts whose
+        # concurrency limit is 10 (Lambda keeps 10 unreserved).
         self.function = lambda_.Function(
             self,
             "Function",
@@ -88,7 +118,10 @@ class RecoveryController(Construct):
             timeout=cdk.Duration.seconds(120),
             memory_size=256,
             log_group=log_group,
+            on_failure=destinations.SqsDestination(self.failures),
+            retry_attempts=ASYNC_RETRIES,
             environment={
+                "TRAINSTACK_IDLE_ALARM_PREFIX": idle_alarm_prefix,
                 "TRAINSTACK_ENV": env,
                 "TRAINSTACK_BUCKET": bucket.bucket_name,
                 "TRAINSTACK_TOPIC_ARN": topic.topic_arn,
@@ -97,7 +130,8 @@ class RecoveryController(Construct):
             },
         )
         self._grant(stack, env, bucket, topic, log_group, launch_templates, instance_role)
-        target = targets.LambdaFunction(self.function, retry_attempts=4)
+        self.alarm = function_failure_alarm(self, "FailureAlarm", self.function, topic, f"{prefix}-recovery-failures")
+        target = targets.LambdaFunction(self.function, retry_attempts=4, dead_letter_queue=self.failures)
         ec2_events = ["EC2 Spot Instance Interruption Warning", "EC2 Instance Rebalance Recommendation"]
         self.rules = {
             "spot": events.Rule(
@@ -115,6 +149,17 @@ class RecoveryController(Construct):
                     source=["aws.ec2"],
                     detail_type=["EC2 Instance State-change Notification"],
                     detail={"state": STATE_CHANGES},
+                ),
+                targets=[target],
+            ),
+            "idle": events.Rule(
+                self,
+                "IdleAlarmRule",
+                description=f"{prefix}: GPU-idle alarms in ALARM -> recovery (the job fails, not relaunched)",
+                event_pattern=events.EventPattern(
+                    source=["aws.cloudwatch"],
+                    detail_type=["CloudWatch Alarm State Change"],
+                    detail={"alarmName": [{"prefix": idle_alarm_prefix}], "state": {"value": ["ALARM"]}},
                 ),
                 targets=[target],
             ),
@@ -138,12 +183,25 @@ class RecoveryController(Construct):
             return stack.format_arn(service="ec2", resource=resource, resource_name="*", account=account)
 
         launched = [arn(r) for r in ("instance", "volume", "network-interface", "spot-instances-request")]
-        used = [arn("subnet"), arn("security-group"), arn("image", account="")]
+        from_template = {"ArnLike": {"ec2:LaunchTemplate": lt_arns}}
+        pinned = {**from_template, "Bool": {"ec2:IsLaunchTemplateResource": "true"}}
+        role.add_to_policy(
+            iam.PolicyStatement(actions=["ec2:RunInstances"], resources=lt_arns + launched, conditions=from_template)
+        )
+        # What the templates name (subnet, security group, AMI) only as the template names it, never overridden
+        # (EC2 user guide, "Use launch templates to control launching instances": ec2:IsLaunchTemplateResource),
+        # and the AMI only from the owners the templates' AMI parameter resolves to: Amazon (the Deep Learning
+        # AMI) or this account (a custom ami_parameter).
+        role.add_to_policy(
+            iam.PolicyStatement(
+                actions=["ec2:RunInstances"], resources=[arn("subnet"), arn("security-group")], conditions=pinned
+            )
+        )
         role.add_to_policy(
             iam.PolicyStatement(
                 actions=["ec2:RunInstances"],
-                resources=lt_arns + launched + used,
-                conditions={"ArnLike": {"ec2:LaunchTemplate": lt_arns}},
+                resources=[arn("image", account="")],
+                conditions={**pinned, "StringEquals": {"ec2:Owner": ["amazon", stack.account]}},
             )
         )
         role.add_to_policy(

@@ -59,6 +59,37 @@ def instance_idle_alarm_command(cfg: InfraConfig, topic_arn: str) -> str:
     )
 
 
+def function_failure_alarm(scope: Construct, cid: str, function, topic: sns.ITopic, name: str) -> cw.Alarm:
+    """An alarm on ``function``'s ``Errors + Throttles`` (Lambda metrics, sum over 5 minutes; AWS Lambda developer
+    guide, "Types of metrics for Lambda functions") >= 1, notifying ``topic`` when it goes to ALARM and back to
+    OK: an invocation that failed or was throttled is never silent. Missing data (no invocation) is OK."""
+    period = cdk.Duration.minutes(5)
+    expr = cw.MathExpression(
+        expression="errors + throttles",
+        using_metrics={
+            "errors": function.metric_errors(period=period, statistic="Sum"),
+            "throttles": function.metric_throttles(period=period, statistic="Sum"),
+        },
+        label="errors + throttles",
+        period=period,
+    )
+    alarm = cw.Alarm(
+        scope,
+        cid,
+        alarm_name=name,
+        metric=expr,
+        threshold=1,
+        evaluation_periods=1,
+        datapoints_to_alarm=1,
+        comparison_operator=cw.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
+        treat_missing_data=cw.TreatMissingData.NOT_BREACHING,
+        alarm_description=f"{name}: the function failed or was throttled (its failed events: the on-failure queue)",
+    )
+    alarm.add_alarm_action(cw_actions.SnsAction(topic))
+    alarm.add_ok_action(cw_actions.SnsAction(topic))
+    return alarm
+
+
 def job_name_patterns(cfg: InfraConfig) -> list[dict]:
     """EventBridge patterns matching the names of this environment's training jobs and no other's: one
     ``prefix`` per job phase, ``<prefix>-<phase>-`` (job names are ``<prefix>-<phase>-<8 hex>``). A bare

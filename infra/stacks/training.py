@@ -14,6 +14,7 @@ from aws_cdk import aws_s3 as s3
 from constructs import Construct
 
 import catalog
+from infra import job_record
 from infra.config import InfraConfig, machine_short
 from infra.constructs import user_data
 from infra.constructs.github_oidc import SAGEMAKER_ROLE_SUFFIX
@@ -154,6 +155,7 @@ class TrainingStack(cdk.Stack):
             launch_templates={n: lt.launch_template_id for n, lt in self.launch_templates.items()},
             instance_role=self.instance_role,
             bucket_finding=f"Resource::{bucket_export(cfg, 'arn')}",
+            idle_alarm_prefix=f"{idle_alarm_name(cfg)}-",
             account=cfg.account,
             region=cfg.region,
         )
@@ -219,6 +221,15 @@ class TrainingStack(cdk.Stack):
             ],
         )
         self.bucket.grant_read_write(role)
+        # The job records decide what the recovery function launches (infra/recovery.py): an instance writes its
+        # exit record (jobs/<job>/exits/...) but never a record.
+        role.add_to_policy(
+            iam.PolicyStatement(
+                effect=iam.Effect.DENY,
+                actions=["s3:PutObject", "s3:DeleteObject"],
+                resources=[self.bucket.arn_for_objects(f"{job_record.PREFIX}*/record.json")],
+            )
+        )
         self.repository.grant_pull(role)
         monitoring.train_log_group.grant_write(role)
         role.add_to_policy(

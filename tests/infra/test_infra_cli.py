@@ -153,6 +153,7 @@ def test_spot_capacity_error_suggests_fallback_and_fallback_launches_on_demand(a
     assert "InstanceMarketOptions" in versions[1]["LaunchTemplateData"]
     assert "InstanceMarketOptions" not in versions[2]["LaunchTemplateData"]
     assert versions[2]["LaunchTemplateData"]["InstanceType"] == "p4d.24xlarge"
+    assert main(E + ["stop", "big"]) == 0  # one job per environment
     assert main(E + ["launch", "p4d.24xlarge", "--job", "big2", "--on-demand-fallback"]) == 0  # reuses v2
     assert (
         len(aws.client("ec2").describe_launch_template_versions(LaunchTemplateId=lt_id)["LaunchTemplateVersions"]) == 2
@@ -171,6 +172,7 @@ def test_on_demand_fallback_follows_a_redeploy(aws, capsys, monkeypatch):
     lt_id = _outputs(aws, "TrainingStack")["LaunchTemplateIdp4d24xlarge"]
     assert main(E + ["launch", "p4d.24xlarge", "--job", "a", "--on-demand-fallback"]) == 0
     assert "launch template version 2" in capsys.readouterr().out
+    assert main(E + ["stop", "a"]) == 0  # one job per environment
     assert main(E + ["launch", "p4d.24xlarge", "--job", "b", "--on-demand-fallback"]) == 0
     assert "launch template version 2" in capsys.readouterr().out  # same default: the copy is reused
     # "cdk deploy" again with another AMI: CloudFormation adds version 3 and makes it the default
@@ -181,6 +183,7 @@ def test_on_demand_fallback_follows_a_redeploy(aws, capsys, monkeypatch):
         LaunchTemplateId=lt_id, SourceVersion="1", LaunchTemplateData={"ImageId": new_ami, "UserData": "bmV3"}
     )
     ec2.modify_launch_template(LaunchTemplateId=lt_id, DefaultVersion="3")
+    assert main(E + ["stop", "b"]) == 0
     assert main(E + ["launch", "p4d.24xlarge", "--job", "c", "--on-demand-fallback"]) == 0
     assert "launch template version 4" in capsys.readouterr().out
     v4 = ec2.describe_launch_template_versions(LaunchTemplateId=lt_id, Versions=["4"])["LaunchTemplateVersions"][0]

@@ -78,6 +78,22 @@ def _busy_environment(aws) -> tuple[str, str, str]:
     return iid, alarm, ex["executionArn"]
 
 
+def _s3_as_iam(rec: CallRecorder) -> list[tuple[str, str]]:
+    """Take the S3 calls out of ``rec`` and return them as (IAM action, resource ARN) for ``denied(extra=...)``:
+    ListObjectsV2 is authorized as ``s3:ListBucket`` on the bucket, Get/PutObject on the object (IAM user guide,
+    "Actions, resources, and condition keys for Amazon S3")."""
+    out, kept = [], []
+    for action, params in rec.calls:
+        if not action.startswith("s3:"):
+            kept.append((action, params))
+        elif action == "s3:ListObjectsV2":
+            out.append(("s3:ListBucket", f"arn:aws:s3:::{params['Bucket']}"))
+        else:
+            out.append((action, f"arn:aws:s3:::{params['Bucket']}/{params['Key']}"))
+    rec.calls = kept
+    return out
+
+
 def test_evaluator_denies_what_the_policy_lacks(deploy_role):
     """The check can fail: an action or resource outside the policy is denied."""
     execution = f"arn:aws:states:{REGION}:{ACCOUNT}:execution:trainstack-test-scaling-plan:r-1"
@@ -108,7 +124,10 @@ def test_teardown_runs_with_only_the_deploy_roles_permissions(aws, deploy_role, 
     actions = {a for a, _ in rec.calls}
     assert {"states:StopExecution", "ec2:TerminateInstances", "cloudwatch:DeleteAlarms"} <= actions
     assert {"ec2:DescribeInstances", "ec2:DescribeVolumes"} <= actions
-    assert rec.denied(deploy_role, ACCOUNT, REGION) == []
+    s3_calls = _s3_as_iam(rec)  # the job j marked stopped first (the recovery function relaunches nothing)
+    assert {a for a, _ in s3_calls} == {"s3:ListBucket", "s3:GetObject", "s3:PutObject"}
+    assert rec.denied(deploy_role, ACCOUNT, REGION, extra=s3_calls) == []
+    assert "removed 1 jobs: j" in out
     assert aws.client("stepfunctions").describe_execution(executionArn=execution)["status"] == "ABORTED"
     assert not aws.client("cloudwatch").describe_alarms(AlarmNames=[alarm])["MetricAlarms"]
 
@@ -133,7 +152,7 @@ def test_teardown_works_on_a_rolled_back_or_half_deleted_environment(aws, deploy
     rec.install(monkeypatch, cli_session)
     assert main(E + ["teardown", "--yes"]) == 0, capsys.readouterr().err
     assert "states:ListStateMachines" in {a for a, _ in rec.calls}
-    assert rec.denied(deploy_role, ACCOUNT, REGION) == []
+    assert rec.denied(deploy_role, ACCOUNT, REGION, extra=_s3_as_iam(rec)) == []
     assert aws.client("stepfunctions").describe_execution(executionArn=execution)["status"] == "ABORTED"
     state = aws.client("ec2").describe_instances(InstanceIds=[iid])["Reservations"][0]["Instances"][0]["State"]
     assert state["Name"] in ("shutting-down", "terminated")

@@ -154,10 +154,34 @@ def _launch(aws, job: str, *flags: str) -> str:
     return iid
 
 
+RECLAIM = ("Server.SpotInstanceTermination", "Server.SpotInstanceTermination: Spot instance termination")
+USER = ("Client.UserInitiatedShutdown", "Client.UserInitiatedShutdown: User initiated shutdown")
+INSIDE = ("Client.InstanceInitiatedShutdown", "Client.InstanceInitiatedShutdown: Instance initiated shutdown")
+
+
+def _set_state_reason(iid: str, reason: tuple[str, str]) -> None:
+    """Give moto's instance the StateReason EC2 reports (code, message). moto's TerminateInstances always
+    records ``Client.UserInitiatedShutdown`` (right for teardown/stop/an alarm action, which call the EC2 API)
+    and has no spot reclaim, so a reclaim is the API termination with its StateReason then replaced on moto's
+    instance object, which DescribeInstances serializes as AWS does (``StateReason: {Code, Message}``)."""
+    from moto.ec2.models import ec2_backends
+    from moto.ec2.models.instances import StateReason
+
+    inst = ec2_backends[moto_env.ACCOUNT][moto_env.REGION].get_instance(iid)
+    inst.state_reason = StateReason(reason[1], reason[0])
+
+
 def _interrupt(aws, iid: str) -> list[dict]:
-    """What EC2 does to a reclaimed spot instance: the warning, then shutting-down and terminated."""
+    """What EC2 does to a reclaimed spot instance: the warning, then shutting-down and terminated with
+    StateReason ``Server.SpotInstanceTermination`` (injected: :func:`_set_state_reason`)."""
     aws.client("ec2").terminate_instances(InstanceIds=[iid])
+    _set_state_reason(iid, RECLAIM)
     return [warning(iid), state(iid, "shutting-down"), state(iid, "terminated")]
+
+
+def _reclaim(aws, iid: str) -> dict:
+    """A spot reclaim without a warning having reached the function: the terminated event only."""
+    return _interrupt(aws, iid)[-1]
 
 
 def _topic_messages(aws) -> list[str]:
@@ -211,8 +235,7 @@ def test_relaunch_waits_until_the_data_volume_is_released(aws):
     aws.client("ec2").attach_volume(VolumeId=volume, InstanceId=other["InstanceId"], Device="/dev/sdf")
     clock = Clock()
     ctl = _controller(aws, clock)
-    aws.client("ec2").terminate_instances(InstanceIds=[old])
-    assert "release the data volume" in ctl.handle(state(old, "terminated"))[0]
+    assert "release the data volume" in ctl.handle(_reclaim(aws, old))[0]
     assert _live(aws, "vol") == [] and _record(aws, "vol")["state"] == jr.WAITING
     aws.client("ec2").detach_volume(VolumeId=volume, InstanceId=other["InstanceId"], Device="/dev/sdf")
     clock.t += recovery.VOLUME_WAIT_S
@@ -485,8 +508,7 @@ def test_recovery_role_allows_what_the_controller_calls_and_nothing_wider(aws, t
     clock = Clock()
     ec2 = Ec2(session.client("ec2"), refuse={("g5.2xlarge", "spot"): "InsufficientInstanceCapacity"})
     ctl = recovery.Controller(_controller(aws, clock).s, ec2, session.client("s3"), session.client("sns"), now=clock)
-    aws.client("ec2").terminate_instances(InstanceIds=[iid])
-    lines = ctl.handle(state(iid, "terminated"))
+    lines = ctl.handle(_reclaim(aws, iid))
     for _ in range(recovery.SPOT_ONLY_ROUNDS):
         clock.t += recovery.BACKOFF_MAX_S
         lines += ctl.handle(TICK)
@@ -553,13 +575,15 @@ def test_synthesized_rules_target_the_function_with_the_handler(templates):
         "TRAINSTACK_TOPIC_ARN",
         "TRAINSTACK_VOLUME_ID",
         "TRAINSTACK_LAUNCH_TEMPLATES",
+        "TRAINSTACK_IDLE_ALARM_PREFIX",
     }
+    assert p["Environment"]["Variables"]["TRAINSTACK_IDLE_ALARM_PREFIX"] == f"trainstack-{moto_env.ENV}-gpu-idle-"
     rules = {
         r["Properties"]["Description"].split(": ", 1)[1]: r["Properties"]
         for r in resources(t, "AWS::Events::Rule").values()
         if "recovery" in r["Properties"]["Description"]
     }
-    assert len(rules) == 3
+    assert len(rules) == 4
     patterns = [r.get("EventPattern") for r in rules.values()]
     assert {
         "source": ["aws.ec2"],
@@ -571,5 +595,10 @@ def test_synthesized_rules_target_the_function_with_the_handler(templates):
         "detail": {"state": ["stopping", "shutting-down", "terminated"]},
     } in patterns
     assert any(r.get("ScheduleExpression") == f"rate({recovery.TICK_S // 60} minutes)" for r in rules.values())
+    assert {
+        "source": ["aws.cloudwatch"],
+        "detail-type": ["CloudWatch Alarm State Change"],
+        "detail": {"alarmName": [{"prefix": f"trainstack-{moto_env.ENV}-gpu-idle-"}], "state": {"value": ["ALARM"]}},
+    } in patterns
     for r in rules.values():
         assert r["Targets"][0]["Arn"] == {"Fn::GetAtt": [fn_id, "Arn"]}

@@ -29,6 +29,7 @@ from test_interruption import EXIT_INTERRUPTED, _assert_same_state, _cmd, _env, 
 from infra import job_record as jr
 from tests import forkserver, moto_env
 from tests.infra.test_recovery import (
+    RECLAIM,
     Clock,
     _controller,
     _job_instances,
@@ -36,6 +37,7 @@ from tests.infra.test_recovery import (
     _live,
     _outputs,
     _record,
+    _set_state_reason,
     state,
     warning,
 )
@@ -140,6 +142,7 @@ def test_spot_interrupted_job_relaunched_by_the_controller_ends_bit_identical(re
     marker = json.loads((volume / "checkpoints" / JOB / "interrupted.json").read_text())
     assert marker["reason"] == "SIGTERM" and STOP_STEP <= marker["global_step"] < 18, marker
     ec2.terminate_instances(InstanceIds=[first])  # moto detaches the data volume, as EC2 does
+    _set_state_reason(first, RECLAIM)  # EC2 took it back (moto records every termination as the user's)
     lines = ctl.handle(state(first, "shutting-down")) + ctl.handle(state(first, "terminated"))
     (second,) = _live(aws, JOB)
     assert lines[-1] == f"{JOB}: relaunched as {second} (g5.2xlarge, spot)", lines
