@@ -252,7 +252,7 @@ def load_model(path: Path, device, use_ema: bool, state: Optional[dict] = None):
     Raises:
         PredictError: unreadable checkpoint, no config or label space in it, or weights that do not fit.
     """
-    from trainer.config import FIELDS, load_config
+    from trainer.config import FIELDS, load_config, saved_config
     from trainer.engine.distributed import DistInfo
     from trainer.errors import ConfigError
     from trainer.tasks import build_task
@@ -264,7 +264,7 @@ def load_model(path: Path, device, use_ema: bool, state: Optional[dict] = None):
         raise PredictError(f"--checkpoint: {path} holds no config (written by an older trainer?)")
     if not isinstance(label_space, dict) or not label_space:
         raise PredictError(f"--checkpoint: {path} holds no label space (written by an older trainer?)")
-    values = {k: v for k, v in saved.items() if k in FIELDS}
+    values = {k: v for k, v in saved_config(saved).items() if k in FIELDS}
     values["device"] = "cpu" if device.type == "cpu" else "cuda"
     values["compile"] = False
     for name in FIELDS:  # files the model build would read: the checkpoint's weights replace them anyway

@@ -143,3 +143,20 @@ def test_a_field_added_after_a_checkpoint_is_no_change_while_it_keeps_its_defaul
     old = {k: v for k, v in now.items() if k != "label_smoothing"}  # as written before the field existed
     assert _config_diff(old, now) == []
     assert _config_diff(old, {**now, "label_smoothing": 0.1}) == ["label_smoothing: checkpoint None -> now 0.1"]
+
+
+def test_a_field_with_a_legacy_value_reads_as_what_the_older_trainer_used():
+    """pad_value arrived with issue 51 (default mean); detection checkpoints written before it padded black, so
+    resuming one with the new default is a config change (refused without --force-resume), and keeping black is
+    not. Other tasks' checkpoints never read the detection field."""
+    from trainer.config import TrainConfig, saved_config
+    from trainer.engine.resume import config_diff as _config_diff
+
+    now = {**TrainConfig().to_dict(), "task": "detection"}
+    old = {k: v for k, v in now.items() if k != "pad_value"}  # a detection checkpoint from before the field
+    assert saved_config(old)["pad_value"] == "black"
+    assert _config_diff(old, now) == ["pad_value: checkpoint 'black' -> now 'mean'"]
+    assert _config_diff(old, {**now, "pad_value": "black"}) == []
+    cls_now = {**TrainConfig().to_dict(), "task": "classification"}
+    cls_old = {k: v for k, v in cls_now.items() if k != "pad_value"}
+    assert "pad_value" not in saved_config(cls_old) and _config_diff(cls_old, cls_now) == []

@@ -33,7 +33,14 @@ Conventions (they differ between the seeds, so they are fixed here):
 
 from __future__ import annotations
 
-from trainer.config.fields import ALIASES, FIELDS, FIELDS_BY_SECTION, NON_TRAJECTORY_FIELDS, TrainConfig  # noqa: F401
+from trainer.config.fields import (  # noqa: F401
+    ALIASES,
+    FIELDS,
+    FIELDS_BY_SECTION,
+    NON_TRAJECTORY_FIELDS,
+    TrainConfig,
+    saved_config,
+)
 from trainer.config.loading import EMBEDDED_DEFAULT, embedded_default_for, load_config, yaml_fields  # noqa: F401
 from trainer.config.schema import (  # noqa: F401
     BUILTIN_DIGITS,
@@ -66,6 +73,7 @@ __all__ = [
     "FIELDS_BY_SECTION",
     "MAX_IMAGE_SIZE",
     "NON_TRAJECTORY_FIELDS",
+    "saved_config",
     "OPTIMIZERS",
     "PRECISIONS",
     "PRECISION_ALIASES",

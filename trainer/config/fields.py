@@ -25,6 +25,7 @@ from trainer.config.schema import (
     SCHEDULERS,
     SECTIONS,
     config_field,
+    is_task_section,
     task_names,
 )
 
@@ -259,6 +260,7 @@ class TrainConfig:
         "Padding of batches and canvases: mean = the mean colour, 0 after normalisation (upstream DINO's "
         "nested_tensor_from_tensor_list); black = pixel value 0 before normalisation (this trainer before issue 51).",
         choices=("mean", "black"),
+        legacy="black",
     )
     eval_protocol: str = _det(
         "batched",
@@ -514,3 +516,18 @@ ALIASES = {a: f.name for f in FIELDS.values() for a in f.metadata.get("aliases",
 FIELDS_BY_SECTION: dict[str, tuple[str, ...]] = {
     s: tuple(n for n, f in FIELDS.items() if f.metadata["section"] == s) for s in SECTIONS
 }
+
+
+def saved_config(saved: dict) -> dict:
+    """A checkpoint's stored config (``state["config"]``, a plain dict) with every field it lacks that has a
+    ``legacy`` value (:func:`trainer.config.schema.config_field`) filled with that value: the setting the older
+    trainer that wrote it actually used (e.g. ``pad_value: black`` for detection checkpoints from before issue 51).
+    Only the fields of shared sections and of the checkpoint's own task (``saved["task"]``) are filled; fields
+    without a legacy value stay absent (their default reproduces the older trainer). Returns a new dict."""
+    out = dict(saved)
+    for name, f in FIELDS.items():
+        section = f.metadata["section"]
+        own = not is_task_section(section) or section == saved.get("task")
+        if name not in out and own and f.metadata.get("legacy") is not None:
+            out[name] = f.metadata["legacy"]
+    return out

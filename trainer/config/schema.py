@@ -79,7 +79,14 @@ def is_task_section(section: str) -> bool:
 
 
 def config_field(
-    section: str, default: Any, help: str, *, flag: Optional[str] = None, choices: Choices = (), aliases: tuple = ()
+    section: str,
+    default: Any,
+    help: str,
+    *,
+    flag: Optional[str] = None,
+    choices: Choices = (),
+    aliases: tuple = (),
+    legacy: Any = None,
 ) -> Any:
     """A dataclass field of section ``section`` with its CLI/YAML metadata.
 
@@ -90,13 +97,16 @@ def config_field(
         flag: the flag spelling when it is not ``--`` + the name with ``-`` for ``_``.
         choices: allowed values (a tuple, or a function returning one).
         aliases: other accepted YAML keys and (hidden) flag names, e.g. seed 002's ``compile_model``.
+        legacy: the value a checkpoint written before the field existed was trained with, when that is not
+            ``default`` (e.g. ``pad_value``: ``black`` before issue 51); None: such checkpoints behaved as the
+            default does. Read by :func:`trainer.config.fields.saved_config`.
 
     Raises:
         ValueError: ``section`` is not in :data:`SECTIONS` (a programming error, raised at import).
     """
     if section not in SECTIONS:
         raise ValueError(f"config_field: unknown section {section!r}; known: {', '.join(SECTIONS)}")
-    meta = {"section": section, "help": help, "flag": flag, "choices": choices, "aliases": aliases}
+    meta = {"section": section, "help": help, "flag": flag, "choices": choices, "aliases": aliases, "legacy": legacy}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
     return field(default=default, metadata=meta)

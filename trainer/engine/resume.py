@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from trainer.config import FIELDS, NON_TRAJECTORY_FIELDS
+from trainer.config import FIELDS, NON_TRAJECTORY_FIELDS, saved_config
 from trainer.engine import distributed as dist
 from trainer.engine.checkpoint import CheckpointError, CheckpointManager
 from trainer.models.local_weights import state_dict_diff
@@ -22,8 +22,11 @@ from trainer.models.local_weights import state_dict_diff
 
 def config_diff(saved: dict, current: dict) -> list[str]:
     """Trajectory fields that differ between a checkpoint's config and this run's, one phrase each. A field the
-    checkpoint does not record (added to the schema after it was written) counts as unchanged while this run
-    keeps the field's default, which reproduces what the older trainer did."""
+    checkpoint does not record (added to the schema after it was written) reads as its ``legacy`` value when it
+    has one (:func:`trainer.config.saved_config`: what the older trainer really used, e.g. ``pad_value: black``),
+    else counts as unchanged while this run keeps the field's default, which reproduces what the older trainer
+    did."""
+    saved = saved_config(saved)
     keys = sorted(k for k in set(saved) | set(current) if k not in NON_TRAJECTORY_FIELDS)
     return [
         f"{k}: checkpoint {saved.get(k)!r} -> now {current.get(k)!r}"
