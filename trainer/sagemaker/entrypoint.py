@@ -125,7 +125,7 @@ def _validate(flags: Sequence[str]):
 def export_model(checkpoint_dir: Path, model_dir: Path) -> Optional[Path]:
     """Copy the ``best`` (else ``latest``) checkpoint directory into ``model_dir`` and describe it in
     ``model.json``; returns the copy, or None when there is no checkpoint."""
-    mgr = CheckpointManager(checkpoint_dir)
+    mgr = CheckpointManager(checkpoint_dir, rank=1)  # a reader: no writer lock, no clean-up
     pointer = "best" if mgr.pointer("best") else "latest"
     name = mgr.pointer(pointer)
     if not name:
