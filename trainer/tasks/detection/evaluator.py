@@ -1,15 +1,21 @@
-"""COCO box mAP of a detection run, gathered across ranks (pycocotools' COCOeval on the split's own JSON)."""
+"""COCO box mAP of a detection run, gathered across ranks (faster-coco-eval's COCOeval on the split's own JSON).
+
+faster-coco-eval (https://github.com/MiXaiLL76/faster_coco_eval) is pycocotools' COCO API with ``evaluate`` and
+``accumulate`` in C++: the same matching, area ranges, 101-point interpolation and ``stats``, several times
+faster on val-size predictions (docs/benchmarks.md, "Scale"); tests/tasks/test_detection_evaluator.py checks that
+its numbers equal pycocotools' on the same predictions.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import io
-import json
 import math
 from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
+import orjson
 
 from trainer.engine.evaluation import GatherEvaluator, metric_key
 
@@ -22,7 +28,8 @@ class CocoEvaluator(GatherEvaluator):
 
     Each rank keeps one record per evaluated image: ``(image_id, detections)`` with detections as COCO results
     ``[x, y, w, h, score, category_id]`` (pixels of the original image, the JSON's category ids); :meth:`compute`
-    gathers every rank's records and runs pycocotools' ``COCOeval`` (iouType "bbox", its standard 100 detections
+    gathers every rank's records and runs faster-coco-eval's ``COCOeval_faster`` (pycocotools' algorithm in C++;
+    iouType "bbox", its standard 100 detections
     per image, area ranges and 101-point interpolation; Lin et al. 2014 and https://cocodataset.org/#detection-eval)
     on the images evaluated only, against the split's annotation JSON (crowd boxes are ignore regions there).
     An empty set of detections scores 0.
@@ -66,10 +73,10 @@ class CocoEvaluator(GatherEvaluator):
         return out
 
     def _ground_truth(self):
-        from pycocotools.coco import COCO
+        from faster_coco_eval import COCO
 
         if self._gt is None:
-            data = json.loads(Path(self.annotations).read_text())
+            data = orjson.loads(Path(self.annotations).read_bytes())
             for a in data.get("annotations", []):
                 if "area" not in a:
                     a["area"] = float(a["bbox"][2]) * float(a["bbox"][3])
@@ -82,7 +89,7 @@ class CocoEvaluator(GatherEvaluator):
         return self._gt
 
     def metrics(self, records: list) -> dict[str, float]:
-        from pycocotools.cocoeval import COCOeval
+        from faster_coco_eval import COCOeval_faster
 
         names = {f"ap_{metric_key(n)}": 0.0 for n in self.categories}
         image_ids = sorted({i for i, _ in records})
@@ -93,7 +100,7 @@ class CocoEvaluator(GatherEvaluator):
         arr = np.asarray(dets, dtype=np.float64)  # (N, 7): image_id, x, y, w, h, score, category_id
         with contextlib.redirect_stdout(io.StringIO()):
             dt = gt.loadRes(arr)
-            ev = COCOeval(gt, dt, iouType="bbox")
+            ev = COCOeval_faster(gt, dt, iouType="bbox", print_function=_quiet)
             ev.params.imgIds = image_ids
             ev.evaluate()
             ev.accumulate()
@@ -109,6 +116,10 @@ class CocoEvaluator(GatherEvaluator):
             out[f"ap_{metric_key(self.categories[label])}"] = _pct(float(p.mean())) if p.size else 0.0
         out["images"] = float(len(image_ids))
         return out
+
+
+def _quiet(*args, **kwargs) -> None:
+    """faster-coco-eval's progress lines go nowhere (it logs through ``print_function``)."""
 
 
 def _pct(x: float) -> float:
