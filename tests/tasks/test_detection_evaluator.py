@@ -105,3 +105,27 @@ def test_map_and_per_class_ap_equal_pycocotools(tmp_path):
         p = precision[:, :, k, 0, -1]
         assert m[f"ap_{name}"] == pytest.approx(100 * p[p > -1].mean(), abs=1e-9), name
     assert m["images"] == len(preds)
+
+
+def test_a_ground_truth_annotation_id_0_is_matched_like_any_other(tmp_path):
+    """COCOeval marks a match by the annotation's id and 0 means none: without renumbering, the box with id 0
+    is found but scored a false positive (pycocotools and faster-coco-eval alike), so AP < 100."""
+    gt = {
+        "images": [{"id": 1, "file_name": "a.jpg", "width": 100, "height": 100}],
+        "annotations": [
+            {"id": 0, "image_id": 1, "category_id": 1, "bbox": [10, 10, 40, 40]},
+            {"id": 1, "image_id": 1, "category_id": 1, "bbox": [60, 60, 30, 30]},
+        ],
+        "categories": [{"id": 1, "name": "thing"}],
+    }
+    path = tmp_path / "gt.json"
+    path.write_text(json.dumps(gt))
+    ev = CocoEvaluator(path, label_to_category_id=(1,), categories=("thing",))
+    ev.reset()
+    boxes = torch.tensor([[10.0, 10, 50, 50], [60, 60, 90, 90]])
+    ev.update(
+        [{"boxes": boxes, "scores": torch.tensor([0.9, 0.8]), "labels": torch.zeros(2, dtype=torch.int64)}],
+        {"image_ids": [1]},
+    )
+    m = ev.compute()
+    assert m["map"] == pytest.approx(100.0) and m["ap_thing"] == pytest.approx(100.0)

@@ -21,8 +21,10 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -33,6 +35,8 @@ FORMAT = 1
 
 #: Environment variable naming the annotation-cache folder (else beside the run, see :func:`default_cache_dir`).
 CACHE_DIR_ENV = "TRAINSTACK_CACHE_DIR"
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -151,3 +155,24 @@ def writable_cache_dir(preferred: Path) -> Path | None:
         except OSError:
             continue
     return None
+
+
+def once_per_node(make: Callable[[], T], local_rank: int, barrier: Callable[[], None] | None) -> T:
+    """``make()`` on local rank 0 first (it parses and fills the cache), then, after ``barrier()``, on every
+    other local rank (which map what rank 0 stored). Without ``barrier`` (one process) just ``make()``.
+
+    Every rank reaches the barrier even when rank 0's ``make`` raises (then the others, parsing the same file,
+    raise the same error), so a bad file never leaves ranks waiting for the collective timeout.
+    """
+    if barrier is None:
+        return make()
+    failure = None
+    if local_rank == 0:
+        try:
+            out = make()
+        except Exception as e:  # noqa: BLE001 - re-raised below, after the barrier the other ranks wait on
+            failure = e
+    barrier()
+    if failure is not None:
+        raise failure
+    return make() if local_rank != 0 else out

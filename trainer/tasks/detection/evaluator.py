@@ -36,7 +36,8 @@ class CocoEvaluator(GatherEvaluator):
 
     Args:
         annotations: the split's COCO JSON (the ground truth, as written; ``area`` is filled from the box when
-            missing).
+            missing; annotation ids are renumbered 1..N, since COCOeval (pycocotools' too) takes id 0 for
+            "unmatched" and would count a detection of that box as a false positive).
         label_to_category_id: contiguous label -> JSON category id.
         categories: category names by label (for the per-class keys).
     """
@@ -77,7 +78,8 @@ class CocoEvaluator(GatherEvaluator):
 
         if self._gt is None:
             data = orjson.loads(Path(self.annotations).read_bytes())
-            for a in data.get("annotations", []):
+            for n, a in enumerate(data.get("annotations", []), 1):
+                a["id"] = n  # COCOeval marks matches by annotation id, 0 meaning none: a JSON id 0 would never match
                 if "area" not in a:
                     a["area"] = float(a["bbox"][2]) * float(a["bbox"][3])
                 a.setdefault("iscrowd", 0)

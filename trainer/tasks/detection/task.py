@@ -142,6 +142,10 @@ class DetectionTask(DetectionSettings, DetectionServing, Task):
     def build_data(self) -> TaskData:
         """Scan and validate both splits (trainer/data/formats/coco.py's policy), check the val images up front.
 
+        Each annotations file is parsed once per node (:func:`~trainer.data.formats.coco_cache.once_per_node`)
+        into the cache folder ``$TRAINSTACK_CACHE_DIR`` or ``<checkpoint_dir>/../annotation-cache`` (the temp
+        folder when that is not writable); the other local ranks, and later runs, map it.
+
         The label space stored in checkpoints: ``{"categories": names by label, "category_ids": JSON ids}``.
 
         Raises:
@@ -149,7 +153,10 @@ class DetectionTask(DetectionSettings, DetectionServing, Task):
             ConfigError: ``num_queries`` below the most boxes in one training image (the matcher would fail
                 mid-training on that image).
         """
+        import torch.distributed as tdist
+
         from trainer.data.formats.coco import check_coco_files, scan_coco
+        from trainer.data.formats.coco_cache import default_cache_dir, once_per_node, writable_cache_dir
         from trainer.data.formats.coco_dataset import (
             CocoDetectionDataset,
             collate_detection,
@@ -163,8 +170,17 @@ class DetectionTask(DetectionSettings, DetectionServing, Task):
                 f"data_dir: {cfg.data_dir} is not a folder (expected {cfg.coco_annotations} and "
                 f"{cfg.coco_images} under it, with {{split}} = {cfg.train_split} / {cfg.val_split})"
             )
-        train = scan_coco(*self.split_paths(cfg.train_split), cfg.train_split, cfg.max_bad_fraction)
-        val = scan_coco(*self.split_paths(cfg.val_split), cfg.val_split, cfg.max_bad_fraction)
+        # parsed once per node: local rank 0 fills the annotation cache, the other local ranks map it
+        cache = writable_cache_dir(default_cache_dir(cfg.checkpoint_dir))
+        barrier = tdist.barrier if tdist.is_available() and tdist.is_initialized() else None
+
+        def scan(name: str):
+            paths = self.split_paths(name)
+            return once_per_node(
+                lambda: scan_coco(*paths, name, cfg.max_bad_fraction, cache_dir=cache), self.dist.local_rank, barrier
+            )
+
+        train, val = scan(cfg.train_split), scan(cfg.val_split)
         if (train.categories, train.label_to_category_id) != (val.categories, val.label_to_category_id):
             raise DataError(
                 f"data: the categories of {train.annotations} and {val.annotations} differ "
