@@ -6,8 +6,9 @@ epoch: each access touches the objects' reference counts, so pages shared with t
 cure is to keep the metadata in a few numpy buffers (detectron2's ``DatasetFromList(serialize=True)``,
 ``detectron2/data/common.py``; PyTorch issue #13246 "DataLoader: memory usage grows with Python lists").
 
-:class:`IntColumn` (int64 values, or rows of them as tuples) and :class:`StringColumn` (UTF-8 strings in one
-byte buffer plus offsets, optionally joined to a root folder on access) are read-only
+:class:`IntColumn` (int64 values, or rows of them as tuples), :class:`StringColumn` (UTF-8 strings in one
+byte buffer plus offsets, optionally joined to a root folder on access) and :class:`LabelledPaths` (ImageFolder's
+``(path, class)`` pairs) are read-only
 :class:`collections.abc.Sequence` s: ``len``, indexing (a plain ``int``/``tuple``/``str``, so callers and
 error messages see what a list gave them), iteration, ``index``, ``in`` and ``==`` against a list all work.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -114,7 +116,39 @@ class StringColumn(Sequence):
 
 
 def _join(root: str, name: str) -> str:
-    """``str(Path(root) / name)`` for the common case, without building Path objects per call."""
-    from pathlib import Path
-
+    """``str(Path(root) / name)``: the string a list of ``Path`` joins held (normalised the same way)."""
     return str(Path(root) / name)
+
+
+class LabelledPaths(Sequence):
+    """``(path, class index)`` pairs, as ImageFolder's ``samples`` list gives them, in a :class:`StringColumn` and
+    an int64 array: ``self[i]`` is ``(str, int)``; iteration, ``len`` and ``==`` against a list as for a list."""
+
+    __slots__ = ("paths", "labels")
+
+    def __init__(self, pairs: Iterable[tuple[str, int]] = (), paths: StringColumn | None = None, labels=None):
+        if paths is None:
+            pairs = list(pairs)
+            paths = StringColumn.from_strings(p for p, _ in pairs)
+            labels = np.fromiter((c for _, c in pairs), dtype=np.int64, count=len(pairs))
+        self.paths, self.labels = paths, np.asarray(labels, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            keep = range(len(self))[i]
+            return LabelledPaths(paths=self.paths.take(keep), labels=self.labels[keep.start : keep.stop : keep.step])
+        return self.paths[i], int(self.labels[i])
+
+    def __iter__(self):
+        return zip(iter(self.paths), self.labels.tolist())
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, (list, tuple, LabelledPaths)) and list(self) == list(other)
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"LabelledPaths({len(self)} items)"
