@@ -5,7 +5,7 @@ per image on average with a long tail to 100, 80 sparse category ids 1..90 with 
 boxes, 1% images without boxes) and a folder of empty image files; an ImageFolder tree of empty files (ImageNet:
 1,281,167 files in 1,000 classes). Sizes are multiples of COCO train2017 (``--sizes 0.25,1,4``) and of ImageNet
 train (``--imagenet 0.1,1``). Every measurement runs in a fresh interpreter that has imported the same modules
-(numpy, torch, orjson, pycocotools, faster-coco-eval, the trainer's readers), so peak RSS (``ru_maxrss``)
+(numpy, torch, pycocotools, faster-coco-eval, the trainer's readers), so peak RSS (``ru_maxrss``)
 compares like with like; times exclude imports.
 
 Per COCO size:
@@ -53,8 +53,6 @@ EVAL_IMAGES, EVAL_DETS = 5_000, 100
 # --- synthetic data ---------------------------------------------------------------------------------------
 def make_coco(folder: Path, n_images: int, seed: int = 0, files: bool = True) -> Path:
     """``folder/ann.json`` (+ ``folder/images/`` of empty files): COCO train2017's shape at ``n_images``."""
-    import orjson
-
     ann_path = folder / "ann.json"
     if ann_path.exists():
         return ann_path
@@ -91,7 +89,7 @@ def make_coco(folder: Path, n_images: int, seed: int = 0, files: bool = True) ->
         for k in range(n)
     ]
     categories = [{"id": c, "name": f"category_{c}", "supercategory": "thing"} for c in COCO_CAT_IDS]
-    ann_path.write_bytes(orjson.dumps({"images": images, "annotations": anns, "categories": categories}))
+    ann_path.write_text(json.dumps({"images": images, "annotations": anns, "categories": categories}))
     if files:
         d = folder / "images"
         d.mkdir(exist_ok=True)
@@ -133,7 +131,6 @@ def _rss_mib() -> float:
 def _imports():
     """Every module any measurement needs, imported before any clock starts (same baseline RSS for all)."""
     import faster_coco_eval  # noqa: F401
-    import orjson  # noqa: F401
     import psutil  # noqa: F401
     import pycocotools.coco  # noqa: F401
     import pycocotools.cocoeval  # noqa: F401

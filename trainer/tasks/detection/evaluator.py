@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import math
 from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
-import orjson
 
 from trainer.engine.evaluation import GatherEvaluator, metric_key
 
@@ -77,7 +77,7 @@ class CocoEvaluator(GatherEvaluator):
         from faster_coco_eval import COCO
 
         if self._gt is None:
-            data = orjson.loads(Path(self.annotations).read_bytes())
+            data = json.loads(Path(self.annotations).read_text())
             for n, a in enumerate(data.get("annotations", []), 1):
                 a["id"] = n  # COCOeval marks matches by annotation id, 0 meaning none: a JSON id 0 would never match
                 if "area" not in a:
