@@ -23,9 +23,18 @@ def _data(tmp: Path) -> dict:
     for n in names:
         (tmp / "img" / n).write_bytes(b"")
     return {
-        "images": [{"id": 50 - k, "file_name": n, "width": 64, "height": 48} for k, n in enumerate(names)],
+        "images": [
+            {"id": 50 - k, "file_name": n, "width": 64, "height": 48, "license": 1} for k, n in enumerate(names)
+        ],
         "annotations": [
-            {"id": 1, "image_id": 50, "category_id": 90, "bbox": [1, 2, 10.5, 20]},
+            {
+                "id": 1,
+                "image_id": 50,
+                "category_id": 90,
+                "bbox": [1, 2, 10.5, 20],
+                "area": 210.0,
+                "segmentation": {"size": [48, 64], "counts": "PPYo1"},
+            },  # nested RLE object
             {"id": 2, "image_id": 49, "category_id": 3, "bbox": [0, 0, 64.5, 48], "iscrowd": 0},  # overhang: clipped
             {"id": 3, "image_id": 50, "category_id": 3, "bbox": [5, 5, 5, 5], "iscrowd": True},
             {"id": 4, "image_id": 48, "category_id": 90, "bbox": [60, 40, 30, 30]},  # outside: image 48 left out
@@ -33,6 +42,9 @@ def _data(tmp: Path) -> dict:
             {"id": 6, "image_id": 50, "category_id": 3, "bbox": [30, 20, 4, 4]},
         ],
         "categories": [{"id": 90, "name": "z"}, {"id": 3, "name": "c"}],
+        # what real files carry besides: objects the reader ignores, some shaped like an annotation
+        "info": {"id": 1, "image_id": 2, "category_id": 3, "bbox": [0, 0, 1, 1], "year": 2017},
+        "licenses": [{"id": 1, "name": "cc", "url": "http://x"}],
     }
 
 
@@ -147,3 +159,20 @@ def test_columns_read_like_lists_and_pickle_flat():
     assert (h, w) == (30, 40) and sizes == [(48, 64), (30, 40)] and sizes.take([1]) == [(30, 40)]
     back = pickle.loads(pickle.dumps(col))
     assert back == col and back.data.dtype == np.uint8  # one buffer, no object per string
+
+
+def test_an_irregular_file_takes_the_per_entry_checks_and_a_regular_one_does_not(tmp_path, monkeypatch):
+    """The compact read handles a valid file alone; an entry it cannot read (here an image without
+    'height') sends the file through the per-entry checks, which name it as before."""
+    from trainer.data.formats import coco_parse
+
+    calls = []
+    monkeypatch.setattr(coco_parse, "_check_entries", lambda *a: calls.append(a))
+    ann = _write(tmp_path, _data(tmp_path))
+    scan_coco(ann, tmp_path / "img", "train", 0.5)
+    assert calls == []
+    monkeypatch.undo()
+    data = json.loads(ann.read_text())
+    del data["images"][2]["height"]
+    with pytest.raises(DataError, match=r"'images' entry is malformed .*entry #2 \(id 48\) has no 'height'"):
+        scan_coco(_write(tmp_path, data), tmp_path / "img", "train", 0.5)
