@@ -5,8 +5,8 @@ per image on average with a long tail to 100, 80 sparse category ids 1..90 with 
 boxes, 1% images without boxes) and a folder of empty image files; an ImageFolder tree of empty files (ImageNet:
 1,281,167 files in 1,000 classes). Sizes are multiples of COCO train2017 (``--sizes 0.25,1,4``) and of ImageNet
 train (``--imagenet 0.1,1``). Every measurement runs in a fresh interpreter that has imported the same modules
-(numpy, torch, pycocotools, faster-coco-eval, the trainer's readers), so peak RSS (``ru_maxrss``)
-compares like with like; times exclude imports.
+(numpy, torch, pycocotools, faster-coco-eval, the trainer's readers), so peak RSS
+compares like with like; times exclude imports; peaks are ``VmHWM``.
 
 Per COCO size:
 
@@ -89,7 +89,8 @@ def make_coco(folder: Path, n_images: int, seed: int = 0, files: bool = True) ->
         for k in range(n)
     ]
     categories = [{"id": c, "name": f"category_{c}", "supercategory": "thing"} for c in COCO_CAT_IDS]
-    ann_path.write_text(json.dumps({"images": images, "annotations": anns, "categories": categories}))
+    doc = {"images": images, "annotations": anns, "categories": categories}
+    ann_path.write_text(json.dumps(doc, separators=(",", ":")))  # compact, as exporters write it
     if files:
         d = folder / "images"
         d.mkdir(exist_ok=True)
@@ -117,9 +118,12 @@ def make_imagefolder(folder: Path, n_files: int, n_classes: int = IMAGENET_CLASS
 
 # --- child measurements (a fresh interpreter each) --------------------------------------------------------
 def _peak_mib() -> float:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """This process's peak RSS, MiB: ``VmHWM`` (per address space, so reset by exec; ``ru_maxrss`` is not: it
+    keeps the peak of the parent that forked us)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def _rss_mib() -> float:
