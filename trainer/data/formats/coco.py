@@ -46,36 +46,31 @@ The keyed dataset, DINO's transforms and the collate over a split live in
 
 from __future__ import annotations
 
-import collections
-import json
-import math
+import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
+from trainer.data.formats import coco_cache
+from trainer.data.formats.coco_cache import ParsedCoco
 from trainer.data.formats.coco_labels import LABEL_SPACES, LabelMap, apply_label_space
+from trainer.data.formats.coco_parse import BOX_TOLERANCE_PX, EXAMPLES, _examples, parse
+from trainer.data.formats.columns import IntColumn, StringColumn
 from trainer.data.formats.imagefolder import check_files
 from trainer.errors import DataError
 
-__all__ = ["LABEL_SPACES", "CocoSplit", "LabelMap", "apply_label_space", "check_coco_files", "scan_coco"]
-
-#: A box may overhang its image by this many pixels on any side (it is clipped); more makes the image bad.
-BOX_TOLERANCE_PX = 1.0
-
-#: How many examples a one-line error or report names.
-EXAMPLES = 3
-
-_REQUIRED = {
-    "images": {
-        "id": "an integer",
-        "file_name": "a string",
-        "width": "a positive integer",
-        "height": "a positive integer",
-    },
-    "annotations": {"id": "an integer", "image_id": "an integer", "category_id": "an integer", "bbox": "[x, y, w, h]"},
-    "categories": {"id": "an integer", "name": "a string"},
-}
+__all__ = [
+    "BOX_TOLERANCE_PX",
+    "EXAMPLES",
+    "LABEL_SPACES",
+    "CocoSplit",
+    "DataError",
+    "LabelMap",
+    "apply_label_space",
+    "check_coco_files",
+    "scan_coco",
+]
 
 
 # --- the split --------------------------------------------------------------------------------------------
@@ -91,6 +86,10 @@ class CocoSplit:
     order (= contiguous label k); :attr:`label_map` maps labels of either space.
     ``left_out``: ``(image id, file name, why)`` of the images skipped for a bad box or a missing file;
     ``report``: log lines about them (empty when none).
+
+    ``image_ids``, ``paths`` and ``sizes`` are read like lists (``int``, ``str``, ``(h, w)`` tuples) but are
+    flat numpy buffers (:mod:`trainer.data.formats.columns`): no Python object per image, so loader workers do
+    not grow over an epoch.
     """
 
     annotations: Path
@@ -98,9 +97,9 @@ class CocoSplit:
     name: str
     categories: list[str]
     label_to_category_id: list[int]
-    image_ids: list[int]
-    paths: list[str]
-    sizes: list[tuple[int, int]]
+    image_ids: IntColumn
+    paths: StringColumn
+    sizes: IntColumn
     boxes: np.ndarray
     labels: np.ndarray
     box_start: np.ndarray
@@ -147,104 +146,62 @@ class CocoSplit:
         return line
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+def _read_parsed(annotations: Path, split_name: str, cache_dir: str | Path | None) -> ParsedCoco:
+    """The :class:`ParsedCoco` of ``annotations``: from the cache when ``cache_dir`` holds it, else parsed (and
+    stored there when ``cache_dir`` is given)."""
+    folder = None
+    if cache_dir is not None and annotations.is_file():
+        folder = coco_cache.cache_folder(Path(cache_dir), coco_cache.sha256_file(annotations))
+        hit = coco_cache.load(folder)
+        if hit is not None:
+            return hit
+    parsed = parse(annotations, split_name)
+    if folder is not None:
+        coco_cache.store(parsed, folder)
+    return parsed
 
 
-def _is_num(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def _key_problem(section: str, key: str, value) -> bool:
-    """True when ``value`` is not what ``section``'s ``key`` must be."""
-    if key in ("id", "image_id", "category_id"):
-        return not _is_int(value)
-    if key in ("width", "height"):
-        return not (_is_int(value) and value > 0)
-    if key in ("file_name", "name"):
-        return not (isinstance(value, str) and value)
-    if key == "bbox":
-        return not (isinstance(value, (list, tuple)) and len(value) == 4 and all(_is_num(v) for v in value))
-    if key == "iscrowd":
-        return value not in (0, 1) or isinstance(value, float) and not value.is_integer()
-    return False
-
-
-def _examples(items: list[str], n: int = EXAMPLES) -> str:
-    return "; ".join(items[:n]) + (f"; (+{len(items) - n} more)" if len(items) > n else "")
-
-
-def _load_json(path: Path, where: str) -> dict:
-    if not path.is_file():
-        what = "is a folder" if path.exists() else "does not exist"
-        raise DataError(f"{where}: annotations file {path} {what} (expected a COCO detection JSON)")
+def _missing_files(images: Path, names: StringColumn, skip: set) -> dict[int, str]:
+    """Image index -> why, for each file not on disk (one directory listing, then a stat for the rest)."""
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
-        raise DataError(f"{where}: {path} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
-    except UnicodeDecodeError as e:
-        raise DataError(f"{where}: {path} is not UTF-8 text (byte {e.start}); expected a COCO JSON") from None
-
-
-def _check_entries(data: dict, where: str) -> None:
-    """Raise on a missing/non-list top-level key, a non-object entry or a missing/malformed required key."""
-    for section in _REQUIRED:
-        if section not in data:
-            raise DataError(
-                f"{where}: missing top-level key '{section}' (a COCO detection file has 'images', 'annotations' "
-                f"and 'categories'; present: {', '.join(map(repr, sorted(data))) or 'none'})"
-            )
-        if not isinstance(data[section], list):
-            raise DataError(f"{where}: '{section}' is a {type(data[section]).__name__}, expected a list of objects")
-    for section, required in _REQUIRED.items():
-        bad = []
-        for k, e in enumerate(data[section]):
-            if not isinstance(e, dict):
-                bad.append(f"entry #{k} is not an object (got {type(e).__name__} {e!r:.40})")
-                continue
-            name = f"entry #{k} (id {e['id']!r})" if "id" in e else f"entry #{k}"
-            missing = [key for key in required if key not in e]
-            if missing:
-                bad.append(f"{name} has no {', '.join(map(repr, missing))}")
-                continue
-            wrong = [key for key in (*required, "iscrowd") if key in e and _key_problem(section, key, e[key])]
-            if wrong:
-                bad.append(
-                    f"{name} has {', '.join(f'{key}={e[key]!r}' for key in wrong)}, expected "
-                    + ", ".join(f"{key} = {required.get(key, '0 or 1')}" for key in wrong)
-                )
-        if bad:
-            expected = ", ".join(f"{key} ({what})" for key, what in required.items())
-            raise DataError(
-                f"{where}: {len(bad)} '{section}' entr{'y is' if len(bad) == 1 else 'ies are'} malformed "
-                f"(each needs {expected}): {_examples(bad)}"
-            )
-
-
-def _check_unique(data: dict, where: str) -> None:
-    for section in ("images", "annotations", "categories"):
-        counts = collections.Counter(e["id"] for e in data[section])
-        dupes = [f"{i} ({n} entries)" for i, n in counts.items() if n > 1]
-        if dupes:
-            raise DataError(
-                f"{where}: {len(dupes)} duplicate id(s) in '{section}': {_examples(dupes)}; each id must appear once"
-            )
+        listed = {e.name for e in os.scandir(images) if e.is_file()}
+    except OSError:
+        listed = set()
+    out = {}
+    for i in range(len(names)):
+        if i in skip:
+            continue
+        name = names.name(i)
+        if name in listed or os.path.isfile(os.path.join(images, name)):
+            continue
+        path = images / name
+        out[i] = f"file {path} {'is not a file' if path.exists() else 'does not exist'}"
+    return out
 
 
 def scan_coco(
-    annotations: str | Path, images: str | Path, split_name: str, max_bad_fraction: float = 0.01
+    annotations: str | Path,
+    images: str | Path,
+    split_name: str,
+    max_bad_fraction: float = 0.01,
+    *,
+    cache_dir: str | Path | None = None,
 ) -> CocoSplit:
     """Read and validate a COCO detection split: the JSON ``annotations`` and the image folder ``images``.
 
     Categories are sorted by id and numbered 0..K-1. Each non-crowd box becomes a training target (XYXY pixels,
     float32); crowd boxes are kept aside; images without boxes stay. See the module docstring for the policy.
+    The JSON is read once into compact tuples and checked over whole columns with numpy
+    (:mod:`trainer.data.formats.coco_parse`; docs/benchmarks.md, "Scale", compares it with pycocotools' ``COCO()``
+    and ``json.load``).
 
     Args:
         annotations: the JSON file.
         images: folder that ``file_name`` is relative to.
         split_name: named in messages (``data split 'train': ...``).
         max_bad_fraction: largest fraction of images that may be left out for a bad box or a missing file.
+        cache_dir: when given, the parse is stored there keyed by the JSON's SHA-256 and later calls map it
+            (:mod:`trainer.data.formats.coco_cache`); the image files are checked on every call.
 
     Raises:
         DataError: a structural problem (fatal), or more than ``max_bad_fraction`` of the images (or all of them)
@@ -252,79 +209,20 @@ def scan_coco(
     """
     annotations, images = Path(annotations), Path(images)
     where = f"data split '{split_name}': {annotations}"
-    data = _load_json(annotations, f"data split '{split_name}'")
-    if not isinstance(data, dict):
-        raise DataError(
-            f"{where}: the top level is a {type(data).__name__}, expected an object with 'images', "
-            "'annotations' and 'categories'"
-        )
-    _check_entries(data, where)
-    _check_unique(data, where)
-    if not data["images"]:
-        raise DataError(f"{where}: 'images' is empty (expected at least one image)")
-    if not data["categories"]:
-        raise DataError(f"{where}: 'categories' is empty (expected at least one {{id, name}})")
+    p = _read_parsed(annotations, split_name, cache_dir)
     if not images.is_dir():
         what = "is a file, not a folder" if images.exists() else "does not exist"
         raise DataError(f"{where}: image folder {images} {what} (file_name entries are relative to it)")
 
-    cats = sorted(data["categories"], key=lambda c: c["id"])
-    cat_to_label = {c["id"]: i for i, c in enumerate(cats)}
-    img_index = {e["id"]: k for k, e in enumerate(data["images"])}
-    unknown_img, unknown_cat = [], []
-    for a in data["annotations"]:
-        if a["image_id"] not in img_index:
-            unknown_img.append(f"annotation {a['id']} -> image_id {a['image_id']}")
-        if a["category_id"] not in cat_to_label:
-            unknown_cat.append(f"annotation {a['id']} -> category_id {a['category_id']}")
-    if unknown_img:
-        raise DataError(
-            f"{where}: {len(unknown_img)} annotation(s) refer to an image_id not in 'images': {_examples(unknown_img)}"
-        )
-    if unknown_cat:
-        raise DataError(
-            f"{where}: {len(unknown_cat)} annotation(s) refer to a category_id not in 'categories' (ids "
-            f"{', '.join(str(c['id']) for c in cats[:10])}{', ...' if len(cats) > 10 else ''}): "
-            f"{_examples(unknown_cat)}"
-        )
-
-    n_img = len(data["images"])
-    per_image: list[list] = [[] for _ in range(n_img)]
-    why: dict[int, str] = {}  # image index -> first problem
-    n_bad_boxes = 0
-    for a in data["annotations"]:
-        k = img_index[a["image_id"]]
-        im = data["images"][k]
-        W, H = im["width"], im["height"]
-        x, y, w, h = (float(v) for v in a["bbox"])
-        x0, y0, x1, y1 = x, y, x + w, y + h
-        t = BOX_TOLERANCE_PX
-        if w <= 0 or h <= 0:
-            problem = f"annotation {a['id']} bbox {a['bbox']} has a non-positive width or height"
-        elif x0 < -t or y0 < -t or x1 > W + t or y1 > H + t:
-            problem = f"annotation {a['id']} bbox {a['bbox']} lies outside the {W}x{H} image by more than {t:g} px"
-        else:
-            x0, x1 = min(max(x0, 0.0), W), min(max(x1, 0.0), W)
-            y0, y1 = min(max(y0, 0.0), H), min(max(y1, 0.0), H)
-            problem = None
-            if x1 <= x0 or y1 <= y0:
-                problem = f"annotation {a['id']} bbox {a['bbox']} has no area inside the {W}x{H} image"
-        if problem is not None:
-            why.setdefault(k, problem)
-            n_bad_boxes += 1
-            continue
-        per_image[k].append((x0, y0, x1, y1, cat_to_label[a["category_id"]], bool(a.get("iscrowd", 0))))
-    for k, im in enumerate(data["images"]):
-        path = images / im["file_name"]
-        if k not in why and not path.is_file():
-            why[k] = f"file {path} {'is not a file' if path.exists() else 'does not exist'}"
-
-    left_out = [(data["images"][k]["id"], data["images"][k]["file_name"], r) for k, r in sorted(why.items())]
+    why = dict(zip(p.bad_images.tolist(), p.bad_why))
+    why.update(_missing_files(images, p.file_names, set(why)))
+    n_img = len(p.image_ids)
+    left_out = [(int(p.image_ids[k]), p.file_names.name(k), r) for k, r in sorted(why.items())]
     report = []
     if left_out:
         n_box = sum(1 for *_, r in left_out if r.startswith("annotation"))
         names = _examples([f"image {i} ({fn}): {r}" for i, fn, r in left_out])
-        counts = f"{n_box} with a bad box ({n_bad_boxes} box(es) in all), {len(left_out) - n_box} missing file(s)"
+        counts = f"{n_box} with a bad box ({p.n_bad_boxes} box(es) in all), {len(left_out) - n_box} missing file(s)"
         if len(left_out) > max_bad_fraction * n_img or len(left_out) == n_img:
             raise DataError(
                 f"{where}: {len(left_out)} of {n_img} images cannot be used ({counts}), more than "
@@ -334,45 +232,40 @@ def scan_coco(
             f"data: {split_name}: {len(left_out)} of {n_img} image(s) left out ({counts}; boxes may overhang by "
             f"{BOX_TOLERANCE_PX:g} px): {names}"
         )
-
-    keep = [k for k in range(n_img) if k not in why]
-    boxes, labels, crowd, crowd_labels = [], [], [], []
-    start, cstart = [0], [0]
-    for k in keep:
-        for x0, y0, x1, y1, lab, is_crowd in per_image[k]:
-            (crowd if is_crowd else boxes).append((x0, y0, x1, y1))
-            (crowd_labels if is_crowd else labels).append(lab)
-        start.append(len(boxes))
-        cstart.append(len(crowd))
-    ims = [data["images"][k] for k in keep]
-    return CocoSplit(
+    files = p.file_names
+    split = CocoSplit(
         annotations=annotations,
         images_dir=images,
         name=split_name,
-        categories=[c["name"] for c in cats],
-        label_to_category_id=[c["id"] for c in cats],
-        image_ids=[im["id"] for im in ims],
-        paths=[str(images / im["file_name"]) for im in ims],
-        sizes=[(im["height"], im["width"]) for im in ims],
-        boxes=np.asarray(boxes, dtype=np.float32).reshape(-1, 4),
-        labels=np.asarray(labels, dtype=np.int64),
-        box_start=np.asarray(start, dtype=np.int64),
-        crowd_boxes=np.asarray(crowd, dtype=np.float32).reshape(-1, 4),
-        crowd_labels=np.asarray(crowd_labels, dtype=np.int64),
-        crowd_start=np.asarray(cstart, dtype=np.int64),
+        categories=list(p.cat_names),
+        label_to_category_id=p.cat_ids.tolist(),
+        image_ids=IntColumn(p.image_ids),
+        paths=StringColumn(files.data, files.offsets, str(images)),
+        sizes=IntColumn(p.sizes),
+        boxes=p.boxes,
+        labels=p.labels,
+        box_start=p.box_start,
+        crowd_boxes=p.crowd_boxes,
+        crowd_labels=p.crowd_labels,
+        crowd_start=p.crowd_start,
         left_out=left_out,
         report=report,
     )
+    return _subset(split, [k for k in range(n_img) if k not in why]) if why else split
 
 
 def _subset(split: CocoSplit, keep: list[int]) -> CocoSplit:
     """``split`` restricted to the images at positions ``keep`` (in order)."""
 
+    rows = np.asarray(keep, dtype=np.int64)
+
     def gather(arr, st):
-        parts = [arr[st[i] : st[i + 1]] for i in keep]
-        sizes = [len(p) for p in parts]
-        out = np.concatenate(parts) if parts else arr[:0]
-        return out, np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        st = np.asarray(st)
+        lens = st[rows + 1] - st[rows]
+        start = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(lens, out=start[1:])
+        idx = np.repeat(st[rows] - start[:-1], lens) + np.arange(int(start[-1]), dtype=np.int64)
+        return np.asarray(arr)[idx], start
 
     boxes, start = gather(split.boxes, split.box_start)
     labels, _ = gather(split.labels, split.box_start)
@@ -380,9 +273,9 @@ def _subset(split: CocoSplit, keep: list[int]) -> CocoSplit:
     clabels, _ = gather(split.crowd_labels, split.crowd_start)
     return replace(
         split,
-        image_ids=[split.image_ids[i] for i in keep],
-        paths=[split.paths[i] for i in keep],
-        sizes=[split.sizes[i] for i in keep],
+        image_ids=split.image_ids.take(keep),
+        paths=split.paths.take(keep),
+        sizes=split.sizes.take(keep),
         boxes=boxes.reshape(-1, 4),
         labels=labels,
         box_start=start,

@@ -37,6 +37,7 @@ from pathlib import Path
 from torch.utils.data import Dataset
 
 from trainer.config.schema import DECODE_DEVICES
+from trainer.data.formats.columns import LabelledPaths
 from trainer.data.formats.device_jpeg import EncodedJpeg, read_jpeg_for_device
 from trainer.data.formats.image_decode import check_header, decode_file
 from trainer.data.samples import (  # noqa: F401 - BadSample, collate_skip_bad, sample_seed re-exported
@@ -60,16 +61,22 @@ FULL_CHECK_MAX_FILES = 1000
 
 @dataclass
 class SplitScan:
-    """Result of scanning one split: ``samples`` [(path, class_index)], ``classes`` (sorted folder names),
+    """Result of scanning one split: ``samples`` [(path, class_index)] (a list of pairs is packed into flat
+    :class:`~trainer.data.formats.columns.LabelledPaths`: loader workers do not grow over an epoch; reads like
+    the list), ``classes`` (sorted folder names),
     ``formats`` (extension -> file count), ``ignored`` (files without an image extension) and ``links``
     (folder symlinks inside class folders, not followed)."""
 
     root: Path
     classes: list[str]
-    samples: list[tuple[str, int]]
+    samples: LabelledPaths
     formats: dict[str, int]
     ignored: list[str]
     links: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        if not isinstance(self.samples, LabelledPaths):  # a list of pairs: packed flat (no object per file)
+            self.samples = LabelledPaths(self.samples)
 
     def census(self) -> str:
         """One line for the log, e.g. ``245 files in 2 classes: 243 .jpg, 1 .jpeg, 1 .gif``."""

@@ -1,4 +1,10 @@
-"""COCO box mAP of a detection run, gathered across ranks (pycocotools' COCOeval on the split's own JSON)."""
+"""COCO box mAP of a detection run, gathered across ranks (faster-coco-eval's COCOeval on the split's own JSON).
+
+faster-coco-eval (https://github.com/MiXaiLL76/faster_coco_eval) is pycocotools' COCO API with ``evaluate`` and
+``accumulate`` in C++: the same matching, area ranges, 101-point interpolation and ``stats``, several times
+faster on val-size predictions (docs/benchmarks.md, "Scale"); tests/tasks/test_detection_evaluator.py checks that
+its numbers equal pycocotools' on the same predictions.
+"""
 
 from __future__ import annotations
 
@@ -22,14 +28,16 @@ class CocoEvaluator(GatherEvaluator):
 
     Each rank keeps one record per evaluated image: ``(image_id, detections)`` with detections as COCO results
     ``[x, y, w, h, score, category_id]`` (pixels of the original image, the JSON's category ids); :meth:`compute`
-    gathers every rank's records and runs pycocotools' ``COCOeval`` (iouType "bbox", its standard 100 detections
+    gathers every rank's records and runs faster-coco-eval's ``COCOeval_faster`` (pycocotools' algorithm in C++;
+    iouType "bbox", its standard 100 detections
     per image, area ranges and 101-point interpolation; Lin et al. 2014 and https://cocodataset.org/#detection-eval)
     on the images evaluated only, against the split's annotation JSON (crowd boxes are ignore regions there).
     An empty set of detections scores 0.
 
     Args:
         annotations: the split's COCO JSON (the ground truth, as written; ``area`` is filled from the box when
-            missing).
+            missing; annotation ids are renumbered 1..N, since COCOeval (pycocotools' too) takes id 0 for
+            "unmatched" and would count a detection of that box as a false positive).
         label_to_category_id: class index -> JSON category id (either label space:
             :meth:`~trainer.data.formats.coco.LabelMap.dense`).
         categories: category names by class index (for the per-class keys; ``""`` for an undeclared index).
@@ -67,11 +75,12 @@ class CocoEvaluator(GatherEvaluator):
         return out
 
     def _ground_truth(self):
-        from pycocotools.coco import COCO
+        from faster_coco_eval import COCO
 
         if self._gt is None:
             data = json.loads(Path(self.annotations).read_text())
-            for a in data.get("annotations", []):
+            for n, a in enumerate(data.get("annotations", []), 1):
+                a["id"] = n  # COCOeval marks matches by annotation id, 0 meaning none: a JSON id 0 would never match
                 if "area" not in a:
                     a["area"] = float(a["bbox"][2]) * float(a["bbox"][3])
                 a.setdefault("iscrowd", 0)
@@ -83,7 +92,7 @@ class CocoEvaluator(GatherEvaluator):
         return self._gt
 
     def metrics(self, records: list) -> dict[str, float]:
-        from pycocotools.cocoeval import COCOeval
+        from faster_coco_eval import COCOeval_faster
 
         names = {f"ap_{metric_key(n)}": 0.0 for n in self.categories if n}  # "": a class no category declares
         image_ids = sorted({i for i, _ in records})
@@ -94,7 +103,7 @@ class CocoEvaluator(GatherEvaluator):
         arr = np.asarray(dets, dtype=np.float64)  # (N, 7): image_id, x, y, w, h, score, category_id
         with contextlib.redirect_stdout(io.StringIO()):
             dt = gt.loadRes(arr)
-            ev = COCOeval(gt, dt, iouType="bbox")
+            ev = COCOeval_faster(gt, dt, iouType="bbox", print_function=_quiet)
             ev.params.imgIds = image_ids
             ev.evaluate()
             ev.accumulate()
@@ -110,6 +119,10 @@ class CocoEvaluator(GatherEvaluator):
             out[f"ap_{metric_key(self.categories[label])}"] = _pct(float(p.mean())) if p.size else 0.0
         out["images"] = float(len(image_ids))
         return out
+
+
+def _quiet(*args, **kwargs) -> None:
+    """faster-coco-eval's progress lines go nowhere (it logs through ``print_function``)."""
 
 
 def _pct(x: float) -> float:

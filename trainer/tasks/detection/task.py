@@ -120,6 +120,10 @@ class DetectionTask(DetectionSettings, DetectionServing, Task):
     def build_data(self) -> TaskData:
         """Scan and validate both splits (trainer/data/formats/coco.py's policy), check the val images up front.
 
+        Each annotations file is parsed once per node (:func:`~trainer.data.formats.coco_cache.once_per_node`)
+        into the cache folder ``$TRAINSTACK_CACHE_DIR`` or ``<checkpoint_dir>/../annotation-cache`` (the temp
+        folder when that is not writable); the other local ranks, and later runs, map it.
+
         Labels are in the config's ``label_space`` (:func:`~trainer.data.formats.coco.apply_label_space`); the
         label space stored in checkpoints is :meth:`~trainer.data.formats.coco.LabelMap.to_label_space`
         (``{"categories": names, "category_ids": JSON ids}``, plus ``label_space``/``num_classes`` for coco_ids).
@@ -130,7 +134,10 @@ class DetectionTask(DetectionSettings, DetectionServing, Task):
                 mid-training on that image); not checked when ``train_split`` is ``val_split`` (``evaluate`` reads
                 the evaluated split as both, and evaluation matches nothing).
         """
+        import torch.distributed as tdist
+
         from trainer.data.formats.coco import apply_label_space, check_coco_files, scan_coco
+        from trainer.data.formats.coco_cache import default_cache_dir, once_per_node, writable_cache_dir
         from trainer.data.formats.coco_dataset import (
             CocoDetectionDataset,
             collate_detection,
@@ -144,8 +151,17 @@ class DetectionTask(DetectionSettings, DetectionServing, Task):
                 f"data_dir: {cfg.data_dir} is not a folder (expected {cfg.coco_annotations} and "
                 f"{cfg.coco_images} under it, with {{split}} = {cfg.train_split} / {cfg.val_split})"
             )
-        train = scan_coco(*self.split_paths(cfg.train_split), cfg.train_split, cfg.max_bad_fraction)
-        val = scan_coco(*self.split_paths(cfg.val_split), cfg.val_split, cfg.max_bad_fraction)
+        # parsed once per node: local rank 0 fills the annotation cache, the other local ranks map it
+        cache = writable_cache_dir(default_cache_dir(cfg.checkpoint_dir))
+        barrier = tdist.barrier if tdist.is_available() and tdist.is_initialized() else None
+
+        def scan(name: str):
+            paths = self.split_paths(name)
+            return once_per_node(
+                lambda: scan_coco(*paths, name, cfg.max_bad_fraction, cache_dir=cache), self.dist.local_rank, barrier
+            )
+
+        train, val = scan(cfg.train_split), scan(cfg.val_split)
         try:
             train, val = apply_label_space(train, cfg.label_space), apply_label_space(val, cfg.label_space)
         except ValueError as e:
