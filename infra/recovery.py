@@ -333,8 +333,16 @@ def handler(event: dict, context: object = None) -> dict:
     skipped jobs and :class:`infra.recovery_ec2.Unknown` when EC2 could not be asked: the invocation fails, so
     Lambda retries it, then sends it to the on-failure destination, and the Errors alarm tells the topic."""
     import boto3
+    from botocore.config import Config
 
-    ctl = Controller(Settings.from_environ(), boto3.client("ec2"), boto3.client("s3"), boto3.client("sns"))
+    # botocore's standard retry mode retries throttling (RequestLimitExceeded) and 5xx answers within the call with
+    # exponential backoff and jitter, as the EC2 API throttling guide asks
+    # (https://docs.aws.amazon.com/ec2/latest/devguide/ec2-api-throttling.html,
+    # https://boto3.amazonaws.com/v1/documentation/api/latest/guide/retries.html); what still fails is left to the
+    # next tick (infra/recovery_ec2.py error_kind).
+    cfg = Config(retries={"mode": "standard", "max_attempts": 5})
+    ec2, s3, sns = (boto3.client(name, config=cfg) for name in ("ec2", "s3", "sns"))
+    ctl = Controller(Settings.from_environ(), ec2, s3, sns)
     actions = ctl.handle(event)
     for line in actions:
         print(line)

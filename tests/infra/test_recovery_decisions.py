@@ -359,3 +359,23 @@ def test_d2_the_function_has_an_on_failure_queue_and_an_errors_alarm(templates):
     for actions in (alarm["AlarmActions"], alarm["OKActions"]):
         ((action,),) = [actions]
         assert exports[action["Fn::ImportValue"]] == {"Ref": topic_id}
+
+
+def test_handler_clients_retry_throttling_in_botocore_standard_mode(monkeypatch):
+    """RequestLimitExceeded and 5xx are first retried inside the call by botocore's standard retry mode (exponential
+    backoff with jitter, the EC2 API throttling guide's advice); only what still fails waits for the next tick."""
+    import boto3
+
+    class Built(Exception):
+        pass
+
+    seen = {}
+
+    def client(name, **kw):
+        seen[name] = kw.get("config")
+        raise Built
+
+    monkeypatch.setattr(boto3, "client", client)
+    with pytest.raises(Built):
+        recovery.handler({"detail-type": "Scheduled Event"})
+    assert seen["ec2"].retries == {"mode": "standard", "max_attempts": 5}
