@@ -468,6 +468,15 @@ def _series(res: dict) -> dict:
     return {k: (xs, [f(r) for r in coco.values()]) for k, f in pick.items()}
 
 
+#: The table cell where no exponent can be fitted: a single size, or a non-positive figure (no log).
+_NO_FIT = "– (needs two sizes > 0)"
+
+
+def _exponent_cell(b: float) -> str:
+    """``b`` to two decimals, or :data:`_NO_FIT` when it is nan (one size only: ``--sizes 1``)."""
+    return f"{b:.2f}" if np.isfinite(b) else _NO_FIT
+
+
 def _above(r: dict) -> float:
     """Peak RSS minus the RSS after the imports (MiB): what the measured call itself cost."""
     return r["peak_rss_mib"] - r["base_rss_mib"]
@@ -484,7 +493,8 @@ def table(res: dict) -> str:
             b = fit_exponent(xs, ys) if all(y > 0 for y in ys) else float("nan")
             ext = ys[-1] * (15 / xs[-1]) ** b if np.isfinite(b) and xs[-1] != 15 else float("nan")
             vals = " | ".join(f"{y:,.2f}" if y < 100 else f"{y:,.0f}" for y in ys)
-            lines.append(f"| {name} | {vals} | {b:.2f} | {ext:,.0f} (extrapolated) |")
+            ext_cell = f"{ext:,.0f} (extrapolated)" if np.isfinite(ext) else _NO_FIT
+            lines.append(f"| {name} | {vals} | {_exponent_cell(b)} | {ext_cell} |")
         if any("startup_legacy" in r for r in coco.values()):
             lines += ["", "| worker RSS / USS, MiB: first report -> after the epoch | " + " | ".join(sizes) + " |"]
             lines.append("|---" * (len(sizes) + 1) + "|")
@@ -518,7 +528,7 @@ def table(res: dict) -> str:
         for name, f in rows.items():
             ys = [f(r) for r in inet.values()]
             b = fit_exponent(xs, ys) if all(y > 0 for y in ys) else float("nan")
-            lines.append(f"| {name} | " + " | ".join(f"{y:,.1f}" for y in ys) + f" | {b:.2f} |")
+            lines.append(f"| {name} | " + " | ".join(f"{y:,.1f}" for y in ys) + f" | {_exponent_cell(b)} |")
     ev = res.get("eval")
     if ev:
         lines += [
