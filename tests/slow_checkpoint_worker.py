@@ -12,6 +12,7 @@ from pathlib import Path
 
 import trainer.engine.checkpoint as ckpt
 from trainer.cli import main
+from trainer.engine.checkpoint_files import _NAME as CHECKPOINT_NAME
 
 STALL_AT = int(os.environ.get("STALL_AT_STEP", "-1"))
 STALL_FROM = int(os.environ.get("STALL_FROM_STEP", "-1"))
@@ -22,7 +23,7 @@ _aborted = threading.Event()
 
 
 def _stalls(path: Path) -> bool:
-    m = ckpt._NAME.match(path.parent.name.removeprefix(".tmp-"))
+    m = CHECKPOINT_NAME.match(path.parent.name.removeprefix(".tmp-"))
     if path.name != "state.pt" or not m or MARKER.exists():
         return False
     step = int(m.group(1))

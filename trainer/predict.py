@@ -98,14 +98,14 @@ def add_predict_command(sub) -> None:
 
 def resolve_checkpoint(path: str | Path) -> Path:
     """The checkpoint folder ``path`` names: itself (a folder with ``manifest.json``, or a file in one), else the
-    one a run in checkpoint_dir ``path`` would resume from (:meth:`CheckpointManager.find_resume`). Each newer
+    one a run in checkpoint_dir ``path`` would resume from (:meth:`CheckpointDirectory.find_resume`). Each newer
     checkpoint passed over on the way (corrupt, incomplete) is named with its reason in a ``warning:`` line on
     stderr, so a fallback to an older checkpoint is never silent.
 
     Raises:
         PredictError: nothing there, or no valid checkpoint in it.
     """
-    from trainer.engine.checkpoint import CheckpointManager
+    from trainer.engine.checkpoint_files import CheckpointDirectory
 
     p = Path(path)
     if not p.exists():
@@ -116,8 +116,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
         raise PredictError(f"--checkpoint: {p} is not a checkpoint folder (ckpt-*) or a checkpoint_dir")
     if (p / "manifest.json").exists():
         return p
-    # rank != 0: a reader only (no writability probe, no clean-up of the run's temporary files)
-    found, notes = CheckpointManager(p, rank=1).find_resume()
+    # a reader only (no writer lock, no writability probe, no clean-up of the run's temporary files)
+    found, notes = CheckpointDirectory(p).find_resume()
     if found is None:
         skipped = "; ".join(n.removeprefix("checkpoint: ") for n in notes)
         raise PredictError(
@@ -229,17 +229,17 @@ def _input_extensions(path: Path) -> Optional[tuple]:
 
 
 def read_state(path: Path) -> dict:
-    """The training state of checkpoint ``path`` on the CPU (:meth:`CheckpointManager.load`: manifest and
+    """The training state of checkpoint ``path`` on the CPU (:meth:`CheckpointDirectory.load`: manifest and
     SHA-256 checked), read once and handed to :func:`load_model` / :func:`tracked_runs`.
 
     Raises:
         PredictError: unreadable or corrupt checkpoint.
     """
-    from trainer.engine.checkpoint import CheckpointManager
+    from trainer.engine.checkpoint_files import CheckpointDirectory
     from trainer.errors import CheckpointError
 
     try:
-        state, _ = CheckpointManager.load(path, 0, map_location="cpu")
+        state, _ = CheckpointDirectory.load(path, 0, map_location="cpu")
     except CheckpointError as e:
         raise PredictError(f"--checkpoint: {e}") from None
     return state

@@ -404,15 +404,15 @@ def test_torch_write_error_becomes_the_os_error(tmp_path: Path, monkeypatch):
     class Full:
         f_bavail, f_frsize = 0, 4096
 
-    monkeypatch.setattr(ckpt.torch, "save", failing_save)
-    monkeypatch.setattr(ckpt.os, "statvfs", lambda p: Full())
+    monkeypatch.setattr(torch, "save", failing_save)
+    monkeypatch.setattr(os, "statvfs", lambda p: Full())
     with pytest.raises(OSError) as e:
         ckpt.atomic_torch_save({"w": torch.zeros(1000)}, tmp_path / "state.pt")
     assert e.value.errno == errno.ENOSPC and "unexpected pos" in str(e.value.__cause__)
     assert list(tmp_path.iterdir()) == []
     # not a disk problem: torch's error goes through unchanged
     monkeypatch.undo()
-    monkeypatch.setattr(ckpt.torch, "save", failing_save)
+    monkeypatch.setattr(torch, "save", failing_save)
     with pytest.raises(RuntimeError, match="unexpected pos"):
         ckpt.atomic_torch_save({"w": torch.zeros(10)}, tmp_path / "state.pt")
     assert list(tmp_path.iterdir()) == []

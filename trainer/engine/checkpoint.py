@@ -1,24 +1,14 @@
-"""Atomic, validated, full-state checkpoints and auto-resume.
+"""Writing checkpoints: atomic, validated, full-state, asynchronous; pruning, and the interruption marker.
 
-On-disk format (``FORMAT_VERSION`` 1), one directory per checkpoint::
-
-    <checkpoint_dir>/
-      ckpt-000001234/          epoch-end checkpoint at global optimizer step 1234
-      ckpt-000001300-m/        mid-epoch checkpoint (stop request or periodic) at step 1300, or the last step
-                               of an epoch, written before its evaluation (step_in_epoch == steps per epoch;
-                               pruned once the epoch-end ckpt-000001300 is ``latest``)
-        state.pt               model, optimizer, scheduler, grad scaler, EMA, progress, config, fingerprint
-        ranks.pt               per-rank state: {"ranks": [{"rng": {python, numpy, torch, cuda}, ...}, ...]}
-        manifest.json          format version, progress, the task name, and {file: {bytes, sha256}} for every file above
-      latest                   text: name of the newest complete checkpoint
-      best                     text: name of the checkpoint with the best primary metric
+The on-disk format, validation, finding and loading live in :mod:`trainer.engine.checkpoint_files`
+(:class:`~trainer.engine.checkpoint_files.CheckpointDirectory`, which :class:`CheckpointManager` extends).
 
 Durability (how a crash at any instant leaves a loadable checkpoint): every file is written to a temporary
 name, flushed, ``fsync``-ed and renamed; the checkpoint is assembled in ``.tmp-<name>/`` and renamed into
 place only when complete; ``latest`` moves (again by rename) only after that; older checkpoints are deleted
 only after the new one is durable. ``progress`` holds ``epoch`` (0-based epoch to continue in),
 ``step_in_epoch`` (optimizer steps already done in it) and ``global_step``, so mid-epoch checkpoints fit
-the same format. Loading uses ``torch.load(weights_only=True)``.
+the same format.
 
 Writes are asynchronous: :meth:`CheckpointManager.save` copies the state into host buffers reused from one
 checkpoint to the next (:class:`~trainer.engine.staging.StagingBuffers`: no allocation; on a GPU the copies are
@@ -39,20 +29,24 @@ from __future__ import annotations
 import errno
 import json
 import os
-import random
 import re
 import shutil
 import sys
 import threading
 import time
-import zipfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
-import numpy as np
-import torch
 import torch.distributed as dist
 
+from trainer.engine.checkpoint_files import (  # noqa: F401 - re-exported: the reading side's old home
+    FORMAT_VERSION,
+    INTERRUPTED_MARKER,
+    CheckpointDirectory,
+    capture_rng,
+    checkpoint_name,
+    restore_rng,
+)
 from trainer.engine.durable import (  # noqa: F401 - re-exported: the durable file primitives' old home
     WriterLock,
     _tensor_bytes,
@@ -66,11 +60,6 @@ from trainer.engine.durable import (  # noqa: F401 - re-exported: the durable fi
 from trainer.engine.staging import StagingBuffers
 from trainer.errors import CheckpointError, error_detail  # noqa: F401 - CheckpointError re-exported
 
-FORMAT_VERSION = 1
-#: Written next to the checkpoints when a run stops on request (JSON: reason, checkpoint, global_step); a
-#: launcher that only sees torchrun's exit status can read it. Removed when the next run starts.
-INTERRUPTED_MARKER = "interrupted.json"
-_NAME = re.compile(r"^ckpt-(\d{9})(-m)?$")
 _TMP_FILE = re.compile(r"^\.(.+)\.tmp-\d+$")  # atomic_* temporary name -> the file it becomes
 _STALE_POINTER_TMP = re.compile(r"^\.(latest|best|interrupted\.json)\.tmp-\d+$")
 #: Checkpoint writers (``checkpoint_writer``): see :class:`CheckpointManager`.
@@ -85,67 +74,8 @@ class _Aborted(Exception):
     """The checkpoint being written was abandoned (:meth:`CheckpointManager.abort`)."""
 
 
-def checkpoint_name(progress: dict) -> str:
-    """``ckpt-<global step>`` at an epoch end, ``ckpt-<global step>-m`` mid-epoch."""
-    return f"ckpt-{int(progress['global_step']):09d}" + ("-m" if progress.get("step_in_epoch", 0) else "")
-
-
-def _order(name: str) -> tuple[int, int]:
-    m = _NAME.match(name)
-    return (int(m.group(1)), 0 if m.group(2) else 1) if m else (-1, -1)
-
-
-# --- RNG state --------------------------------------------------------------------------------------------
-def capture_rng() -> dict:
-    """RNG states of this process: python ``random``, numpy, torch CPU and (if present) every CUDA device.
-
-    Stored as tensors and plain Python values so ``torch.load(weights_only=True)`` accepts them.
-    """
-    np_state = np.random.get_state()
-    state = {
-        "python": random.getstate(),
-        "numpy": {
-            "keys": torch.from_numpy(np_state[1].astype(np.int64)),
-            "pos": int(np_state[2]),
-            "has_gauss": int(np_state[3]),
-            "gauss": float(np_state[4]),
-        },
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def restore_rng(state: dict) -> None:
-    """Inverse of :func:`capture_rng`."""
-    random.setstate(_as_tuple(state["python"]))
-    n = state["numpy"]
-    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _as_tuple(x):
-    return tuple(_as_tuple(i) for i in x) if isinstance(x, (list, tuple)) else x
-
-
-# --- the manager ----------------------------------------------------------------------------------------
-def _check_archive(path: Path) -> None:
-    """Raise :class:`CheckpointError` when ``path`` is not a complete ``torch.save`` archive (a zip file whose
-    central directory, at its end, can be read): a truncated file whose manifest was rewritten to match it passes
-    the size and SHA-256 checks, then fails ``torch.load`` with an opaque ``[Errno 22] Invalid argument``. Reads
-    only the central directory (no decompression)."""
-    try:
-        with zipfile.ZipFile(path):
-            pass
-    except (zipfile.BadZipFile, OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: not a complete torch archive ({error_detail(e, 200)}; truncated?)") from None
-
-
-class CheckpointManager:
-    """Save, validate, find and load checkpoints in one directory.
+class CheckpointManager(CheckpointDirectory):
+    """Save checkpoints in one directory (and, as a :class:`CheckpointDirectory`, validate, find and load them).
 
     Collective: :meth:`save` must be called by every rank (rank 0 gathers the RNG states and writes; the
     others only take part in the gather and the final barrier). All ranks may call :meth:`load`.
@@ -164,8 +94,8 @@ class CheckpointManager:
 
     One writer per folder: rank 0 takes the folder's :class:`~trainer.engine.durable.WriterLock` here, before it
     cleans up what a killed run left, and holds it until :meth:`release_lock` (or its process ends). Readers
-    (``predict``, ``export``, ``resume_from`` of another run) take no lock: they follow ``latest``, which names only
-    complete checkpoints.
+    (``predict``, ``export``, ``resume_from`` of another run) use a :class:`CheckpointDirectory` and take no lock:
+    they follow ``latest``, which names only complete checkpoints.
 
     Raises:
         CheckpointError: (rank 0) the folder cannot be created or a file cannot be written in it (read-only
@@ -183,7 +113,7 @@ class CheckpointManager:
     ):
         if writer not in WRITERS:
             raise ValueError(f"writer: got {writer!r}; expected one of {', '.join(WRITERS)}")
-        self.dir = Path(directory)
+        super().__init__(directory)
         self.rank, self.world_size, self.keep_every = rank, world_size, keep_every_epochs
         self.writer = writer  #: resolved to ``thread`` or ``process`` at the first save
         self._process = None  # a checkpoint_writer.WriterProcess once the process writer is in use
@@ -475,99 +405,8 @@ class CheckpointManager:
         }
         atomic_write_bytes(self.dir / INTERRUPTED_MARKER, json.dumps(marker).encode())
 
-    @staticmethod
-    def read_interrupted(directory: str | Path) -> Optional[dict]:
-        """``interrupted.json`` of a checkpoint directory without removing it; None if there is none, a
-        placeholder reason if it cannot be read or parsed."""
-        try:
-            return json.loads((Path(directory) / INTERRUPTED_MARKER).read_text())
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError):
-            return {"reason": "unknown (unreadable interrupted.json)"}
-
     def pop_interrupted(self) -> Optional[dict]:
         """Read and remove ``interrupted.json`` left by the previous run; None if there is none."""
         data = self.read_interrupted(self.dir)
         (self.dir / INTERRUPTED_MARKER).unlink(missing_ok=True)
         return data
-
-    # .. finding and validating .........................................................................
-    def pointer(self, name: str) -> Optional[str]:
-        """Checkpoint name stored in the ``latest`` or ``best`` pointer file, or None."""
-        try:
-            return (self.dir / name).read_text().strip() or None
-        except OSError:
-            return None
-
-    def list(self) -> list[Path]:
-        """Complete-looking checkpoint directories, newest (highest global step) first."""
-        if not self.dir.is_dir():
-            return []
-        found = [p for p in self.dir.iterdir() if p.is_dir() and _NAME.match(p.name)]
-        return sorted(found, key=lambda p: _order(p.name), reverse=True)
-
-    @staticmethod
-    def validate(path: str | Path) -> dict:
-        """Check a checkpoint directory against its manifest (format, file sizes, SHA-256).
-
-        Returns the manifest. Raises :class:`CheckpointError` saying what is wrong.
-        """
-        path = Path(path)
-        try:
-            manifest = json.loads((path / "manifest.json").read_text())
-        except FileNotFoundError:
-            raise CheckpointError(f"{path}: no manifest.json (incomplete or not a checkpoint directory)") from None
-        except (OSError, ValueError) as e:
-            raise CheckpointError(f"{path}/manifest.json: unreadable ({e})") from None
-        if manifest.get("format_version") != FORMAT_VERSION:
-            raise CheckpointError(
-                f"{path}: format_version {manifest.get('format_version')!r}, this trainer reads {FORMAT_VERSION}"
-            )
-        for fname, meta in manifest.get("files", {}).items():
-            f = path / fname
-            if not f.is_file():
-                raise CheckpointError(f"{f}: missing")
-            if f.stat().st_size != meta["bytes"]:
-                raise CheckpointError(f"{f}: {f.stat().st_size} bytes, manifest says {meta['bytes']} (truncated?)")
-            if sha256_file(f) != meta["sha256"]:
-                raise CheckpointError(f"{f}: SHA-256 differs from the manifest (corrupt)")
-            if f.suffix == ".pt":
-                _check_archive(f)
-        return manifest
-
-    def find_resume(self) -> tuple[Optional[Path], list[str]]:
-        """Newest checkpoint that validates, and log lines saying which one and why (skipped ones named).
-
-        Order: the ``latest`` pointer's target first, then every other checkpoint newest first.
-        """
-        notes = []
-        candidates = self.list()
-        latest = self.pointer("latest")
-        if latest:
-            candidates.sort(key=lambda p: p.name != latest)
-            if not (self.dir / latest).is_dir():  # a dangling pointer is a fallback too, said like the others
-                notes.append(f"checkpoint: skipping {latest}: the 'latest' pointer names it, but it does not exist")
-        for p in candidates:
-            try:
-                self.validate(p)
-            except CheckpointError as e:
-                notes.append(f"checkpoint: skipping {p.name}: {e}")
-                continue
-            why = "the 'latest' pointer" if p.name == latest else "the newest checkpoint that validates"
-            notes.append(f"checkpoint: resuming from {p} ({why})")
-            return p, notes
-        return None, notes
-
-    @staticmethod
-    def load(path: str | Path, rank: int = 0, map_location: Any = "cpu") -> tuple[dict, Optional[dict]]:
-        """Validate and load ``path``: returns (state, this rank's part ``{"rng": ..., ...}``, or None if the
-        checkpoint was written by fewer ranks). Raises :class:`CheckpointError`."""
-        path = Path(path)
-        CheckpointManager.validate(path)
-        try:
-            state = torch.load(path / "state.pt", map_location=map_location, weights_only=True)
-            rng = torch.load(path / "ranks.pt", map_location="cpu", weights_only=True)["ranks"]
-        except Exception as e:  # noqa: BLE001 - report any unpickling error with the path
-            raise CheckpointError(f"{path}: cannot load ({error_detail(e, 300)})") from None
-        return state, (rng[rank] if rank < len(rng) else None)

@@ -41,7 +41,7 @@ from typing import Optional
 
 from trainer.cli import parse_train_config
 from trainer.config import FIELDS, ConfigError
-from trainer.engine.checkpoint import CheckpointManager
+from trainer.engine.checkpoint_files import CheckpointDirectory
 from trainer.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
 from trainer.failures import FAILURE_DIR_ENV, MEANINGS, read_records
 from trainer.sagemaker.job import JobConfigError, JobEnv, data_dir_for, hyperparameter_flags, job_root, read_job_env
@@ -125,7 +125,7 @@ def _validate(flags: Sequence[str]):
 def export_model(checkpoint_dir: Path, model_dir: Path) -> Optional[Path]:
     """Copy the ``best`` (else ``latest``) checkpoint directory into ``model_dir`` and describe it in
     ``model.json``; returns the copy, or None when there is no checkpoint."""
-    mgr = CheckpointManager(checkpoint_dir, rank=1)  # a reader: no writer lock, no clean-up
+    mgr = CheckpointDirectory(checkpoint_dir)  # a reader: no writer lock, no clean-up
     pointer = "best" if mgr.pointer("best") else "latest"
     name = mgr.pointer(pointer)
     if not name:
@@ -220,7 +220,7 @@ def outcome(
     if first is not None:
         meaning = MEANINGS.get(first["exit"])
         return fail(job, first["exit"], first["error"] + (f" ({meaning})" if meaning else ""))
-    marker = CheckpointManager.read_interrupted(checkpoint_dir)
+    marker = CheckpointDirectory.read_interrupted(checkpoint_dir)
     new_marker = rc != EXIT_OK and marker is not None and marker != marker_before
     if failed and not new_marker:  # interrupted, but the marker was not written: the ranks' word for it
         return fail(job, EXIT_INTERRUPTED, f"{failed[0]['error']} ({MEANINGS[EXIT_INTERRUPTED]})")
@@ -269,7 +269,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         env.setdefault("NCCL_SOCKET_IFNAME", job.network_interface)
         env.setdefault("GLOO_SOCKET_IFNAME", job.network_interface)
     checkpoint_dir = Path(cfg.checkpoint_dir)
-    marker_before = CheckpointManager.read_interrupted(checkpoint_dir)
+    marker_before = CheckpointDirectory.read_interrupted(checkpoint_dir)
     clear_failure(job)
     print(f"train: host {job.current_host} ({job.node_rank + 1}/{job.nnodes}): {' '.join(cmd)}", flush=True)
     failure_dir = tempfile.mkdtemp(prefix="trainstack-failures-")
