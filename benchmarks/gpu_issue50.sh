@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Issue 50's GPU rows in one device call (about 8 minutes on one H200), from the repository root with
+# .gpu-carry/ carried (made here by `python3 benchmarks/gpu_carry.py`; docs/benchmarks.md "Waiting for a GPU"
+# gives the exact device call). Steps, each under its own limit, the lists in benchmarks/gpu_issue50.py:
+#   0. the carried wheels (ffcv 1.0.2 for Python 3.12 with its shared libraries, its pure-Python requirements,
+#      torch-linear-assignment, faster-coco-eval) installed into /tmp/site, as the device README says; the
+#      carried op build (when gpu_carry.py made one) copied in place, else gpu_dino.sh builds it (~40 s);
+#   1. benchmarks/gpu_dino.sh: the synthetic step eager and graphed, the real loop (canvases + static denoising
+#      part) eager, --matcher batched, --cuda-graphs and both, STEPS steps each, then their CUDA tests;
+#   2-4. benchmarks/gpu_suite.sh --only the in-memory ResNet-50 rate, the checkpoint stall, --decode-device cuda
+#      and seed 003's FFCV loader (trainer vs bare loop).
+# Environment: BUDGET (seconds in all, default 500), DINO_BUDGET (default 240), STEPS (default 150), OUT (default
+# /tmp/gpu-issue50), CARRY (default .gpu-carry), PY (default python3).
+# $OUT ends with at most 8 files: issue50.md (each figure beside its goal), gpu_suite.md, summary.txt (DINO's),
+# console.log when the caller tees it there, logs.tar.gz (every step's log).
+set -u
+cd "$(dirname "$0")/.."
+CARRY=${CARRY:-.gpu-carry}
+OUT=${OUT:-/tmp/gpu-issue50}
+BUDGET=${BUDGET:-500}
+DINO_BUDGET=${DINO_BUDGET:-240}
+PY=${PY:-python3}
+export PYTHONUNBUFFERED=1
+mkdir -p "$OUT/dino" "$OUT/suite"
+if [[ ! -d $CARRY/whl || ! -d $CARRY/data/facemask-coco || ! -d $CARRY/data/imagenette-subset ]]; then
+  echo "error: CARRY=$CARRY lacks whl/ or data/: run python3 benchmarks/gpu_carry.py here and carry $CARRY" >&2
+  exit 2
+fi
+$PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$CARRY"/whl/*.whl \
+  || { echo "error: the carried wheels did not install" >&2; exit 2; }
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+$PY -c "import ffcv, numpy, torch; print('ffcv', ffcv.__file__, 'numpy', numpy.__version__, 'torch', torch.__version__)"
+if ls "$CARRY"/op/_C*.so > /dev/null 2>&1 && ! ls trainer/ops/msda/_C*.so > /dev/null 2>&1; then
+  cp "$CARRY"/op/_C*.so trainer/ops/msda/
+fi
+skip=$($PY benchmarks/gpu_issue50.py --steps dino-skip)
+only=$($PY benchmarks/gpu_issue50.py --steps suite)
+DATA=$CARRY/data STEPS=${STEPS:-150} BUDGET=$DINO_BUDGET PY=$PY OUT=$OUT/dino SKIP=$skip bash benchmarks/gpu_dino.sh
+left=$((BUDGET - SECONDS - 15))  # 15 s kept for the summary and the tar
+PYTHON=$PY bash benchmarks/gpu_suite.sh --device cuda --data "$CARRY/data" --out "$OUT/suite" --only "$only" \
+  --precisions bf16-mixed --budget "$left"
+head="issue 50 on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%F), commit \
+$(git rev-parse --short HEAD 2>/dev/null || echo '?'), \`bash benchmarks/gpu_issue50.sh\` (${SECONDS} s)"
+$PY benchmarks/gpu_issue50.py --summary "$OUT" --head "$head"
+cp "$OUT/suite/gpu_suite.md" "$OUT/dino/summary.txt" "$OUT/" 2> /dev/null
+tar -czf "$OUT/logs.tar.gz" -C "$OUT" --exclude=suite/work dino suite && rm -rf "$OUT/dino" "$OUT/suite"
+echo "done in ${SECONDS}s; $OUT: $(ls "$OUT" | tr '\n' ' ')"
