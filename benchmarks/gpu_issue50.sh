@@ -9,19 +9,22 @@
 #      part) eager, --matcher batched, --cuda-graphs and both, STEPS steps each, then their CUDA tests;
 #   2-4. benchmarks/gpu_suite.sh --only the in-memory ResNet-50 rate, the checkpoint stall, --decode-device cuda
 #      and seed 003's FFCV loader (trainer vs bare loop).
-# Environment: BUDGET (seconds in all, default 500), DINO_BUDGET (default 240), STEPS (default 150), OUT (default
-# /tmp/gpu-issue50), CARRY (default .gpu-carry), PY (default python3).
-# $OUT ends with at most 8 files: issue50.md (each figure beside its goal), gpu_suite.md, summary.txt (DINO's),
-# console.log when the caller tees it there, logs.tar.gz (every step's log).
+# Environment: BUDGET (seconds in all, default 500), DINO_BUDGET (default 240), STEPS (default 150), CARRY (default
+# .gpu-carry), PY (default python3), WORK (the steps' logs and files, default /tmp/gpu-issue50), OUT (default
+# $WORK/out). $OUT gets 4 files at the end (5 with console.log when the caller tees it there; a device call
+# brings back 8 at most): issue50.md (each figure beside its goal), gpu_suite.md, summary.txt (gpu_dino.sh's)
+# and logs.tar.gz (every step's log).
 set -u
 cd "$(dirname "$0")/.."
 CARRY=${CARRY:-.gpu-carry}
-OUT=${OUT:-/tmp/gpu-issue50}
+WORK=${WORK:-/tmp/gpu-issue50}
+OUT=${OUT:-$WORK/out}
 BUDGET=${BUDGET:-500}
 DINO_BUDGET=${DINO_BUDGET:-240}
 PY=${PY:-python3}
 export PYTHONUNBUFFERED=1
-mkdir -p "$OUT/dino" "$OUT/suite"
+rm -rf "$WORK/dino" "$WORK/suite"
+mkdir -p "$WORK/dino" "$WORK/suite" "$OUT"
 if [[ ! -d $CARRY/whl || ! -d $CARRY/data/facemask-coco || ! -d $CARRY/data/imagenette-subset ]]; then
   echo "error: CARRY=$CARRY lacks whl/ or data/: run python3 benchmarks/gpu_carry.py here and carry $CARRY" >&2
   exit 2
@@ -31,17 +34,21 @@ $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 $PY -c "import ffcv, numpy, torch; print('ffcv', ffcv.__file__, 'numpy', numpy.__version__, 'torch', torch.__version__)"
 if ls "$CARRY"/op/_C*.so > /dev/null 2>&1 && ! ls trainer/ops/msda/_C*.so > /dev/null 2>&1; then
-  cp "$CARRY"/op/_C*.so trainer/ops/msda/
+  if [[ $($PY benchmarks/gpu_carry.py --op-sha) == "$(cat "$CARRY/op/SOURCES.sha256")" ]]; then
+    cp "$CARRY"/op/_C*.so trainer/ops/msda/ && echo "op: the carried build"
+  else
+    echo "op: the carried build is of other sources; gpu_dino.sh builds it"
+  fi
 fi
 skip=$($PY benchmarks/gpu_issue50.py --steps dino-skip)
 only=$($PY benchmarks/gpu_issue50.py --steps suite)
-DATA=$CARRY/data STEPS=${STEPS:-150} BUDGET=$DINO_BUDGET PY=$PY OUT=$OUT/dino SKIP=$skip bash benchmarks/gpu_dino.sh
+DATA=$CARRY/data STEPS=${STEPS:-150} BUDGET=$DINO_BUDGET PY=$PY OUT=$WORK/dino SKIP=$skip bash benchmarks/gpu_dino.sh
 left=$((BUDGET - SECONDS - 15))  # 15 s kept for the summary and the tar
-PYTHON=$PY bash benchmarks/gpu_suite.sh --device cuda --data "$CARRY/data" --out "$OUT/suite" --only "$only" \
+PYTHON=$PY bash benchmarks/gpu_suite.sh --device cuda --data "$CARRY/data" --out "$WORK/suite" --only "$only" \
   --precisions bf16-mixed --budget "$left"
 head="issue 50 on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%F), commit \
 $(git rev-parse --short HEAD 2>/dev/null || echo '?'), \`bash benchmarks/gpu_issue50.sh\` (${SECONDS} s)"
-$PY benchmarks/gpu_issue50.py --summary "$OUT" --head "$head"
-cp "$OUT/suite/gpu_suite.md" "$OUT/dino/summary.txt" "$OUT/" 2> /dev/null
-tar -czf "$OUT/logs.tar.gz" -C "$OUT" --exclude=suite/work dino suite && rm -rf "$OUT/dino" "$OUT/suite"
+$PY benchmarks/gpu_issue50.py --summary "$WORK" --head "$head"
+cp "$WORK/issue50.md" "$WORK/suite/gpu_suite.md" "$WORK/dino/summary.txt" "$OUT/" 2> /dev/null
+tar -czf "$OUT/logs.tar.gz" -C "$WORK" --exclude=suite/work dino suite
 echo "done in ${SECONDS}s; $OUT: $(ls "$OUT" | tr '\n' ' ')"

@@ -133,16 +133,15 @@ def test_the_summary_sets_each_figure_beside_its_goal(tmp_path):
     )
     rows = {ln.split("|")[-2].strip(): ln for ln in gpu_issue50.summary(tmp_path)[2:]}
     assert "20.01 images/s over the epoch, 22.91 over its second half; busy 52.2 %" in rows["dino_train_static"]
-    assert "0.82x the synthetic step (107.0 ms" in rows["dino_train_static"]
+    assert "0.82 x the synthetic step (107.0 ms" in rows["dino_train_static"]
     assert rows["dino_train_static"].rstrip().endswith("| no | dino_train_static |")
     assert (
-        "30.00 over its second half" in rows["dino_train_static_graphs"] and "1.11x" in rows["dino_train_static_graphs"]
+        "30.00 over its second half" in rows["dino_train_static_graphs"]
+        and "1.11 x" in rows["dino_train_static_graphs"]
     )
     assert "| **yes** |" in rows["dino_train_static_graphs"]
-    assert (
-        "not measured" in rows["dino_train_static_batched_matcher"]
-        and "| — |" in rows["dino_train_static_batched_matcher"]
-    )
+    assert "| not run |" in rows["dino_train_static_batched_matcher"]
+    assert "| — | dino_train_static_batched_matcher |" in rows["dino_train_static_batched_matcher"]
     assert "| 3 passed | pass | **yes** |" in rows["graphs_tests"] and "| not run |" in rows["matcher_tests"]
     assert "| >= 0.9x in-memory | **yes** |" in rows["speed_decode_cuda"]
     assert "| 1.42 | <= 1 step | no |" in rows["checkpoint"]
@@ -154,3 +153,18 @@ def test_the_summary_says_not_run_for_a_missing_suite(tmp_path):
     rows = gpu_issue50.summary(tmp_path)
     assert any("| 4 FFCV | speed_ffcv | not run |" in r for r in rows), rows
     assert gpu_issue50.main(["--summary", str(tmp_path / "absent")]) == 2
+
+
+def test_the_carried_op_is_keyed_by_its_sources(tmp_path, monkeypatch):
+    """The run copies the carried op in place only when ``--op-sha`` there equals its SOURCES.sha256."""
+    msda = tmp_path / "trainer" / "ops" / "msda"
+    (msda / "csrc").mkdir(parents=True)
+    (msda / "csrc" / "msda_kernel.cu").write_text("__global__ void k() {}\n")
+    (msda / "build.py").write_text("# build\n")
+    monkeypatch.setattr(gpu_carry, "ROOT", tmp_path)
+    before = gpu_carry.op_sources_sha()
+    assert gpu_carry.op_sources_sha() == before
+    (msda / "csrc" / "msda_kernel.cu").write_text("__global__ void k() { }\n")
+    assert gpu_carry.op_sources_sha() != before
+    script = (ROOT / "benchmarks" / "gpu_issue50.sh").read_text()
+    assert "gpu_carry.py --op-sha" in script and "SOURCES.sha256" in script
