@@ -254,11 +254,27 @@ def build_op(op_python: str, out: Path, archs: str = "9.0") -> Path:
     return op
 
 
+def find_python312() -> str:
+    """The first CPython 3.12 that runs: ``python3.12`` on PATH (a pyenv shim may exist and refuse), else the
+    newest ``~/.pyenv/versions/3.12.*/bin/python3.12``; ``python3.12`` when none (build() then names it)."""
+    candidates = ["python3.12"] + sorted(
+        (str(p) for p in Path.home().glob(".pyenv/versions/3.12*/bin/python3.12")), reverse=True
+    )
+    for c in candidates:
+        try:
+            if subprocess.run([c, "-c", ""], capture_output=True, timeout=60).returncode == 0:
+                return c
+        except (OSError, subprocess.SubprocessError):
+            continue
+    return "python3.12"
+
+
 def build(out: Path, data: Path, python: str, force: bool, op_python: str | None = None) -> None:
     """Fill ``out`` (wheels, data); reuses what is there unless ``force``."""
-    if shutil.which(python) is None and not Path(python).exists():
-        raise CarryError(f"--python: {python} not found; a CPython 3.12 interpreter is needed (the GPU's python3)")
-    ver = _run([python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"]).strip()
+    try:
+        ver = _run([python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"]).strip()
+    except (OSError, CarryError):
+        raise CarryError(f"--python: {python} does not run; a CPython 3.12 interpreter is needed") from None
     if ver != "3.12":
         raise CarryError(f"--python: {python} is Python {ver}; the GPU machine's python3 is 3.12")
     missing = [d for d in DATASETS if not (data / d).is_dir()]
@@ -299,7 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=".gpu-carry", help="the carried folder, relative to the repository root")
     ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data"), help="the shared datasets' folder")
-    ap.add_argument("--python", default="python3.12", help="CPython 3.12 (the GPU's python3 is 3.12)")
+    ap.add_argument(
+        "--python", help="CPython 3.12 (the GPU's python3 is 3.12); default: python3.12 on PATH, else pyenv's 3.12"
+    )
     ap.add_argument(
         "--op-python", help="also build the op for sm_90 with this interpreter (its torch: the GPU's, 2.11.0+cu130)"
     )
@@ -314,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     out = ROOT / a.out
     try:
         if not a.check:
-            build(out, Path(a.data).resolve(), a.python, a.force, a.op_python)
+            build(out, Path(a.data).resolve(), a.python or find_python312(), a.force, a.op_python)
         elif not out.is_dir():
             raise CarryError(f"--out: {out} does not exist; run without --check first")
         acc = account(ROOT, [Path(a.out)], a.limit_mib)

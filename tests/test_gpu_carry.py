@@ -168,3 +168,17 @@ def test_the_carried_op_is_keyed_by_its_sources(tmp_path, monkeypatch):
     assert gpu_carry.op_sources_sha() != before
     script = (ROOT / "benchmarks" / "gpu_issue50.sh").read_text()
     assert "gpu_carry.py --op-sha" in script and "SOURCES.sha256" in script
+
+
+def test_an_interpreter_that_does_not_run_exits_2_with_one_line(tmp_path, monkeypatch, capsys):
+    _git_repo(tmp_path)
+    monkeypatch.setattr(gpu_carry, "ROOT", tmp_path)
+    assert gpu_carry.main(["--python", str(tmp_path / "python3.12"), "--data", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "python3.12 does not run; a CPython 3.12 interpreter is needed" in err[0], err
+    assert gpu_carry.main(["--python", sys.executable, "--data", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    if sys.version_info[:2] != (3, 12):
+        assert f"is Python {sys.version_info[0]}.{sys.version_info[1]}; the GPU machine's python3 is 3.12" in err
+    else:
+        assert "lacks facemask-coco, imagenette-subset" in err
