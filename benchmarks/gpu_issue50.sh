@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 50's GPU rows in one device call (about 8 minutes on one H200), from the repository root with
+# Issue 50's GPU rows in one device call (about 9.5 minutes on one H200), from the repository root with
 # .gpu-carry/ carried (made here by `python3 benchmarks/gpu_carry.py`; docs/benchmarks.md "Waiting for a GPU"
 # gives the exact device call). Steps, each under its own limit, the lists in benchmarks/gpu_issue50.py:
 #   0. the carried wheels (ffcv 1.0.2 for Python 3.12 with its shared libraries, its pure-Python requirements,
@@ -9,7 +9,8 @@
 #      part) eager, --matcher batched, --cuda-graphs and both, STEPS steps each, then their CUDA tests;
 #   2-4. benchmarks/gpu_suite.sh --only the in-memory ResNet-50 rate, the checkpoint stall, --decode-device cuda
 #      and seed 003's FFCV loader (trainer vs bare loop).
-# Environment: BUDGET (seconds in all, default 500), DINO_BUDGET (default 240), STEPS (default 150), CARRY (default
+# Environment: BUDGET (seconds in all, default 540), DINO_BUDGET (default 280), STEPS (default 150), PART (all, or
+# dino / suite: half of it, for two calls on a warm machine when one call's 10 minutes do not suffice), CARRY (default
 # .gpu-carry), PY (default python3), WORK (the steps' logs and files, default /tmp/gpu-issue50), OUT (default
 # $WORK/out). $OUT gets 4 files at the end (5 with console.log when the caller tees it there; a device call
 # brings back 8 at most): issue50.md (each figure beside its goal), gpu_suite.md, summary.txt (gpu_dino.sh's)
@@ -19,11 +20,13 @@ cd "$(dirname "$0")/.."
 CARRY=${CARRY:-.gpu-carry}
 WORK=${WORK:-/tmp/gpu-issue50}
 OUT=${OUT:-$WORK/out}
-BUDGET=${BUDGET:-500}
-DINO_BUDGET=${DINO_BUDGET:-240}
+BUDGET=${BUDGET:-540}
+DINO_BUDGET=${DINO_BUDGET:-280}
+PART=${PART:-all}
 PY=${PY:-python3}
 export PYTHONUNBUFFERED=1
-rm -rf "$WORK/dino" "$WORK/suite"
+[[ $PART != suite ]] && rm -rf "$WORK/dino"  # a second call (PART=suite) keeps the first one's DINO logs
+[[ $PART != dino ]] && rm -rf "$WORK/suite"
 mkdir -p "$WORK/dino" "$WORK/suite" "$OUT"
 if [[ ! -d $CARRY/whl || ! -d $CARRY/data/facemask-coco || ! -d $CARRY/data/imagenette-subset ]]; then
   echo "error: CARRY=$CARRY lacks whl/ or data/: run python3 benchmarks/gpu_carry.py here and carry $CARRY" >&2
@@ -42,10 +45,14 @@ if ls "$CARRY"/op/_C*.so > /dev/null 2>&1 && ! ls trainer/ops/msda/_C*.so > /dev
 fi
 skip=$($PY benchmarks/gpu_issue50.py --steps dino-skip)
 only=$($PY benchmarks/gpu_issue50.py --steps suite)
-DATA=$CARRY/data STEPS=${STEPS:-150} BUDGET=$DINO_BUDGET PY=$PY OUT=$WORK/dino SKIP=$skip bash benchmarks/gpu_dino.sh
-left=$((BUDGET - SECONDS - 15))  # 15 s kept for the summary and the tar
-PYTHON=$PY bash benchmarks/gpu_suite.sh --device cuda --data "$CARRY/data" --out "$WORK/suite" --only "$only" \
-  --precisions bf16-mixed --budget "$left"
+if [[ $PART != suite ]]; then
+  DATA=$CARRY/data STEPS=${STEPS:-150} BUDGET=$DINO_BUDGET PY=$PY OUT=$WORK/dino SKIP=$skip bash benchmarks/gpu_dino.sh
+fi
+if [[ $PART != dino ]]; then
+  left=$((BUDGET - SECONDS - 15))  # 15 s kept for the summary and the tar
+  PYTHON=$PY bash benchmarks/gpu_suite.sh --device cuda --data "$CARRY/data" --out "$WORK/suite" --only "$only" \
+    --precisions bf16-mixed --budget "$left"
+fi
 head="issue 50 on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%F), commit \
 $(git rev-parse --short HEAD 2>/dev/null || echo '?'), \`bash benchmarks/gpu_issue50.sh\` (${SECONDS} s)"
 $PY benchmarks/gpu_issue50.py --summary "$WORK" --head "$head"
