@@ -32,10 +32,14 @@ if [[ ! -d $CARRY/whl || ! -d $CARRY/data/facemask-coco || ! -d $CARRY/data/imag
   echo "error: CARRY=$CARRY lacks whl/ or data/: run python3 benchmarks/gpu_carry.py here and carry $CARRY" >&2
   exit 2
 fi
-$PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$CARRY"/whl/*.whl \
-  || { echo "error: the carried wheels did not install" >&2; exit 2; }
+ldd --version | head -1
+pipi() { $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$@"; }
+# ffcv's wheel is manylinux_2_35 (built on Debian 12): should pip refuse it there, the rest still runs (FFCV fails)
+pipi "$CARRY"/whl/*.whl || { echo "warning: the wheels as one set did not install; without ffcv:" >&2
+  pipi $(ls "$CARRY"/whl/*.whl | grep -v /ffcv-) || { echo "error: the carried wheels did not install" >&2; exit 2; }; }
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-$PY -c "import ffcv, numpy, torch; print('ffcv', ffcv.__file__, 'numpy', numpy.__version__, 'torch', torch.__version__)"
+$PY -c "import ffcv, numpy, torch; print('ffcv', ffcv.__file__, 'numpy', numpy.__version__, 'torch', torch.__version__)" \
+  || echo "warning: ffcv does not import (above): ffcv_write and speed_ffcv will fail, the rest runs" >&2
 if ls "$CARRY"/op/_C*.so > /dev/null 2>&1 && ! ls trainer/ops/msda/_C*.so > /dev/null 2>&1; then
   if [[ $($PY benchmarks/gpu_carry.py --op-sha) == "$(cat "$CARRY/op/SOURCES.sha256")" ]]; then
     cp "$CARRY"/op/_C*.so trainer/ops/msda/ && echo "op: the carried build"
