@@ -38,6 +38,7 @@ pipi() { $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir 
 pipi "$CARRY"/whl/*.whl || { echo "warning: the wheels as one set did not install; without ffcv:" >&2
   pipi $(ls "$CARRY"/whl/*.whl | grep -v /ffcv-) || { echo "error: the carried wheels did not install" >&2; exit 2; }; }
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+export TRAINSTACK_DATA=$(cd "$CARRY/data" && pwd)  # the CUDA tests' real data (matcher_tests reads facemask-coco)
 $PY -c "import ffcv, numpy, torch; print('ffcv', ffcv.__file__, 'numpy', numpy.__version__, 'torch', torch.__version__)" \
   || echo "warning: ffcv does not import (above): ffcv_write and speed_ffcv will fail, the rest runs" >&2
 if ls "$CARRY"/op/_C*.so > /dev/null 2>&1 && ! ls trainer/ops/msda/_C*.so > /dev/null 2>&1; then

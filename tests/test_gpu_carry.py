@@ -182,3 +182,19 @@ def test_an_interpreter_that_does_not_run_exits_2_with_one_line(tmp_path, monkey
         assert f"is Python {sys.version_info[0]}.{sys.version_info[1]}; the GPU machine's python3 is 3.12" in err
     else:
         assert "lacks facemask-coco, imagenette-subset" in err
+
+
+def test_a_chosen_data_folder_need_not_hold_every_shared_dataset(tmp_path):
+    """On the GPU machine ``TRAINSTACK_DATA`` names the carried datasets (no hymenoptera): the CUDA tests that read
+    facemask-coco run; the default folder still has to hold the whole set."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("conftest_under_test", ROOT / "tests" / "conftest.py")
+    conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)
+    (tmp_path / "facemask-coco").mkdir()
+    assert conftest.shared_data_problem(tmp_path, chosen=True) is None
+    assert "shared datasets not found at" in conftest.shared_data_problem(tmp_path, chosen=False)
+    assert "not found" in conftest.shared_data_problem(tmp_path / "absent", chosen=True)
+    (tmp_path / "hymenoptera").mkdir()
+    assert conftest.shared_data_problem(tmp_path, chosen=False) is None
