@@ -11,12 +11,12 @@
 #   SKIP=a,b       step names not to run (e.g. SKIP=dino_step_compiled,dino_train_compiled when GPU minutes are few)
 # Steps: op build for this GPU (when missing), op tests, op table (ours / upstream / reference, fp32 and bf16, wall
 # and GPU time), DINO-4scale R50 TrainStep at 800 px bf16 (ms/step at batch 2/4/8 and on real facemask batches; the
-# CPU proxy's counts and GPU kernel times), eager, --compile, then with the batched GPU matcher (`--matcher batched`)
-# and its SciPy-parity tests on CUDA, then with canvases + a static-size denoising part, eager and with CUDA graphs
+# CPU proxy's counts and GPU kernel times), eager, --compile, then with the batched GPU matcher (`--matcher batched`),
+# then with canvases + a static-size denoising part, eager and with CUDA graphs
 # (the launches and syncs a graphed step leaves); the real loop on facemask (STEPS steps, batch 2) with GPU busy % from
 # nvidia-smi: per-batch padding, fixed canvases (`--canvases auto`), canvases and a static-size denoising part
 # (`--dn-max-boxes 100`), each eager then --compile, then canvases + static part with the batched matcher, with
-# CUDA graphs (`--cuda-graphs`, and its tests on CUDA) and with both; BASE's profile last.
+# CUDA graphs (`--cuda-graphs`) and with both; then the matcher's and the graphs' CUDA tests; BASE's profile last.
 set -u
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
@@ -77,8 +77,6 @@ step dino_step_batched_matcher 120 $PY "${DINO[@]}" --time-batches 2 --matcher b
 STATIC=(--canvases auto --dn-max-boxes 100)
 step dino_step_static 120 $PY "${DINO[@]}" --time-batches 2 "${STATIC[@]}"
 step dino_step_graphs 150 $PY "${DINO[@]}" --time-batches 2 "${STATIC[@]}" --cuda-graphs
-step matcher_tests 120 $PY -m pytest -q -x -p no:cacheprovider tests/models/test_dino_matcher_batched.py
-step graphs_tests 150 $PY -m pytest -q -x -p no:cacheprovider tests/models/test_dino_graphs.py
 train() {  # train NAME [extra flags]: the real loop on facemask, GPU busy % (benchmarks/gpu_busy.py) into $OUT/NAME.busy
   local name=$1; shift
   skipped "$name" && return 0
@@ -102,6 +100,9 @@ train dino_train_static_compiled --canvases auto --dn-max-boxes 100 --compile
 train dino_train_static_batched_matcher --canvases auto --dn-max-boxes 100 --matcher batched
 train dino_train_static_graphs --canvases auto --dn-max-boxes 100 --cuda-graphs
 train dino_train_static_graphs_batched_matcher --canvases auto --dn-max-boxes 100 --cuda-graphs --matcher batched
+# the CUDA tests of the batched matcher and the graphs after the figures (a short budget cuts them first)
+step matcher_tests 120 $PY -m pytest -q -x -p no:cacheprovider tests/models/test_dino_matcher_batched.py
+step graphs_tests 150 $PY -m pytest -q -x -p no:cacheprovider tests/models/test_dino_graphs.py
 if [[ -n ${BASE:-} && -n ${PROFILE:-} ]]; then
   (cd "$BASE" && PYTHONPATH=$PWD${extra_path:+:$extra_path} step dino_profile_base 120 $PY "$PROFILE")
 fi

@@ -13,6 +13,12 @@ fork of this process, which imported torch once, unless ``--fresh-processes``):
    classification (ResNet-50 224 px, bf16 + channels_last and fp32), segmentation (seed 001's config at
    1024 px), video (seed 004's config on clips derived from ``video-clips``, with and without the feature cache).
 5. ``checkpoint``: ``checkpoint.py``: the full cost of one periodic checkpoint in steps (``stall_steps``).
+6. On CUDA only: ``jpeg_copies`` (imagenette-subset's training photos 8 times over, hard links), then
+   ``speed_decode_cuda`` (the real loop from those JPEGs with ``--decode-device cuda``, 4 loader workers; its
+   rate beside the in-memory one of ``speed_classification``), ``ffcv_write`` (``python -m trainer write-ffcv``
+   of the copies) and ``speed_ffcv`` (seed 003's loader: ``overhead.py --ffcv-dir``, the trainer vs the bare
+   loop, both reading the trainer's FFCV loader; needs the ffcv extra, carried as wheels by
+   ``benchmarks/gpu_carry.py``).
 
 Writes ``<out>/gpu_suite.md``: one summary table (figure, value, step) followed by the op and memory tables,
 ready to paste into docs/benchmarks.md, and one log per step. ``--small`` shrinks every size (CPU check of the
@@ -38,8 +44,11 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
 
-def plan(device: str, small: bool, data: Path, work: Path) -> list[tuple[str, int, list[str]]]:
-    """(step name, time limit in seconds, argv) of every step for ``device`` at full or ``small`` size."""
+def plan(
+    device: str, small: bool, data: Path, work: Path, precisions: str = "bf16-mixed,32"
+) -> list[tuple[str, int, list[str]]]:
+    """(step name, time limit in seconds, argv) of every step for ``device`` at full or ``small`` size;
+    ``precisions``: those of ``speed_classification`` at full size."""
     py = [sys.executable]
     gpu = device == "cuda"
     inet, roofs, clips = str(data / "imagenette-subset"), str(data / "rid-roofs"), str(work / "clips" / "clip-source")
@@ -70,7 +79,7 @@ def plan(device: str, small: bool, data: Path, work: Path) -> list[tuple[str, in
             "--config configs/seed004_video_g5.yaml --cases frame_transformer:16 --image-size 64 --num-outputs 7 "
             "--precision bf16-mixed",
         ]
-        cls = f"--data {inet} --model resnet50 --size 224 --batch 256 --steps 20 --rounds 3 --precisions bf16-mixed,32"
+        cls = f"--data {inet} --model resnet50 --size 224 --batch 256 --steps 20 --rounds 3 --precisions {precisions}"
         seg = "--size 1024 --batch 16 --steps 10 --rounds 2 --precisions bf16-mixed"
         vid = "--batch 16 --steps 10 --rounds 2 --precisions bf16-mixed --size 64"
         ckpt = "--model resnet50 --size 224 --batch 256 --steps 39 --every 10 --signal-after 15 --rounds 2"
@@ -151,6 +160,18 @@ def plan(device: str, small: bool, data: Path, work: Path) -> list[tuple[str, in
                     "--log-dir",
                     str(work / "decode" / "logs"),
                 ],
+            ),
+            (
+                "ffcv_write",
+                90,
+                [*py, "-m", "trainer", "write-ffcv", "--data-dir", str(copies), "--ffcv-dir", str(work / "ffcv")]
+                + "--max-resolution 256 --num-workers 16".split(),
+            ),
+            (
+                "speed_ffcv",
+                150,
+                [*speed, "--data", str(copies), "--ffcv-dir", str(work / "ffcv")]
+                + "--model resnet50 --size 224 --batch 256 --workers 12 --rounds 2 --precisions bf16-mixed".split(),
             ),
         ]
     return steps
@@ -314,6 +335,14 @@ def summarize(results: list[dict]) -> tuple[list[tuple[str, str, str]], list[str
     return rows, tables
 
 
+def needed_datasets(steps: list[tuple[str, int, list[str]]], data: Path) -> list[str]:
+    """The shared datasets that ``steps`` read from ``data`` and that are not there (a run that carries only some
+    datasets, e.g. ``--only`` of issue 50's steps, needs only theirs)."""
+    names = ("imagenette-subset", "rid-roofs", "video-clips")
+    used = [d for d in names if any(str(data / d) in arg for _, _, argv in steps for arg in argv)]
+    return [d for d in used if not (data / d).is_dir()]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -321,6 +350,11 @@ def main() -> int:
     ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data"), help="the shared datasets' folder")
     ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/gpu-suite", help="logs and gpu_suite.md")
     ap.add_argument("--only", help="comma-separated step names (default: all)")
+    ap.add_argument(
+        "--precisions",
+        default="bf16-mixed,32",
+        help="of speed_classification at full size (bf16-mixed: the rate speed_decode_cuda is compared with)",
+    )
     ap.add_argument(
         "--budget",
         type=float,
@@ -336,17 +370,21 @@ def main() -> int:
     )
     a = ap.parse_args()
     data, out = Path(a.data).resolve(), Path(a.out).resolve()
-    missing = [d for d in ("imagenette-subset", "rid-roofs", "video-clips") if not (data / d).is_dir()]
+    steps = plan(a.device, a.small, data, out / "work", a.precisions)
+    if a.only:
+        keep = set(a.only.split(","))
+        unknown = sorted(keep - {s[0] for s in steps})
+        if unknown:
+            print(f"error: --only: no step {', '.join(unknown)} on {a.device}", file=sys.stderr)
+            return 2
+        steps = [s for s in steps if s[0] in keep]
+    missing = needed_datasets(steps, data)
     if missing:
         print(
             f"error: --data: {data} lacks {', '.join(missing)}; expected the shared datasets' folder", file=sys.stderr
         )
         return 2
     out.mkdir(parents=True, exist_ok=True)
-    steps = plan(a.device, a.small, data, out / "work")
-    if a.only:
-        keep = set(a.only.split(","))
-        steps = [s for s in steps if s[0] in keep]
     t0 = time.perf_counter()
     # The CPU check of the suite forks its steps from one process that imported torch once (about 6 s per step
     # less on 2 vCPUs); a GPU run starts each step in a fresh interpreter, as always.

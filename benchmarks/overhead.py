@@ -20,12 +20,21 @@ with ``extra_aten_calls_per_step=N host_syncs_per_step=M``.
         --batch 8 --steps 4 --profile
     python benchmarks/overhead.py --data DIR --model resnet50 --size 224 --batch 256 --steps 20 --rounds 3 \
         --device cuda --precisions bf16-mixed,32
+
+``--ffcv-dir DIR`` (seed 003's loader, issue 50): instead of in-memory batches both loops read the trainer's own
+FFCV train loader (``--use-ffcv``: ``DIR/train.ffcv`` written by ``python -m trainer write-ffcv``, FFCV's
+``--workers`` threads, batches moved to the device by FFCV's ``ToDevice``), one whole epoch per round, so both
+pay the same decoding and FFCV's per-epoch numba compilation; ``--steps`` is then unused.
+
+    python benchmarks/overhead.py --data DIR --ffcv-dir FFCV_DIR --model resnet50 --size 224 --batch 256 \
+        --workers 14 --rounds 2 --device cuda --precisions bf16-mixed
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import json
 import statistics
 import sys
@@ -115,6 +124,27 @@ def in_memory_trainer(
     return trainer
 
 
+def ffcv_trainer(data: str, ffcv_dir: str, model: str, size: int, batch: int, device: str, **extra) -> Trainer:
+    """A single-process Trainer on ``device`` that keeps its own FFCV train loader (``use_ffcv``: reads
+    ``ffcv_dir/train.ffcv`` and ``val.ffcv``; ``num_workers`` in ``extra`` = FFCV's threads); temporary logs and
+    checkpoints. Raises what the trainer raises for a missing extra or a bad .ffcv file (ConfigError/DataError)."""
+    over = {**_scratch_run(device), **extra}
+    over.update(data_dir=data, use_ffcv=True, ffcv_dir=ffcv_dir, model=model, image_size=size, batch_size=batch)
+    cfg = load_config(None, dict(epochs=1000, lr=0.01, **over))
+    return Trainer(cfg, DistInfo(0, 0, 1, torch.device(device)))
+
+
+class _FirstBatches:
+    """Re-iterable over the first ``n`` batches of each pass over ``loader``: the bare loop takes as many
+    batches of the trainer's FFCV loader as the trainer's epoch (``max_steps_per_epoch`` may cut it)."""
+
+    def __init__(self, loader, n: int):
+        self.loader, self.n = loader, n
+
+    def __iter__(self):
+        return itertools.islice(iter(self.loader), self.n)
+
+
 def in_memory_parser(doc: str, model: str, size: int, batch: int, steps: int) -> argparse.ArgumentParser:
     """The flags every in-memory benchmark shares: --data, --model, --size (px), --batch, --steps."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -199,12 +229,13 @@ def task_loop(trainer: Trainer, batches: list):
 
 
 def trainer_loop(trainer: Trainer):
-    """One pass of the trainer's ``train_epoch`` over its in-memory batches (or ``part`` of them); returns the
-    images trained on."""
+    """One pass of the trainer's ``train_epoch`` over its in-memory batches (or ``part`` of them), or one epoch of
+    its own loader when that is no list (``--ffcv-dir``); returns the images trained on."""
     batches = trainer.train_loader
 
     def run(part: list = batches) -> int:
-        trainer.train_loader, trainer.steps_per_epoch = part, len(part)
+        if isinstance(part, list):  # in-memory batches; a real loader (FFCV) keeps the trainer's step count
+            trainer.train_loader, trainer.steps_per_epoch = part, len(part)
         trainer.step_in_epoch = 0
         trainer.train_epoch()
         trainer.epoch += 1
@@ -266,14 +297,18 @@ def main() -> None:
     )
     ap.add_argument("--profile", action="store_true", help="count ATen calls and host syncs per step, no timing")
     ap.add_argument("--config", help="YAML config of any task: its data (--data), model, loss and optimizer")
+    ap.add_argument("--ffcv-dir", help="write-ffcv output of --data: both loops read the trainer's FFCV loader")
+    ap.add_argument("--workers", type=int, default=4, help="with --ffcv-dir: FFCV's threads (num_workers)")
     ap.add_argument(
         "--set", action="append", type=lambda kv: tuple(_typed(*kv.split("=", 1))), help="config override key=value"
     )
     args = ap.parse_args()
+    if args.ffcv_dir and (args.config or args.profile):
+        ap.exit(2, "error: --ffcv-dir: times the classification loop; use it without --config and --profile\n")
     dev = torch.device(args.device)
     precisions = (args.precisions or ("32" if dev.type == "cpu" else "bf16-mixed,32")).split(",")
     pin = dev.type == "cuda"
-    if not args.config:
+    if not args.config and not args.ffcv_dir:
         batches, n_classes = in_memory_batches(args.data, args.size, args.batch, args.steps, pin=pin)
     ratios, results = [], []
     for prec in precisions:
@@ -284,6 +319,27 @@ def main() -> None:
                 over["image_size"] = args.size
             trainer, batches = config_trainer(args.config, args.steps, args.device, pin, **over)
             cl, bare = trainer.cfg.channels_last, task_loop(trainer, batches)
+        elif args.ffcv_dir:  # both loops read the trainer's FFCV loader (batches already on the device)
+            trainer = ffcv_trainer(
+                args.data,
+                args.ffcv_dir,
+                args.model,
+                args.size,
+                args.batch,
+                args.device,
+                precision=prec,
+                scheduler="cosine",
+                channels_last=cl,
+                no_decay_norm_bias=False,
+                num_workers=args.workers,
+                **dict(args.set or []),
+            )
+            torch.manual_seed(0)
+            model = build_classifier(args.model, trainer.task.num_classes).to(dev)
+            if cl:
+                model = model.to(memory_format=torch.channels_last)
+            batches = _FirstBatches(trainer.train_loader, trainer.steps_per_epoch)
+            bare = minimal_loop(model, batches, dev, prec, cl, trainer.cfg.weight_decay)
         else:
             trainer = in_memory_trainer(
                 args.data,
@@ -319,6 +375,8 @@ def main() -> None:
             "threads": torch.get_num_threads(),
             "torch": torch.__version__,
         }
+        if args.ffcv_dir:  # whole epochs of the FFCV loader, not --steps
+            row.update(steps=trainer.steps_per_epoch, loader=f"ffcv, {args.workers} threads")
         if args.profile:
             counts = {k: step_counts(fn, batches, dev) for k, fn in loops.items()}
             t, m = counts["trainer"], counts["minimal"]
