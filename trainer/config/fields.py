@@ -177,6 +177,12 @@ class TrainConfig:
     # --- checkpoint ----------------------------------------------------------------------------------
     checkpoint_dir: str = _ckpt("runs/default/checkpoints", "Where checkpoints go.")
     checkpoint_interval: int = _ckpt(1, "Keep a checkpoint every N epochs (the latest and the best are always kept).")
+    keep_last_checkpoints: int = _ckpt(
+        2,
+        "Also keep the newest N checkpoints, mid-epoch ones too (>= 1). 2: the previous one is deleted only once "
+        "a newer one has been durable for a whole checkpoint interval, so a copy that lags behind the folder "
+        "(SageMaker's upload to S3, an FSx export) still holds a complete checkpoint when the newest is cut off.",
+    )
     auto_resume: bool = _ckpt(True, "At start, resume from the newest complete checkpoint in checkpoint_dir.")
     resume: Optional[str] = _ckpt(None, "Resume from this checkpoint directory (overrides auto_resume).")
     force_resume: bool = _ckpt(
@@ -486,6 +492,7 @@ NON_TRAJECTORY_FIELDS = (
     "tracking_experiment",
     "tracking_run_name",
     "checkpoint_interval",
+    "keep_last_checkpoints",
     "target_metric",
     "target_value",
     "target_accuracy",

@@ -70,6 +70,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         "epochs",
         "image_size",
         "checkpoint_interval",
+        "keep_last_checkpoints",
         "log_every_steps",
         "progressive_stages",
         "progressive_min_size",

@@ -84,8 +84,16 @@ class CheckpointManager(CheckpointDirectory):
         directory: checkpoint folder (created if missing).
         rank, world_size: this process's place in the process group.
         keep_every_epochs: epoch-end checkpoints with ``epoch % keep_every_epochs == 0`` are kept;
-            ``latest`` and ``best`` are always kept; every other checkpoint is deleted once a newer one is
-            durable.
+            ``latest`` and ``best`` are always kept; every other checkpoint is deleted once ``keep_last`` newer
+            ones are durable.
+        keep_last: the newest ``keep_last`` complete checkpoints (mid-epoch ones too) are never pruned. With 1, the
+            previous checkpoint goes as soon as a newer one is durable here, which is too soon for a copy of the
+            folder that lags behind it: SageMaker uploads ``/opt/ml/checkpoints`` to S3 while the job runs and
+            deletes in S3 what the job deletes ("If a checkpoint is deleted in the SageMaker container, it will
+            also be deleted in the S3 folder": AWS, "Use checkpoints in Amazon SageMaker AI"), so a spot
+            interruption can find the old checkpoint deleted and the new one not yet uploaded; an FSx for Lustre
+            export to S3 is asynchronous too. With 2 (the config's default) the previous checkpoint stays until a
+            newer one has been durable for a whole checkpoint interval.
         writer: who serialises, hashes and writes ``state.pt``: ``thread`` (a thread of this process),
             ``process`` (a writer process on shared memory, :mod:`trainer.engine.checkpoint_writer`) or ``auto``
             (the process when the state holds at least :data:`PROCESS_WRITER_MIN_BYTES` of tensors, else the
@@ -110,11 +118,14 @@ class CheckpointManager(CheckpointDirectory):
         world_size: int = 1,
         keep_every_epochs: int = 1,
         writer: str = "thread",
+        keep_last: int = 1,
     ):
         if writer not in WRITERS:
             raise ValueError(f"writer: got {writer!r}; expected one of {', '.join(WRITERS)}")
         super().__init__(directory)
-        self.rank, self.world_size, self.keep_every = rank, world_size, keep_every_epochs
+        if keep_last < 1:
+            raise ValueError(f"keep_last: got {keep_last!r}; expected an integer >= 1")
+        self.rank, self.world_size, self.keep_every, self.keep_last = rank, world_size, keep_every_epochs, keep_last
         self.writer = writer  #: resolved to ``thread`` or ``process`` at the first save
         self._process = None  # a checkpoint_writer.WriterProcess once the process writer is in use
         self.notes: list[str] = []  #: one-line messages for the run's log (the writer chosen, a fallback)
@@ -382,7 +393,17 @@ class CheckpointManager(CheckpointDirectory):
             return atomic_torch_save(rebuild(skeleton(staged, flat.data_ptr()), flat), path)
 
     def _prune(self) -> None:
+        """Delete the checkpoints nothing keeps: not ``latest`` or ``best``, not among the newest ``keep_last``
+        complete ones (counted by global step: the mid-epoch checkpoint written before an evaluation is the same
+        step as the epoch end after it, which supersedes it), not an epoch end that ``keep_every_epochs`` keeps.
+        Folders without a manifest (incomplete, foreign) are left alone and count for nothing."""
         keep = {self.pointer("latest"), self.pointer("best")}
+        steps: set[str] = set()
+        for d in self.list():  # newest first; at one step the epoch end comes before its ``-m`` twin
+            step = d.name.removesuffix("-m")
+            if len(steps) < self.keep_last and step not in steps and (d / "manifest.json").is_file():
+                steps.add(step)
+                keep.add(d.name)
         for d in self.list():
             if d.name in keep:
                 continue

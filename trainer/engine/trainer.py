@@ -203,7 +203,12 @@ class Trainer(ResumeMixin):
         ckpt, err = None, None
         try:
             ckpt = CheckpointManager(
-                cfg.checkpoint_dir, info.rank, info.world_size, cfg.checkpoint_interval, writer=cfg.checkpoint_writer
+                cfg.checkpoint_dir,
+                info.rank,
+                info.world_size,
+                cfg.checkpoint_interval,
+                writer=cfg.checkpoint_writer,
+                keep_last=cfg.keep_last_checkpoints,
             )
         except CheckpointError as e:
             err = str(e)
