@@ -25,6 +25,7 @@ import botocore.session
 import pytest
 import regex  # botocore's patterns are Java regexes (\p{L}, \p{Alnum}); `regex` (a cfn-lint dependency) reads them
 from botocore.validate import validate_parameters
+from checkpoint_sync import prefix_at_the_end, restore
 from moto import mock_aws
 
 from tests import forkserver, moto_env
@@ -206,9 +207,9 @@ TRAIN = Path(__file__).resolve().parents[2] / "images" / "training" / "train"
 
 
 def _run_phase(request: dict, opt_ml: Path, s3: Path, data: Path) -> subprocess.CompletedProcess:
-    """One SageMaker job of ``request`` on this machine: a fake /opt/ml whose ``checkpoints`` folder is the
-    folder standing for the request's S3 checkpoint prefix (SageMaker restores the prefix there and uploads
-    what the job writes)."""
+    """One SageMaker job of ``request`` on this machine: a fake /opt/ml whose ``checkpoints`` folder SageMaker's
+    stand-in fills from the folder standing for the request's S3 checkpoint prefix before the job, and uploads
+    back to it after (tests/sagemaker/checkpoint_sync.py)."""
     cfg = opt_ml / "input" / "config"
     cfg.mkdir(parents=True)
     (cfg / "resourceconfig.json").write_text(
@@ -220,15 +221,16 @@ def _run_phase(request: dict, opt_ml: Path, s3: Path, data: Path) -> subprocess.
     (opt_ml / "input" / "data").mkdir(parents=True)
     (opt_ml / "input" / "data" / channels[0]).symlink_to(data, target_is_directory=True)
     prefix = s3 / request["CheckpointConfig"]["S3Uri"].removeprefix("s3://")
-    prefix.mkdir(parents=True, exist_ok=True)
-    (opt_ml / "checkpoints").symlink_to(prefix, target_is_directory=True)
+    restore(prefix, opt_ml / "checkpoints")
     env = {
         **os.environ,
         "PYTHONPATH": str(TRAIN.parents[2]),
         "TRAINSTACK_SM_ROOT": str(opt_ml),
         "TRAINSTACK_NPROC_PER_NODE": request["Environment"]["TRAINSTACK_NPROC_PER_NODE"],
     }
-    return forkserver.run([sys.executable, str(TRAIN)], cwd=TRAIN.parents[2], env=env, timeout=600)
+    proc = forkserver.run([sys.executable, str(TRAIN)], cwd=TRAIN.parents[2], env=env, timeout=600)
+    prefix_at_the_end(opt_ml / "checkpoints", prefix)
+    return proc
 
 
 def test_gpu_phase_starts_fresh_with_its_own_checkpoint_prefix(executions, tiny_digits, tmp_path):

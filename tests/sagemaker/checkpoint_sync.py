@@ -20,10 +20,11 @@ import shutil
 from pathlib import Path
 
 
-def prefix_after_interruption(local: Path, prefix: Path, in_flight: set[str]) -> None:
-    """Set ``prefix`` to what S3 holds when the instance is reclaimed mid-upload: every file now under ``local``
-    except the paths in ``in_flight`` (relative to ``local``; uploads the interruption cut off), and none of the
-    files ``local`` has deleted (deletions propagated). Raises ValueError when ``in_flight`` names no file there."""
+def prefix_at_the_end(local: Path, prefix: Path, in_flight: frozenset[str] = frozenset()) -> None:
+    """Set ``prefix`` to what S3 holds when the job's container is gone: every file now under ``local`` except the
+    paths in ``in_flight`` (relative to ``local``: uploads a spot reclaim cut off; none when the job ended on its
+    own), and none of the files ``local`` has deleted (deletions propagated). Raises ValueError when ``in_flight``
+    names a file that is not there."""
     files = {p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file()}
     if not in_flight <= files:
         raise ValueError(f"in_flight: {sorted(in_flight - files)} not under {local}")

@@ -11,7 +11,7 @@ import signal
 import sys
 
 import pytest
-from checkpoint_sync import prefix_after_interruption, restore
+from checkpoint_sync import prefix_at_the_end, restore
 from conftest import REPO
 from test_entrypoint import TRAIN, _sm_job
 from test_interruption import _assert_same_state, _final_state, _run_until
@@ -39,7 +39,7 @@ def test_an_upload_cut_off_by_the_interruption_falls_back_to_the_previous_checkp
     assert older, f"the previous checkpoint was pruned in the container (and so in S3): {sorted(local.iterdir())}"
     # the reclaim cuts off the newest checkpoint's state.pt (its largest object, uploaded last); the rest is there
     prefix = tmp_path / "s3" / "bucket" / "checkpoints" / "job"
-    prefix_after_interruption(local, prefix, in_flight={f"{newest}/state.pt"})
+    prefix_at_the_end(local, prefix, in_flight=frozenset({f"{newest}/state.pt"}))
 
     # the restarted job: a new container whose checkpoint folder SageMaker fills from the prefix
     root2, env2 = _sm_job(tmp_path / "attempt2", tiny_digits, **JOB)
