@@ -18,7 +18,7 @@ Sources (any of them sets :class:`StopFlag`; nothing else happens in a signal ha
   127.0.0.1. Off EC2 one short probe (1 s timeout) fails and nothing polls afterwards.
 
 The training loop reads the flag only at optimizer-step boundaries and before evaluation batches (those that every
-rank runs), and all ranks agree on it there (``trainer.engine.trainer``), so a stop is always at a consistent
+rank runs), and all ranks agree on it there (``EpochMixin._control`` in ``trainer.engine.epoch``), so a stop is always at a consistent
 point. An epoch's training is durable before its evaluation starts, so a stop during the evaluation only skips
 the rest of it (the resumed run evaluates the epoch again).
 """

@@ -1,7 +1,7 @@
 """Resuming a run from a checkpoint: which checkpoint (``resume``, or ``auto_resume``'s newest complete one),
 whether it fits this run (label space, model weights, optimizer and EMA state, trajectory config unless
 ``force_resume``), and where training continues (epoch, step in epoch, global step, LR schedule, per-rank
-random streams and epoch statistics). :class:`ResumeMixin` is the half of :class:`~trainer.engine.trainer.Trainer`
+random streams and epoch statistics). :class:`ResumeMixin` is the part of :class:`~trainer.engine.trainer.Trainer`
 that does it; the checkpoint format itself is :mod:`trainer.engine.checkpoint`'s."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """This machine as a plan row: how many single-process jobs of a config fit here side by side (``python -m
 trainer sweep``'s K), through the same GPU-memory, host-RAM and vCPU checks as ``plan --jobs-per-instance``
-(:mod:`trainer.planning.plan`)."""
+(:mod:`trainer.planning.plan`, :mod:`trainer.planning.instance_rows`)."""
 
 from __future__ import annotations
 
@@ -13,17 +13,9 @@ import torch
 
 import catalog
 from trainer.config import TrainConfig
-from trainer.planning.memory import predict_step_memory
-from trainer.planning.plan import (
-    MIB,
-    PlanError,
-    PlanOptions,
-    _host_checks,
-    _Inputs,
-    _inputs,
-    gpu_model_of,
-    plan_rows,
-)
+from trainer.planning.instance_rows import _host_checks, _Inputs, gpu_model_of, plan_rows
+from trainer.planning.memory import MIB, predict_step_memory
+from trainer.planning.plan import PlanError, PlanOptions, _inputs
 
 
 @dataclass(frozen=True)
