@@ -398,13 +398,14 @@ class CheckpointManager(CheckpointDirectory):
         step as the epoch end after it, which supersedes it), not an epoch end that ``keep_every_epochs`` keeps.
         Folders without a manifest (incomplete, foreign) are left alone and count for nothing."""
         keep = {self.pointer("latest"), self.pointer("best")}
+        found = self.list()  # newest first; at one step the epoch end comes before its ``-m`` twin
         steps: set[str] = set()
-        for d in self.list():  # newest first; at one step the epoch end comes before its ``-m`` twin
+        for d in found:
             step = d.name.removesuffix("-m")
             if len(steps) < self.keep_last and step not in steps and (d / "manifest.json").is_file():
                 steps.add(step)
                 keep.add(d.name)
-        for d in self.list():
+        for d in found:
             if d.name in keep:
                 continue
             try:
