@@ -399,6 +399,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(tuning.stop_tuning_job(aws, args.target) or jobs.stop_run(aws, args.target))
     elif cmd == "teardown":
+        if not (outputs.bucket or outputs.alarm_topic_arn or outputs.repository_uri):
+            print(f"no stack of environment {aws.env} is deployed: looking for what its tags still name")
         found = instances.sweep(aws, outputs, apply=args.yes)
         found["executions"] = jobs.stop_running_executions(aws, outputs, apply=args.yes)
         found["tuning_jobs"] = tuning.stop_tuning_jobs(aws, apply=args.yes)

@@ -474,6 +474,10 @@ def test_clear_errors_no_credentials_no_stack_wrong_region(templates, monkeypatc
         err = capsys.readouterr().err
         assert "test-DataStack does not exist" in err and "cdk deploy TrainingStack -c env=test`" in err
         assert "<env>" not in err and len(err.strip().splitlines()) == 1
+        assert main(E + ["teardown", "--yes"]) == 0  # an environment already destroyed: nothing to do, exit 0
+        out = capsys.readouterr().out
+        assert "no stack of environment test is deployed" in out and "removed 0 instances" in out
+    with mock_aws():
         assert main(E + ["--region", "mars-north-1", "status"]) == 2
         assert "unknown AWS region 'mars-north-1'" in capsys.readouterr().err
     monkeypatch.delenv("AWS_ACCESS_KEY_ID")
