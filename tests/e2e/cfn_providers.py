@@ -138,9 +138,7 @@ class MetricFilter(_Handler, CloudFormationModel):
         from moto.logs.models import logs_backends
 
         name = props.get("FilterName") or logical_id
-        transformations = [
-            {k[0].lower() + k[1:]: v for k, v in t.items()} for t in props["MetricTransformations"]
-        ]
+        transformations = [{k[0].lower() + k[1:]: v for k, v in t.items()} for t in props["MetricTransformations"]]
         logs_backends[account_id][region_name].put_metric_filter(
             name, props["FilterPattern"], props["LogGroupName"], transformations
         )
@@ -170,7 +168,9 @@ class BucketPolicy(_Handler, CloudFormationModel):
     def delete(self, account_id: str, region_name: str) -> None:
         from moto.s3.models import s3_backends
 
-        s3_backends[account_id]["aws"].delete_bucket_policy(self.physical_id)
+        backend = s3_backends[account_id]["aws"]
+        if self.physical_id in backend.buckets:  # not when the bucket went first
+            backend.delete_bucket_policy(self.physical_id)
 
 
 class TopicPolicy(_Handler, CloudFormationModel):
@@ -272,6 +272,80 @@ class SecurityGroupEgress(_Handler, CloudFormationModel):
             ec2_backends[account_id][region_name].revoke_security_group_egress(**self._rule(self.props))
         except Exception:  # the group went first in the same stack deletion
             pass
+
+
+class OIDCProvider(_Handler, CloudFormationModel):
+    """``AWS::IAM::OIDCProvider`` -> ``IAMBackend.create_open_id_connect_provider`` (the CI stack's GitHub
+    provider; Ref and GetAtt Arn are its ARN)."""
+
+    @staticmethod
+    def cloudformation_type() -> str:
+        return "AWS::IAM::OIDCProvider"
+
+    @classmethod
+    def create(cls, props, account_id, region_name, logical_id):
+        from moto.iam.models import iam_backends
+
+        provider = iam_backends[account_id]["aws"].create_open_id_connect_provider(
+            props["Url"], props.get("ThumbprintList", []), props.get("ClientIdList", []), props.get("Tags", [])
+        )
+        return provider.arn
+
+    @classmethod
+    def has_cfn_attr(cls, attr: str) -> bool:
+        return attr == "Arn"
+
+    def get_cfn_attribute(self, attribute_name: str) -> str:
+        return self.physical_id
+
+    def delete(self, account_id: str, region_name: str) -> None:
+        from moto.iam.models import iam_backends
+
+        iam_backends[account_id]["aws"].delete_open_id_connect_provider(self.physical_id)
+
+
+class S3AutoDeleteObjects(_Handler):
+    """``Custom::S3AutoDeleteObjects`` (aws-cdk-lib's ``autoDeleteObjects``: ephemeral environments' buckets): the
+    CDK's provider is a Node.js Lambda function, and moto runs Lambda code only in Docker, which this machine
+    lacks. This handler does what that function does on Delete (every object version and delete marker of the
+    bucket removed, so CloudFormation can delete the bucket) and nothing on Create, as the function does. The
+    function itself, its role and its asset are deployed and checked like any other resource; its code does not
+    run. Not a ``CloudFormationModel``: moto routes every ``Custom::`` type to its ``CustomModel`` first, so
+    :func:`route_custom_types` puts this one in front."""
+
+    TYPE = "Custom::S3AutoDeleteObjects"
+
+    @staticmethod
+    def cloudformation_type() -> str:
+        return S3AutoDeleteObjects.TYPE
+
+    @classmethod
+    def create(cls, props, account_id, region_name, logical_id):
+        return f"{logical_id}-{props['BucketName']}"
+
+    def delete(self, account_id: str, region_name: str) -> None:
+        from moto.s3.models import s3_backends
+
+        backend, bucket = s3_backends[account_id]["aws"], self.props["BucketName"]
+        if bucket not in backend.buckets:
+            return
+        versions, _, markers, _, _ = backend.list_object_versions(bucket, max_keys=None)
+        for item in [*versions, *markers]:
+            backend.delete_object(bucket, item.name, version_id=item.version_id, bypass=True)
+
+
+def route_custom_types() -> None:
+    """Custom resource types handled here instead of moto's ``CustomModel`` (which would invoke the provider's
+    Lambda function): ``resource_class_from_type`` in ``moto/cloudformation/parsing.py`` is wrapped."""
+    from moto.cloudformation import parsing
+
+    custom = {S3AutoDeleteObjects.TYPE: S3AutoDeleteObjects}
+    resource_class_from_type = parsing.resource_class_from_type
+
+    def with_custom(resource_type: str):
+        return custom.get(resource_type) or resource_class_from_type(resource_type)
+
+    parsing.resource_class_from_type = with_custom
 
 
 HANDLED = tuple(c.cloudformation_type() for c in _Handler.__subclasses__())

@@ -41,7 +41,9 @@ class Journey:
             timeout=timeout_s,
             stdin=subprocess.DEVNULL,
         )
-        log.write_text(f"$ {' '.join(argv)}\nexit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
+        log.write_text(
+            f"$ {' '.join(argv)}\nexit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+        )
         if ok and proc.returncode != 0:
             pytest.fail(f"{title}: exit {proc.returncode} ({log})\n{(proc.stdout + proc.stderr)[-3000:]}")
         self.steps.append((title, time.monotonic() - started, ""))

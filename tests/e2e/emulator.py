@@ -45,7 +45,7 @@ class Emulator:
         self.log = folder / "emulator.log"
         self.proc: subprocess.Popen | None = None
 
-    def start(self, timeout_s: float = 60.0) -> "Emulator":
+    def start(self, timeout_s: float = 60.0) -> Emulator:
         self.folder.mkdir(parents=True, exist_ok=True)
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(

@@ -64,7 +64,7 @@ def seed(regions=REGIONS) -> dict[str, str]:
                 description=None,
                 allowed_pattern=None,
                 keyid=None,
-                last_modified_date=datetime.datetime.now(datetime.timezone.utc),
+                last_modified_date=datetime.datetime.now(datetime.UTC),
                 version=1,
                 data_type="aws:ec2:image",
             )
@@ -86,7 +86,9 @@ def patch_moto() -> None:
     """
     from moto.cloudformation.models import CloudFormationBackend
 
-    from tests.e2e import cfn_providers  # noqa: F401  (registers the handlers moto's CloudFormation lacks)
+    from tests.e2e import cfn_providers  # registers the handlers moto's CloudFormation lacks
+
+    cfn_providers.route_custom_types()
 
     create_change_set = CloudFormationBackend.create_change_set
     execute_change_set = CloudFormationBackend.execute_change_set
@@ -117,6 +119,24 @@ def patch_moto() -> None:
         self._validate_export_uniqueness(stack)
         for export in stack.exports:
             self.exports[export.name] = export
+
+    # moto's ``Stack.delete`` deletes the resources but keeps the stack's ``output_map`` and the resource map's
+    # template; a later DescribeStacks or ListStackResources of the deleted stack (the CLI reads both) evaluates
+    # them, and ``ResourceMap.__getitem__`` then creates the resources anew: a destroyed data stack left a second
+    # bucket, volume and VPC. A deleted stack keeps neither.
+    from moto.cloudformation.models import Stack
+
+    class NoOutputs(dict):
+        exports: list = []
+
+    stack_delete = Stack.delete
+
+    def delete_without_outputs(self):
+        stack_delete(self)
+        self.output_map = NoOutputs()
+        self.resource_map._resource_json_map = {}
+
+    Stack.delete = delete_without_outputs
 
     CloudFormationBackend.create_change_set = create_change_set_with_imports
     CloudFormationBackend.execute_change_set = execute_change_set_with_outputs
@@ -185,9 +205,22 @@ def patch_moto() -> None:
 
     FakeBucket.create_from_cloudformation_json = classmethod(create_bucket_complete)
 
+    # ``S3Backend.delete_bucket`` returns None for a bucket that still has objects, and moto's
+    # ``FakeBucket.delete_from_cloudformation_json`` takes that as deleted; it also deletes a stack's resources in
+    # no dependency order. So an ephemeral bucket was "deleted" before its Custom::S3AutoDeleteObjects emptied it
+    # and stayed. DeleteBucket's BucketNotEmpty instead: moto's deletion loop retries it after the custom resource.
+    from moto.s3.exceptions import BucketNotEmpty
+
+    def delete_bucket_or_refuse(cls, resource_name, cloudformation_json, account_id, region_name):
+        backend = s3_backends[account_id]["aws"]
+        if resource_name in backend.buckets and backend.delete_bucket(resource_name) is None:
+            raise BucketNotEmpty(resource_name)
+
+    FakeBucket.delete_from_cloudformation_json = classmethod(delete_bucket_or_refuse)
+
     # moto's ``Repository.create_from_cloudformation_json`` (moto/ecr/models.py) stores CloudFormation's
     # ImageScanningConfiguration ({"ScanOnPush": ...}) where the API's shape ({"scanOnPush": ...}) is expected,
-    # and ignores LifecyclePolicy (applied here as PutLifecyclePolicy does).
+    # and ignores LifecyclePolicy (applied here as PutLifecyclePolicy does)...
     from moto.ecr.models import Repository, ecr_backends
 
     create_repository = Repository.create_from_cloudformation_json.__func__
@@ -206,11 +239,17 @@ def patch_moto() -> None:
 
     Repository.create_from_cloudformation_json = classmethod(create_repository_api_shape)
 
+    # ... and ``Repository.delete`` ignores EmptyOnDelete: DeleteRepository with force, as CloudFormation does.
+    def delete_repository(self, account_id, region_name):
+        ecr_backends[account_id][region_name].delete_repository(self.name, force=True)
+
+    Repository.delete = delete_repository
+
     # moto's ``Role.create_from_cloudformation_json`` (moto/iam/models.py) creates the role and its inline
     # Policies but never attaches ManagedPolicyArns; AttachRolePolicy's backend call does (the AWS-managed
     # policies exist: the server runs with MOTO_IAM_LOAD_MANAGED_POLICIES=true).
-    from moto.utilities.utils import get_partition
     from moto.iam.models import Role, iam_backends
+    from moto.utilities.utils import get_partition
 
     create_role = Role.create_from_cloudformation_json.__func__
 
@@ -222,6 +261,17 @@ def patch_moto() -> None:
         return role
 
     Role.create_from_cloudformation_json = classmethod(create_role_attached)
+    delete_role = Role.delete_from_cloudformation_json.__func__
+
+    def delete_role_detached(cls, resource_name, cloudformation_json, account_id, region_name):
+        # CloudFormation detaches what it attached before DeleteRole (which refuses a role with policies attached)
+        backend = iam_backends[account_id][get_partition(region_name)]
+        for role in [r for r in backend.roles.values() if r.name == resource_name]:
+            for arn in list(role.managed_policies):
+                backend.detach_role_policy(arn, role.name)
+        delete_role(cls, resource_name, cloudformation_json, account_id, region_name)
+
+    Role.delete_from_cloudformation_json = classmethod(delete_role_detached)
 
     # moto's ``Volume.create_from_cloudformation_json`` (moto/ec2/models/elastic_block_store.py) passes only Size
     # and AvailabilityZone to ``create_volume``: a gp3 volume at 16,000 IOPS came out gp2, unencrypted, untagged.
@@ -248,9 +298,64 @@ def patch_moto() -> None:
         return volume
 
     Volume.create_from_cloudformation_json = classmethod(create_volume_complete)
+    # ... and it has no delete: a destroyed stack left its volume (DeleteVolume's backend call; DeletionPolicy
+    # Snapshot is not emulated, the volume is deleted without one)
+    Volume.delete = lambda self, account_id, region_name: ec2_backends[account_id][region_name].delete_volume(self.id)
+
+    _patch_ec2_deletes()
 
     IAMPolicyStatement._check_conditions = check_conditions_absent_keys
     IAMPolicyStatement.is_action_permitted = is_action_permitted_neutral
+
+
+def _patch_ec2_deletes() -> None:
+    """moto's CloudFormation models of these EC2 types have no ``delete`` (moto/ec2/models: ``FlowLogs``,
+    ``VPCEndPoint``, ``VPCGatewayAttachment``, ``InternetGateway``, ``RouteTable``, ``Route``,
+    ``SubnetRouteTableAssociation``), so a stack deletion left them behind and then failed on the VPC ("has
+    dependencies"). Each gets the backend call its Delete/Detach/Disassociate API makes."""
+    from moto.ec2.models import ec2_backends
+    from moto.ec2.models.flow_logs import FlowLogs
+    from moto.ec2.models.internet_gateways import InternetGateway
+    from moto.ec2.models.route_tables import Route, RouteTable
+    from moto.ec2.models.subnets import SubnetRouteTableAssociation
+    from moto.ec2.models.vpcs import VPCEndPoint
+    from moto.ec2.models.vpn_gateway import VPCGatewayAttachment
+
+    def backend(account_id, region_name):
+        return ec2_backends[account_id][region_name]
+
+    def disassociate(self, account_id, region_name):
+        ec2 = backend(account_id, region_name)
+        table = ec2.get_route_table(self.route_table_id)
+        for association_id, subnet_id in list(table.associations.items()):
+            if subnet_id == self.subnet_id:
+                ec2.disassociate_route_table(association_id)
+
+    def idempotent(delete):
+        """What went with its parent (a route with its table) is deleted: CloudFormation succeeds there too."""
+
+        def run(self, account_id, region_name):
+            try:
+                delete(self, account_id, region_name)
+            except Exception as e:
+                if "NotFound" not in str(getattr(e, "code", "")) and "does not exist" not in str(e):
+                    raise
+
+        return run
+
+    FlowLogs.delete = idempotent(lambda self, a, r: backend(a, r).delete_flow_logs([self.id]))
+    VPCEndPoint.delete = idempotent(lambda self, a, r: backend(a, r).delete_vpc_endpoints([self.id]))
+    VPCGatewayAttachment.delete = idempotent(
+        lambda self, a, r: backend(a, r).detach_internet_gateway(self.gateway_id, self.vpc_id)
+        if self.gateway_id.startswith("igw-")
+        else None
+    )
+    InternetGateway.delete = idempotent(lambda self, a, r: backend(a, r).delete_internet_gateway(self.id))
+    RouteTable.delete = idempotent(lambda self, a, r: backend(a, r).delete_route_table(self.id))
+    Route.delete = idempotent(
+        lambda self, a, r: backend(a, r).delete_route(self.route_table.id, self.destination_cidr_block)
+    )
+    SubnetRouteTableAssociation.delete = idempotent(disassociate)
 
 
 def main() -> None:

@@ -16,7 +16,8 @@ import hashlib
 import io
 import json
 import zipfile
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from tests.e2e.cfn_providers import NOT_CREATED
 
@@ -162,7 +163,8 @@ def _sg_rule(ctx, pid, res):
     peer = p.get("DestinationSecurityGroupId" if egress else "SourceSecurityGroupId")
     rules = sg["IpPermissionsEgress" if egress else "IpPermissions"]
     assert any(
-        r["IpProtocol"] == str(p["IpProtocol"]) and (not peer or any(g["GroupId"] == peer for g in r["UserIdGroupPairs"]))
+        r["IpProtocol"] == str(p["IpProtocol"])
+        and (not peer or any(g["GroupId"] == peer for g in r["UserIdGroupPairs"]))
         for r in rules
     ), f"{p['GroupId']}: no {'egress' if egress else 'ingress'} rule {p}"
     return f"{'egress' if egress else 'ingress'} {p['IpProtocol']} {'group' if peer else 'cidr'}"
@@ -259,7 +261,9 @@ def _rule(ctx, pid, res):
     if "ScheduleExpression" in p:
         assert rule["ScheduleExpression"] == p["ScheduleExpression"], rule
     targets = events.list_targets_by_rule(Rule=name)["Targets"]
-    assert len(targets) == len(p.get("Targets", [])), f"{name}: {len(targets)} targets, template {len(p.get('Targets', []))}"
+    assert len(targets) == len(p.get("Targets", [])), (
+        f"{name}: {len(targets)} targets, template {len(p.get('Targets', []))}"
+    )
     return f"{rule['State']}, {len(targets)} target(s)"
 
 
@@ -412,7 +416,11 @@ def check_stack(
 
     cfn = client("cloudformation")
     summaries = cfn.get_paginator("list_stack_resources").paginate(StackName=stack_name)
-    physical = {r["LogicalResourceId"]: r.get("PhysicalResourceId") for page in summaries for r in page["StackResourceSummaries"]}
+    physical = {
+        r["LogicalResourceId"]: r.get("PhysicalResourceId")
+        for page in summaries
+        for r in page["StackResourceSummaries"]
+    }
     ctx = Ctx(client, outputs, assets, physical)
     checked, not_created, lines = collections.Counter(), collections.Counter(), []
     for logical, res in template["Resources"].items():

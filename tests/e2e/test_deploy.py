@@ -36,7 +36,9 @@ def test_cdk_deploy_creates_every_resource(journey):
         "cdk deploy TrainingStack",
         ["npx", "cdk", "deploy", "TrainingStack", "-c", f"env={ENV}", "--require-approval", "never", "--no-notices"],
     )
-    order = [line.split()[0] for line in proc.stdout.splitlines() + proc.stderr.splitlines() if "deploying... [" in line]
+    order = [
+        line.split()[0] for line in proc.stdout.splitlines() + proc.stderr.splitlines() if "deploying... [" in line
+    ]
     assert order == list(STACKS), f"stack order: {order}"
     journey.verified("deployed in order " + " -> ".join(order))
 
