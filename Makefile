@@ -17,7 +17,7 @@ NPROC  ?= 2
 TEST_WORKERS ?= 2
 SHELL  := /bin/bash
 
-.PHONY: setup node run test clean msda image image-cpu image-smoke image-tools test-image-torch ffcv lint format
+.PHONY: setup node run test e2e clean msda image image-cpu image-smoke image-tools test-image-torch ffcv lint format
 MSDA_ARCHS ?= 8.0
 # Node for the CDK CLI and jsii: the machine's when at least NODE_MIN_MAJOR, else NODE_VERSION (`make node`)
 NODE_VERSION   := 24.22.3
@@ -177,6 +177,13 @@ format: setup
 test: setup msda ffcv image-tools lint test-image-torch
 	@df -h . | sed 's/^/make test: disk: /'  # what the venvs left free (a full disk once stopped CI)
 	TRAINSTACK_REQUIRE_IMAGE_TOOLS=1 OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=60 tests
+
+# The whole journey against an emulated AWS account, no AWS account needed (docs/infrastructure.md, "Try the
+# whole journey without an AWS account"): moto's server on 127.0.0.1, `cdk bootstrap` and `cdk deploy` by the CDK
+# CLI with every resource read back, then deploy.yml / the CLI / destroy.yml by act. Prints each step and what it
+# verified; part of `make test` too. Logs of a failed run: build/e2e-logs/.
+e2e: setup
+	$(PY) -m pytest -q -s tests/e2e
 
 clean:
 	rm -rf runs .pytest_cache trainer/ops/msda/build trainer/ops/msda/_C*.so trainer/ops/msda/.build-stamp

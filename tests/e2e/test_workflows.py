@@ -24,7 +24,9 @@ import pytest
 
 from tests.e2e import act_runner
 from tests.e2e.emulator import ACCOUNT, REGION
-from tests.e2e.test_deploy import bootstrap_bucket_objects  # noqa: F401  (one bootstrap check, shared)
+
+#: one emulator server and a CDK CLI / act run after another: minutes, several processes
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 REPO_NAME = "acme/trainstack"
 PR_ENV = "pr-7"
