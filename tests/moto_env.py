@@ -1,6 +1,10 @@
 """A deployed environment inside moto (in-process, no network): the synthesized stacks created by moto's
 CloudFormation, so the CLI reads real stack outputs, launch templates, volumes and state machines.
 
+This is the unit tests' fast helper and it trims the templates (below). The whole templates, unstripped, are
+deployed by the CDK CLI itself into moto's server in tests/e2e/ (docs/infrastructure.md, "Try the whole journey
+without an AWS account"), which also fixes the moto gaps listed here in its harness.
+
 What moto cannot do, and what this harness does about it (the tests say so where it matters):
 - moto's CloudFormation has no ``AWS::KMS::Key``: the monitoring template is deployed without the key and
   without the topic's ``KmsMasterKeyId`` (the real template, with both, is checked by test_infra_stacks.py).

@@ -63,6 +63,7 @@ def act(journey, workflow: str, event: str, event_file) -> str:
     except act_runner.ActError as e:
         pytest.fail(f"act {workflow} ({event}): {e}")
     journey.steps.append((f"act {workflow} ({event})", time.monotonic() - started, ""))
+    journey.state["act_log"] = log.read_text()
     return act_runner.summary(workflow, result.stdout)
 
 
@@ -133,9 +134,14 @@ def test_deploy_workflow_for_a_pull_request(journey):
     for cid in ("DataStack", "MonitoringStack", "TrainingStack"):
         stack = cfn.describe_stacks(StackName=f"{PR_ENV}-{cid}")["Stacks"][0]
         assert stack["StackStatus"] == "CREATE_COMPLETE", stack
+    # the credentials stand-in assumed the CI stack's deploy role for the token of pull request 7
+    role = journey.state["role_arn"]
+    assumed = f"assumed {role} as arn:aws:sts::{ACCOUNT}:assumed-role/{role.rsplit('/', 1)[-1]}/"
+    assert assumed in journey.state["act_log"], "the job did not assume the deploy role"
+    assert f"with sub repo:{REPO_NAME}:pull_request" in journey.state["act_log"]
     data = cfn.describe_stacks(StackName=f"{PR_ENV}-DataStack")["Stacks"][0]
     assert "volume on destroy: delete" in data["Description"], data["Description"]  # ephemeral=true
-    journey.verified(f"{PR_ENV}: 3 stacks CREATE_COMPLETE, ephemeral (volume deleted on destroy)")
+    journey.verified(f"{PR_ENV}: 3 stacks CREATE_COMPLETE as the deploy role, ephemeral (volume deleted on destroy)")
 
 
 def test_the_cli_launches_watches_and_stops_a_job(journey):
