@@ -10,7 +10,11 @@ APIs like any other. A property a handler does not map is listed in :data:`UNMAP
 assert on those.
 
 ``AWS::CDK::Metadata`` gets no handler: it is the CDK's version report, which CloudFormation itself stores and
-no API reads (:data:`NOT_CREATED`).
+no API reads (``tests.e2e.resources.NOT_CREATED``).
+
+Importing this module registers the handlers with moto for the whole process (moto finds them as subclasses), so
+only the emulator's own process imports it (``tests/e2e/emulator_server.py``): in a pytest worker they would
+change what moto's in-process CloudFormation does for the unit tests (tests/moto_env.py strips what moto lacks).
 """
 
 from __future__ import annotations
@@ -20,8 +24,6 @@ from typing import Any
 
 from moto.core.common_models import CloudFormationModel
 
-#: Types the emulator does not create at all, and why (the e2e test prints them with their counts).
-NOT_CREATED = {"AWS::CDK::Metadata": "the CDK's version report; CloudFormation keeps it, no API reads it"}
 #: Properties present in our templates that a handler here does not pass on.
 UNMAPPED = {"AWS::CloudWatch::Alarm": ("Tags",)}
 

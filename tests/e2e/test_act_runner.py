@@ -11,6 +11,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -194,3 +195,14 @@ def test_credentials_standin_token_and_trust_policy():
         assume.trusted_provider({"Statement": [{"Effect": "Allow", "Principal": {"Service": "ec2"}}]}, claims)[0]
         is None
     )
+
+
+def test_the_test_process_never_registers_the_emulators_cloudformation_handlers():
+    """tests/e2e/cfn_providers.py registers CloudFormation handlers with moto for the whole process on import:
+    collecting the e2e modules in a pytest worker must not import it, or moto's in-process CloudFormation in the
+    unit tests would start creating the alarms that tests/moto_env.py's stripped templates cannot resolve."""
+    code = (
+        "import sys, tests.e2e.conftest, tests.e2e.test_deploy, tests.e2e.test_workflows, tests.e2e.resources;"
+        "sys.exit('tests.e2e.cfn_providers' in sys.modules)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0
