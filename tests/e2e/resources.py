@@ -99,8 +99,9 @@ def _role(ctx, pid, res):
     p = _props(res)
     trusted = json.dumps(role["AssumeRolePolicyDocument"])
     for st in p["AssumeRolePolicyDocument"]["Statement"]:
-        for svc in (st.get("Principal") or {}).get("Service", []) if isinstance(st.get("Principal"), dict) else []:
-            assert svc in trusted if isinstance(svc, str) else True, f"{pid}: {svc} not trusted"
+        services = st["Principal"].get("Service", []) if isinstance(st["Principal"], dict) else []
+        for svc in [services] if isinstance(services, str) else services:
+            assert svc in trusted, f"{pid}: {svc} not trusted"
     attached = ctx.client("iam").list_attached_role_policies(RoleName=pid)["AttachedPolicies"]
     assert len(attached) == len(p.get("ManagedPolicyArns", [])), f"{pid}: {attached}"
     return f"trust + {len(attached)} managed policies"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -44,8 +45,6 @@ def payload(journey, name: str, **changes) -> Path:
 
 def act(journey, workflow: str, event: str, event_file) -> str:
     """Run one workflow by act; records the step and returns act's summary line (jobs and steps run)."""
-    import time
-
     started = time.monotonic()
     log = journey.folder / f"{len(journey.steps) + 1:02d}-act-{workflow}.log"
     try:
