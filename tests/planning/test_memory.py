@@ -3,6 +3,8 @@ loader RAM formula."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import tiny_overrides
@@ -81,6 +83,17 @@ def test_prediction_grows_with_batch_and_shrinks_with_bf16_and_adds_ddp_buckets(
     assert "cuDNN/cuBLAS workspaces" in bf16.to_dict()["excludes"]
     with pytest.raises(ValueError):
         predict_step_memory(cfg, 0)
+
+
+def test_ema_adds_one_copy_of_the_weights_and_buffers(cfg):
+    """With EMA (AveragedModel deep-copies the model, BatchNorm's ``num_batches_tracked`` included) the prediction
+    holds one more copy of every parameter and buffer: the deep copy of a fake model used to raise."""
+    kw = dict(num_outputs=10, image_size=32, precision=FP32, context_bytes=0)
+    plain = predict_step_memory(dataclasses.replace(cfg, use_ema=False), 8, **kw)
+    ema = predict_step_memory(dataclasses.replace(cfg, use_ema=True, ema_decay=0.99), 8, **kw)
+    model = build_single_rank_step(cfg, torch.device("cpu"), 10).model
+    weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    assert weights <= ema.allocated_peak_bytes - plain.allocated_peak_bytes <= 2 * weights
 
 
 def test_loader_ram_is_seed_002s_formula_with_uint8_batches():

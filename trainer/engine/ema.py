@@ -41,8 +41,8 @@ class TrainableEMA(AveragedModel):
             self._count = int(self.n_averaged)  # one read after construction or load_state_dict
         ema = [*self.module.parameters(), *self.module.buffers()]
         src = [*model.parameters(), *model.buffers()]
-        frozen = {p.data_ptr() for p in model.parameters() if not p.requires_grad}
-        pairs = [(e, s) for e, s in zip(ema, src) if s.data_ptr() not in frozen]  # no_grad: no detach needed
+        frozen = {id(p) for p in model.parameters() if not p.requires_grad}  # identity: fake tensors have no data
+        pairs = [(e, s) for e, s in zip(ema, src) if id(s) not in frozen]  # no_grad: no detach needed
         if pairs:
             targets = [e for e, _ in pairs]
             sources = [s if s.device == e.device else s.to(e.device) for e, s in pairs]

@@ -45,6 +45,7 @@ Host RAM of K jobs on one instance (:func:`predict_host_ram`, ``plan --jobs-per-
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -209,7 +210,7 @@ def predict_step_memory(
     task = build_task(cfg, DistInfo(0, 0, 1, cpu))
     alloc = AllocatorModel()
     with warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=True):
-        warnings.simplefilter("ignore")  # deepcopy of fake tensors (EMA) warns about data pointers
+        warnings.simplefilter("ignore")  # torch warns when anything reads a fake tensor's data pointer
         model = task.build_model(num_outputs)  # built as fake tensors: initialisers run on shapes only
         example = task.example_batch(1, image_size=size, num_outputs=num_outputs)
         if "image" in example:  # the image tasks: what the example really is (detection: not square)
@@ -224,7 +225,7 @@ def predict_step_memory(
         alloc.track([*model.parameters(), *model.buffers()])
         with alloc:
             rig = build_train_step(
-                cfg,
+                dataclasses.replace(cfg, use_ema=False),  # the EMA copy is held below
                 task,
                 model,
                 cpu,
@@ -233,12 +234,17 @@ def predict_step_memory(
                 compile_model=False,
                 place=False,
             )
+            # EMA (AveragedModel): one deep copy of every parameter and buffer, updated in place after each optimizer
+            # step (torch._foreach_lerp_), so it costs exactly one clone of each. A deep copy of a fake model is not
+            # made: it raises on BatchNorm's remembered num_batches_tracked in torch 2.14 and, worked around, left
+            # the fake mode's memory corrupted for the next prediction (a segfault).
+            ema_copy = [t.detach().clone() for t in (*model.parameters(), *model.buffers())] if cfg.use_ema else []
         # MemTracker hooks every parameter's gradient and refuses frozen ones (a frozen backbone stem): then the
         # per-category breakdown is left out and the allocator model alone counts.
         frozen = any(not p.requires_grad for p in rig.model.parameters())
         tracker = contextlib.nullcontext() if frozen else MemTracker()
         if not frozen:
-            tracker.track_external(*[m for m in (rig.model, rig.optimizer, rig.ema) if m is not None])
+            tracker.track_external(*[m for m in (rig.model, rig.optimizer) if m is not None])
         kernels = cuda_kernel_stand_in() if cuda_kernels else contextlib.nullcontext()
         with alloc, tracker, kernels:
             for _ in range(2):
@@ -252,6 +258,7 @@ def predict_step_memory(
             del x
         peak = {} if frozen else tracker.get_tracker_snapshot("peak").get(cpu, {})
         grad_bytes = sum(p.numel() * 4 for p in rig.model.parameters() if p.requires_grad)
+        del ema_copy
     return MemoryPrediction(
         micro_batch=micro_batch,
         input_size=shape,
