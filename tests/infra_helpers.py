@@ -235,6 +235,9 @@ def call_resource(action: str, params: dict, account: str, region: str) -> list[
         return [params["stateMachineArn"]]
     if action == "states:DescribeExecution":
         return [params["executionArn"]]
+    if action.startswith("sqs:") and "QueueUrl" in params:  # https://<endpoint>/<account>/<name>
+        owner, name = params["QueueUrl"].rstrip("/").split("/")[-2:]
+        return [f"arn:aws:sqs:{region}:{owner}:{name}"]
     if action.startswith("sagemaker:") and "HyperParameterTuningJobName" in params:
         name = params["HyperParameterTuningJobName"].lower()  # SageMaker ARNs carry the name in lower case
         return [f"arn:aws:sagemaker:{region}:{account}:hyper-parameter-tuning-job/{name}"]

@@ -263,3 +263,20 @@ def test_recovery_role_refuses_a_launch_a_new_template_version_or_override_chang
     got = _refused(recovery_role, _run_instances("lt-g52x", **change))
     assert any(refused in r for r in got), got
     assert _refused(recovery_role, _run_instances("lt-other")), "a template of another environment"
+
+
+def test_status_runs_with_only_the_deploy_roles_permissions(aws, deploy_role, monkeypatch, capsys):
+    """deploy.yml's "What runs now" step: `status` now reads the job records and the recovery failure queue's
+    depth; every call is within the deploy role's policy."""
+    assert main(E + ["launch", "g5.2xlarge", "--job", "j"]) == 0
+    url = _outputs(aws, "TrainingStack")["RecoveryFailureQueueUrl"]
+    aws.client("sqs").send_message(QueueUrl=url, MessageBody="{}")
+    rec = CallRecorder()
+    rec.install(monkeypatch, cli_session)
+    capsys.readouterr()
+    assert main(E + ["status"]) == 0, capsys.readouterr().err
+    assert "1 event(s)" in capsys.readouterr().out
+    assert "sqs:GetQueueAttributes" in {a for a, _ in rec.calls}
+    s3_calls = _s3_as_iam(rec)
+    assert {a for a, _ in s3_calls} == {"s3:ListBucket", "s3:GetObject"}
+    assert rec.denied(deploy_role, ACCOUNT, REGION, extra=s3_calls) == []
