@@ -161,6 +161,53 @@ def is_allowed(
     return False
 
 
+def _condition_holds(op: str, want: Any, value: str | None) -> bool:
+    """One condition operator on one context value (None: the key is absent from the request). IAM user guide,
+    "IAM JSON policy elements: Condition operators": an absent key fails a positive operator and satisfies a
+    negated one (``StringNotEquals``); ``...IfExists`` holds when the key is absent."""
+    if op.endswith("IfExists"):
+        if value is None:
+            return True
+        op = op[: -len("IfExists")]
+    negated = op in ("StringNotEquals", "StringNotLike", "ArnNotLike", "ArnNotEquals")
+    if value is None:
+        return negated
+    wants = [str(w).lower() if op == "Bool" else str(w) for w in (want if isinstance(want, list) else [want])]
+    base = {"StringNotEquals": "StringEquals", "StringNotLike": "StringLike", "ArnNotLike": "ArnLike"}.get(op, op)
+    if base in ("StringEquals", "ArnEquals", "Bool"):
+        hit = (value.lower() if op == "Bool" else value) in wants
+    elif base in ("StringLike", "ArnLike"):
+        hit = any(_glob(w, value) for w in wants)
+    else:
+        raise ValueError(f"condition operator {op} is not modelled")
+    return hit != negated
+
+
+def authorized(statements: list[dict], action: str, resource: str, context: dict[str, str]) -> bool:
+    """IAM's decision for one action on one resource with the request context ``context`` (condition key ->
+    value; a key not given is absent): an explicit Deny whose conditions all hold wins, else an Allow whose
+    conditions all hold, else the implicit deny. Every condition is evaluated (unlike :func:`is_allowed`); an
+    operator this model does not know raises ValueError. IAM user guide, "Policy evaluation logic"."""
+
+    def matches(st: dict) -> bool:
+        actions = st["Action"] if isinstance(st["Action"], list) else [st["Action"]]
+        res = st.get("Resource", [])
+        res = res if isinstance(res, list) else [res]
+        return (
+            any(_glob(a.lower(), action.lower()) for a in actions)
+            and any(_glob(r, resource) for r in res)
+            and all(
+                _condition_holds(op, want, context.get(key))
+                for op, keys in st.get("Condition", {}).items()
+                for key, want in keys.items()
+            )
+        )
+
+    if any(st.get("Effect") == "Deny" and matches(st) for st in statements):
+        return False
+    return any(st.get("Effect") == "Allow" and matches(st) for st in statements)
+
+
 def implied_permissions(action: str, alarm_actions: list[str], account: str) -> list[tuple[str, str, dict]]:
     """What IAM also checks for a call beyond its own action: PutMetricAlarm with an EC2 action
     (``arn:aws:automate:<region>:ec2:...``) needs ``iam:CreateServiceLinkedRole`` for CloudWatch's EC2-actions
@@ -188,6 +235,9 @@ def call_resource(action: str, params: dict, account: str, region: str) -> list[
         return [params["stateMachineArn"]]
     if action == "states:DescribeExecution":
         return [params["executionArn"]]
+    if action.startswith("sqs:") and "QueueUrl" in params:  # https://<endpoint>/<account>/<name>
+        owner, name = params["QueueUrl"].rstrip("/").split("/")[-2:]
+        return [f"arn:aws:sqs:{region}:{owner}:{name}"]
     if action.startswith("sagemaker:") and "HyperParameterTuningJobName" in params:
         name = params["HyperParameterTuningJobName"].lower()  # SageMaker ARNs carry the name in lower case
         return [f"arn:aws:sagemaker:{region}:{account}:hyper-parameter-tuning-job/{name}"]

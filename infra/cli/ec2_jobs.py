@@ -26,13 +26,114 @@ _STEP = re.compile(r"^step=(\d+) ")
 _RESUME = re.compile(r"resuming from \S*ckpt-(\d+)")
 
 
+#: What ``status`` and ``stop`` read from a record (infra/job_record.py, "Record fields"), with its type.
+_FIELDS = {
+    "job": str,
+    "state": str,
+    "reason": str,
+    "recover": bool,
+    "attempts": list,
+    "recoveries": int,
+    "max_recoveries": int,
+    "prices": dict,
+}
+_ATTEMPT_FIELDS = ("instance_id", "type", "market", "start", "end", "ended_by")
+
+
+def record_problem(record: object) -> Optional[str]:
+    """What is wrong with a parsed record (a missing field, a field of the wrong type, an unknown state, an
+    attempt without its fields), or None when ``status`` and ``stop`` can read it."""
+    if not isinstance(record, dict):
+        return f"is a JSON {type(record).__name__}, not an object"
+    for key, kind in _FIELDS.items():
+        if key not in record:
+            return f"lacks field {key!r}"
+        if not isinstance(record[key], kind):
+            return f"field {key!r} is {record[key]!r}, expected a {kind.__name__}"
+    if record["state"] not in jr.STATES:
+        return f"field 'state' is {record['state']!r}, expected one of {', '.join(jr.STATES)}"
+    for n, a in enumerate(record["attempts"]):
+        missing = [k for k in _ATTEMPT_FIELDS if not isinstance(a, dict) or k not in a]
+        if missing:
+            return f"attempt {n} lacks {', '.join(missing)}"
+    return None
+
+
+def bad_record(aws: Aws, outputs: Outputs, job: str, what: str) -> CliError:
+    """The error for a record that cannot be read (exit 2): its S3 key, what is wrong and what to do."""
+    where = f"s3://{outputs.bucket}/{jr.record_key(job)}"
+    return CliError(
+        f"job {job}: record {where} {what}",
+        f"fix or delete that object (the job's instances: `python -m infra --env {aws.env} status`)",
+    )
+
+
 def load(aws: Aws, outputs: Outputs, job: str, s3=None) -> Optional[jr.Stored]:
-    """The job's record, or None when ``job`` has none. Raises CliError when S3 refuses the read."""
+    """The job's record, or None when ``job`` has none. Raises CliError when S3 refuses the read, or (exit 2,
+    :func:`bad_record`) when the record is not JSON or lacks what :func:`record_problem` checks."""
     s3 = s3 or aws.client("s3")
     try:
-        return jr.load(s3, outputs.bucket, job)
+        stored = jr.load(s3, outputs.bucket, job)
     except ClientError as e:
         raise explain(e, f"reading the record of job {job}") from None
+    except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise bad_record(aws, outputs, job, f"is not JSON ({e})") from None
+    problem = stored and record_problem(stored.record)
+    if problem:
+        raise bad_record(aws, outputs, job, problem)
+    return stored
+
+
+def overview(aws: Aws, outputs: Outputs, s3=None, now: Optional[float] = None) -> list[dict]:
+    """One row per EC2 job of the environment (job, state, spend_usd, reason), newest records included; a
+    record that cannot be read is a row of state ``unreadable`` whose reason says which key and why, and the
+    others still come. Raises CliError when S3 refuses the listing."""
+    s3, now = s3 or aws.client("s3"), time.time() if now is None else now
+    try:
+        names = jr.list_jobs(s3, outputs.bucket)
+    except ClientError as e:
+        raise explain(e, "listing the job records") from None
+    rows = []
+    for name in names:
+        try:
+            stored = load(aws, outputs, name, s3)
+        except CliError as e:
+            rows.append({"job": name, "state": "unreadable", "spend_usd": "?", "reason": e.message})
+            continue
+        if stored is not None:
+            r = stored.record
+            spend = f"{jr.spend_usd(r, now):.2f}"
+            rows.append({"job": name, "state": r["state"], "spend_usd": spend, "reason": r["reason"]})
+    return rows
+
+
+def failure_queue_depth(outputs: Outputs, sqs) -> Optional[int]:
+    """Messages waiting in the recovery's failure queue (``ApproximateNumberOfMessages``: visible ones; Amazon
+    SQS API reference, "GetQueueAttributes"), or None when the stacks do not name the queue. Raises CliError
+    when SQS refuses the read."""
+    if not outputs.recovery_failure_queue_url:
+        return None
+    try:
+        got = sqs.get_queue_attributes(
+            QueueUrl=outputs.recovery_failure_queue_url, AttributeNames=["ApproximateNumberOfMessages"]
+        )
+    except ClientError as e:
+        raise explain(e, "reading the recovery failure queue") from None
+    return int(got["Attributes"]["ApproximateNumberOfMessages"])
+
+
+def failure_queue_line(outputs: Outputs, depth: Optional[int]) -> Optional[str]:
+    """What ``status`` says when the failure queue holds messages (None when it holds none)."""
+    if not depth:
+        return None
+    url = outputs.recovery_failure_queue_url
+    return (
+        f"recovery failure queue: {depth} event(s) the recovery could not handle (the jobs they name were not "
+        f"acted on); read them: aws sqs receive-message --queue-url {url} --max-number-of-messages 10; fix what "
+        f"they say (the function's log: /aws/lambda/trainstack-{outputs.env}-recovery), then delete them "
+        f"(aws sqs purge-queue --queue-url {url}); the alarm trainstack-{outputs.env}-recovery-failure-queue "
+        "stays in ALARM until then"
+    )
 
 
 def stream_name(instance_id: str, job: str) -> str:
@@ -144,9 +245,12 @@ def print_status(info: dict, table) -> None:
 
 def stop(aws: Aws, outputs: Outputs, job: str, ec2=None, s3=None) -> str:
     """Mark the job ``stopped`` (the controller then relaunches nothing, and a relaunch in flight terminates
-    what it launched) and terminate its live instances. Returns what was done. Raises CliError when the job
-    has no record or AWS refuses a call."""
+    what it launched), terminate its live instances and close the attempts whose instance is already gone
+    (:func:`close_gone_attempts`: no state-change event will come for them, and an open attempt's spend grows
+    with the clock). Returns what was done. Raises CliError when the job has no record, its record cannot be
+    read (exit 2, before anything changes) or AWS refuses a call."""
     ec2, s3 = ec2 or aws.client("ec2"), s3 or aws.client("s3")
+    load(aws, outputs, job, s3)
     try:
         r = jr.end(s3, outputs.bucket, job, jr.STOPPED, "stopped by `python -m infra stop`")
     except jr.Conflict:
@@ -159,6 +263,73 @@ def stop(aws: Aws, outputs: Outputs, job: str, ec2=None, s3=None) -> str:
         live = live_job_instances(ec2, aws.env, job)
         if live:
             ec2.terminate_instances(InstanceIds=live)
+        closed = close_gone_attempts(s3, outputs.bucket, job, live, ec2)
     except ClientError as e:
         raise explain(e, f"terminating the instances of job {job}") from None
-    return f"stopped job {job} ({r['state']}); terminated: {' '.join(live) or '-'}"
+    except jr.Conflict:
+        raise CliError(f"job {job}: its record kept changing", "rerun the stop", code=75) from None
+    gone = f"; closed the attempt of {' '.join(closed)} (instance already gone)" if closed else ""
+    return f"stopped job {job} ({r['state']}); terminated: {' '.join(live) or '-'}{gone}"
+
+
+_GMT = re.compile(r"\((\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) GMT\)")
+
+
+def ended_at(ec2, instance_id: str) -> Optional[float]:
+    """When EC2 says ``instance_id`` was terminated (epoch seconds), or None when it does not say: the time in
+    a terminated instance's ``StateTransitionReason`` ("User initiated (YYYY-MM-DD HH:MM:SS GMT)"; EC2 API
+    reference, "Instance"; EC2 keeps terminated instances visible for about an hour, then NotFound).
+    Raises botocore ClientError other than NotFound."""
+    try:
+        res = ec2.describe_instances(InstanceIds=[instance_id])["Reservations"]
+    except ClientError as e:
+        if e.response.get("Error", {}).get("Code", "").startswith("InvalidInstanceID"):
+            return None
+        raise
+    for inst in (i for r in res for i in r["Instances"]):
+        m = _GMT.search(inst.get("StateTransitionReason") or "")
+        if inst["State"]["Name"] == "terminated" and m:
+            return datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S").replace(tzinfo=UTC).timestamp()
+    return None
+
+
+def close_gone_attempts(
+    s3, bucket: str, job: str, live: list[str], ec2, now: Optional[float] = None, tries: int = 10
+) -> list[str]:
+    """End the open attempts of ``job`` whose instance is not in ``live`` (terminated, or no longer known to
+    EC2): ``end`` = the termination time EC2 gives (:func:`ended_at`) or ``now``, ``ended_by`` = ``gone``.
+    A conditional write, read again when another writer came in between. Returns the instance ids closed.
+    Raises :class:`infra.job_record.Conflict` when the record kept changing, botocore ClientError."""
+    for _ in range(tries):
+        stored = jr.load(s3, bucket, job)
+        if stored is None:
+            return []
+        gone = [a for a in stored.record["attempts"] if a["end"] is None and a["instance_id"] not in live]
+        if not gone:
+            return []
+        for a in gone:
+            at = ended_at(ec2, a["instance_id"])
+            a["end"] = max(a["start"], at if at is not None else (time.time() if now is None else now))
+            a["ended_by"] = a["ended_by"] or "gone"
+        try:
+            jr.save(s3, bucket, stored)
+        except jr.Conflict:
+            continue
+        return [a["instance_id"] for a in gone]
+    raise jr.Conflict(job)
+
+
+def refuse_kept_instance(aws: Aws, job: str, ec2) -> None:
+    """Raise CliError (exit 2) when an instance tagged with ``job`` still lives (a kept or stopped instance of
+    its last run): it holds the environment's data volume, so a new instance of the job could not attach it.
+    Raises CliError when EC2 refuses the listing."""
+    try:
+        live = live_job_instances(ec2, aws.env, job)
+    except ClientError as e:
+        raise explain(e, f"listing the instances of job {job}") from None
+    if live:
+        raise CliError(
+            f"job {job}: its instance {live[0]} (kept or stopped, of its last run) still holds the data volume",
+            f"`python -m infra --env {aws.env} stop {job}` terminates it (the volume and checkpoints stay), then "
+            "launch again; or pick another --job",
+        )

@@ -16,6 +16,8 @@ from botocore.exceptions import ClientError, WaiterError
 
 import catalog
 from infra import job_record as jr
+from infra.cli.ec2_jobs import load as load_record
+from infra.cli.ec2_jobs import refuse_kept_instance
 from infra.cli.outputs import Outputs, image_exists
 from infra.cli.session import CAPACITY_ERRORS, Aws, CliError, explain
 from infra.recovery_ec2 import on_demand_version, run_job_instance  # noqa: F401  (on_demand_version: re-exported)
@@ -116,7 +118,8 @@ def launch(
     ``max_cost_usd`` (USD, catalog price x hours), and the catalog prices of every type it may run.
 
     Raises CliError for a bad job name, a type without a launch template or not offered in the environment's
-    AZ, a job of that name that is still running or recovering (next: stop it), an image tag not in the
+    AZ, a job of that name that is still running or recovering or whose kept instance still holds the data
+    volume (next: stop it), a record of that name that cannot be read, an image tag not in the
     repository (next: push-image), or capacity/spot errors (with the next option) when no fallback is asked
     for or the fallback fails too.
     """
@@ -128,15 +131,13 @@ def launch(
     for name in fallback_types:
         outputs.launch_template(name)
         check_offered(ec2, name, outputs.availability_zone)
-    try:
-        old = jr.load(s3, outputs.bucket, job)
-    except ClientError as e:
-        raise explain(e, f"reading the record of job {job}") from None
+    old = load_record(aws, outputs, job, s3)
     if old is not None and old.record["state"] not in jr.FINAL_STATES:
         raise CliError(
             f"job {job} is {old.record['state']} ({old.record['reason']})",
             f"`python -m infra --env {aws.env} stop {job}` first, or pick another --job",
         )
+    refuse_kept_instance(aws, job, ec2)
     # The instance runs the image by digest (tag trainstack:image-digest, read by the user data into
     # /etc/trainstack.env), so every restart of the job after exit 75 runs the image it started with.
     digest = image_exists(aws, outputs, image_tag, ecr)

@@ -367,17 +367,26 @@ def run(args: argparse.Namespace) -> int:
                 info = jobs.describe_job(aws, args.target)
             print(json.dumps(info, indent=1, default=str))
             return 0
-        state = {"instances": instances.list_instances(aws), **jobs.list_runs(aws, outputs)}
+        state = {
+            "instances": instances.list_instances(aws),
+            "ec2_jobs": ec2_jobs.overview(aws, outputs),
+            **jobs.list_runs(aws, outputs),
+        }
+        state["recovery_failures"] = ec2_jobs.failure_queue_depth(outputs, aws.client("sqs"))
         if args.json:
             print(json.dumps(state, indent=1, default=str))
             return 0
         for key, cols in (
             ("instances", ["instance_id", "type", "market", "state", "job", "launch_time"]),
+            ("ec2_jobs", ["job", "state", "spend_usd", "reason"]),
             ("executions", ["machine", "name", "status", "start"]),
             ("jobs", ["name", "status", "start"]),
         ):
-            print(f"{key}:")
+            print(f"{key.replace('_', ' ')}:")
             _print_table(state[key], cols)
+        line = ec2_jobs.failure_queue_line(outputs, state["recovery_failures"])
+        if line:
+            print(line)
     elif cmd == "logs":
         try:
             streams = None

@@ -24,6 +24,7 @@ class Outputs:
     train_log_group: str
     launch_templates: dict[str, str] = field(default_factory=dict)  # instance type -> launch template id
     state_machines: dict[str, str] = field(default_factory=dict)  # "train-g5-2xlarge" / "scaling-plan" -> ARN
+    recovery_failure_queue_url: str = ""  # the recovery's failure queue ("" when deployed without that output)
 
     @property
     def repository_name(self) -> str:
@@ -124,6 +125,7 @@ def load(aws: Aws, cfn=None, partial: bool = False) -> Outputs:
             train_log_group=mon.get("TrainLogGroup", ""),
             launch_templates=lts,
             state_machines=sms,
+            recovery_failure_queue_url=train.get("RecoveryFailureQueueUrl", ""),
         )
     try:
         return Outputs(
@@ -136,6 +138,7 @@ def load(aws: Aws, cfn=None, partial: bool = False) -> Outputs:
             train_log_group=mon["TrainLogGroup"],
             launch_templates=lts,
             state_machines=sms,
+            recovery_failure_queue_url=train.get("RecoveryFailureQueueUrl", ""),
         )
     except KeyError as e:
         raise CliError(

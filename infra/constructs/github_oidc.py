@@ -6,7 +6,8 @@ subject ``repo:<owner>/<name>:ref:refs/heads/*`` (branches), ``:pull_request`` (
 publishing, lookup), read stack outputs, push to this project's ECR repositories and pull the AWS Deep Learning
 Containers base image (account 763104351884), and what ``python -m infra teardown`` needs in the destroy
 workflow (mark the EC2 job records under ``jobs/`` of the data buckets stopped, terminate, cancel, delete
-volumes, stop executions, delete idle alarms), and what ``python -m infra
+volumes, stop executions, delete idle alarms), what ``status`` reads (the job records, the recovery failure
+queue's depth), and what ``python -m infra
 sweep``/``sweep-status`` need: start the state machines' executions (jobs strategy), create, describe, list and
 stop ``trainstack-*`` hyperparameter tuning jobs with their tags (``teardown`` lists and stops the running
 ones), pass the training stacks' SageMaker role to
@@ -200,6 +201,11 @@ class GithubOidcDeployRole(Construct):
         self.role.add_to_policy(
             iam.PolicyStatement(actions=["s3:GetObject", "s3:PutObject"], resources=[f"{data_buckets}/jobs/*"])
         )
+        # status counts the messages in each environment's recovery failure queue (infra/cli/ec2_jobs.py)
+        queues = stack.format_arn(
+            service="sqs", resource="trainstack-*-recovery-failures", arn_format=cdk.ArnFormat.NO_RESOURCE_NAME
+        )
+        self.role.add_to_policy(iam.PolicyStatement(actions=["sqs:GetQueueAttributes"], resources=[queues]))
         acct, reg = env_literals(account, region)
         ack_findings(
             self.role,
@@ -216,13 +222,15 @@ class GithubOidcDeployRole(Construct):
                 f"Resource::arn:<AWS::Partition>:ecr:*:{DLC_REGISTRY_ACCOUNT}:repository/*",
                 "Resource::arn:<AWS::Partition>:s3:::*datastack*",
                 "Resource::arn:<AWS::Partition>:s3:::*datastack*/jobs/*",
+                "Resource::" + nag_arn("sqs", "trainstack-*-recovery-failures", account, region),
             ],
             "Describe/List calls only accept '*'; terminate/cancel/delete only on resources tagged trainstack:env; "
             "the CDK bootstrap roles are the documented way to deploy with CDK; ECR push only to trainstack-* "
             "repositories; ECR pull of the AWS Deep Learning Containers registry's public base images; stop "
             "executions and delete idle alarms only of trainstack-* names; sweeps start trainstack-* state machines, "
             "manage trainstack-* tuning jobs and pass only the training stacks' SageMaker role, to SageMaker only; "
-            "teardown reads and marks the EC2 job records under jobs/ of the data buckets (generated names).",
+            "teardown reads and marks the EC2 job records under jobs/ of the data buckets (generated names); status "
+            "counts the messages of the trainstack-*-recovery-failures queues.",
         )
         cdk.CfnOutput(
             stack,

@@ -19,6 +19,7 @@ this environment's instances, S3 only under ``jobs/`` of the data bucket, Publis
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import aws_cdk as cdk
@@ -35,7 +36,7 @@ from constructs import Construct
 
 from infra import job_record, recovery
 from infra.constructs.nag import ack, ack_findings, env_literals, nag_arn
-from infra.stacks.monitoring import function_failure_alarm
+from infra.stacks.monitoring import function_failure_alarm, queue_depth_alarm
 
 REPO = Path(__file__).resolve().parents[2]
 #: Everything but the infra package (and its caches) stays out of the function's code.
@@ -46,9 +47,19 @@ HANDLER = "infra.recovery.handler"
 ASYNC_RETRIES = 2
 
 
+@dataclass(frozen=True)
+class LaunchPins:
+    """What this deploy put into the launch templates and RunInstances must keep: the instances' subnet ids,
+    security group id and AMI id (CDK tokens)."""
+
+    subnet_ids: tuple[str, ...]
+    security_group_id: str
+    image_id: str
+
+
 class RecoveryController(Construct):
     """Attributes: ``function``, ``role``, ``rules`` (name -> Rule), ``failures`` (the on-failure SQS queue),
-    ``alarm`` (Errors + Throttles -> the topic). ``idle_alarm_prefix``: name prefix of the per-instance GPU-idle
+    ``alarm`` (Errors + Throttles -> the topic), ``queue_alarm`` (messages in the failure queue -> the topic). ``idle_alarm_prefix``: name prefix of the per-instance GPU-idle
     alarms (their ALARM state fails the job). ``launch_templates``: instance type ->
     launch template id (CDK tokens); ``bucket_finding``: the data bucket's ARN as cdk-nag names it in a finding
     (``Resource::<import>``); ``account``/``region``: the stack's when env-aware (cdk-nag prints them)."""
@@ -65,6 +76,7 @@ class RecoveryController(Construct):
         volume_id: str,
         launch_templates: Mapping[str, str],
         instance_role: iam.IRole,
+        pins: LaunchPins,
         bucket_finding: str,
         idle_alarm_prefix: str,
         account: str | None = None,
@@ -129,8 +141,11 @@ class RecoveryController(Construct):
                 "TRAINSTACK_LAUNCH_TEMPLATES": stack.to_json_string(dict(launch_templates)),
             },
         )
-        self._grant(stack, env, bucket, topic, log_group, launch_templates, instance_role)
+        self._grant(stack, env, bucket, topic, log_group, launch_templates, instance_role, pins)
         self.alarm = function_failure_alarm(self, "FailureAlarm", self.function, topic, f"{prefix}-recovery-failures")
+        self.queue_alarm = queue_depth_alarm(
+            self, "FailureQueueAlarm", self.failures, topic, f"{prefix}-recovery-failure-queue"
+        )
         target = targets.LambdaFunction(self.function, retry_attempts=4, dead_letter_queue=self.failures)
         ec2_events = ["EC2 Spot Instance Interruption Warning", "EC2 Instance Rebalance Recommendation"]
         self.rules = {
@@ -172,46 +187,71 @@ class RecoveryController(Construct):
             ),
         }
 
-    def _grant(self, stack, env, bucket, topic, log_group, launch_templates, instance_role) -> None:
+    def _grant(self, stack, env, bucket, topic, log_group, launch_templates, instance_role, pins) -> None:
         role = self.role
-        lt_arns = [
-            stack.format_arn(service="ec2", resource="launch-template", resource_name=i)
-            for i in launch_templates.values()
-        ]
 
-        def arn(resource: str, account: str | None = None) -> str:
-            return stack.format_arn(service="ec2", resource=resource, resource_name="*", account=account)
+        def lt_arn(template_id: str) -> str:
+            return stack.format_arn(service="ec2", resource="launch-template", resource_name=template_id)
 
-        launched = [arn(r) for r in ("instance", "volume", "network-interface", "spot-instances-request")]
+        def arn(resource: str, name: str = "*", account: str | None = None) -> str:
+            return stack.format_arn(service="ec2", resource=resource, resource_name=name, account=account)
+
+        lt_arns = [lt_arn(i) for i in launch_templates.values()]
+        launched = [arn(r) for r in ("volume", "network-interface", "spot-instances-request")]
         from_template = {"ArnLike": {"ec2:LaunchTemplate": lt_arns}}
         pinned = {**from_template, "Bool": {"ec2:IsLaunchTemplateResource": "true"}}
         role.add_to_policy(
             iam.PolicyStatement(actions=["ec2:RunInstances"], resources=lt_arns + launched, conditions=from_template)
         )
+        # The instance only of the type its template was made for (ec2:InstanceType on the instance resource):
+        # a template version the role makes (the on-demand copy) cannot change the type, nor can an override.
+        for itype, template_id in launch_templates.items():
+            role.add_to_policy(
+                iam.PolicyStatement(
+                    actions=["ec2:RunInstances"],
+                    resources=[arn("instance")],
+                    conditions={
+                        "ArnLike": {"ec2:LaunchTemplate": lt_arn(template_id)},
+                        "StringEquals": {"ec2:InstanceType": itype},
+                    },
+                )
+            )
         # What the templates name (subnet, security group, AMI) only as the template names it, never overridden
         # (EC2 user guide, "Use launch templates to control launching instances": ec2:IsLaunchTemplateResource),
-        # and the AMI only from the owners the templates' AMI parameter resolves to: Amazon (the Deep Learning
-        # AMI) or this account (a custom ami_parameter).
+        # and by ARN the very subnets, security group and AMI this deploy put into the templates: a new template
+        # version naming others is refused too. The AMI also only from the owners the AMI parameter can resolve
+        # to: Amazon (the Deep Learning AMI) or this account (a custom ami_parameter).
         role.add_to_policy(
             iam.PolicyStatement(
-                actions=["ec2:RunInstances"], resources=[arn("subnet"), arn("security-group")], conditions=pinned
+                actions=["ec2:RunInstances"],
+                resources=[arn("subnet", s) for s in pins.subnet_ids] + [arn("security-group", pins.security_group_id)],
+                conditions=pinned,
             )
         )
         role.add_to_policy(
             iam.PolicyStatement(
                 actions=["ec2:RunInstances"],
-                resources=[arn("image", account="")],
+                resources=[arn("image", pins.image_id, account="")],
                 conditions={**pinned, "StringEquals": {"ec2:Owner": ["amazon", stack.account]}},
             )
         )
-        role.add_to_policy(
-            iam.PolicyStatement(
-                effect=iam.Effect.DENY,
-                actions=["ec2:RunInstances"],
-                resources=[arn("instance")],
-                conditions={"StringNotEquals": {"aws:RequestTag/trainstack:env": env}},
+        # Never without this environment's tag, and what the templates set and a new version could drop denied
+        # outright (EC2 user guide, "Example policies for working with the Amazon EC2 API": require IMDSv2;
+        # require encrypted volumes). User data has no condition key: it stays what the role writes into a
+        # version (docs/infrastructure.md, "IAM").
+        for resource, condition in (
+            ("instance", {"StringNotEquals": {"aws:RequestTag/trainstack:env": env}}),
+            ("instance", {"StringNotEquals": {"ec2:MetadataHttpTokens": "required"}}),
+            ("volume", {"Bool": {"ec2:Encrypted": "false"}}),
+        ):
+            role.add_to_policy(
+                iam.PolicyStatement(
+                    effect=iam.Effect.DENY,
+                    actions=["ec2:RunInstances"],
+                    resources=[arn(resource)],
+                    conditions=condition,
+                )
             )
-        )
         role.add_to_policy(
             iam.PolicyStatement(
                 actions=["ec2:CreateTags"],
@@ -219,6 +259,10 @@ class RecoveryController(Construct):
                 conditions={"StringEquals": {"ec2:CreateAction": "RunInstances"}},
             )
         )
+        # The on-demand fallback copies the default version without its spot options (infra/recovery_ec2.py,
+        # on_demand_version): needed, and not narrower than these templates; IAM cannot condition a version's
+        # content (EC2 user guide, "IAM permissions required for Amazon EC2 launch templates"), so what it may
+        # launch is bounded by the RunInstances statements above.
         role.add_to_policy(iam.PolicyStatement(actions=["ec2:CreateLaunchTemplateVersion"], resources=lt_arns))
         role.add_to_policy(
             iam.PolicyStatement(
@@ -261,16 +305,9 @@ class RecoveryController(Construct):
             "AwsSolutions-IAM5",
             [
                 "Resource::" + nag_arn("ec2", f"{r}/*", self.account, self.region)
-                for r in (
-                    "instance",
-                    "volume",
-                    "network-interface",
-                    "spot-instances-request",
-                    "subnet",
-                    "security-group",
-                )
+                for r in ("instance", "volume", "network-interface", "spot-instances-request")
             ]
-            + [f"Resource::arn:<AWS::Partition>:ec2:{reg}::image/*", "Resource::*", f"{self.bucket_finding}/jobs/*"]
+            + ["Resource::*", f"{self.bucket_finding}/jobs/*"]
             + ["Action::kms:GenerateDataKey*"],
             "RunInstances/CreateTags name resources that do not exist yet: limited to launches from this "
             "environment's launch templates (ec2:LaunchTemplate), tagged with it (Deny otherwise) and to tagging "

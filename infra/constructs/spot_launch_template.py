@@ -24,7 +24,7 @@ from catalog import InstanceType
 
 
 class SpotLaunchTemplate(Construct):
-    """``launch_template`` (ec2.LaunchTemplate) for ``instance``; see the module docstring.
+    """``launch_template`` (ec2.LaunchTemplate) for ``instance`` and ``image_id``; see the module docstring.
 
     ``private``: the subnets are private (behind a NAT): no public IP, and every EFA card is used.
     Raises ValueError for a SageMaker (``ml.*``) type.
@@ -50,12 +50,15 @@ class SpotLaunchTemplate(Construct):
         if instance.platform != "ec2":
             raise ValueError(f"launch templates are for EC2 types, got {instance.name}")
         self.instance = instance
+        image = ec2.MachineImage.from_ssm_parameter(ami_parameter, os=ec2.OperatingSystemType.LINUX)
+        #: The AMI id the template names (a CloudFormation parameter resolved from SSM at deploy time).
+        self.image_id = image.get_image(self).image_id
         self.launch_template = ec2.LaunchTemplate(
             self,
             "Resource",
             launch_template_name=name,
             instance_type=ec2.InstanceType(instance.name),
-            machine_image=ec2.MachineImage.from_ssm_parameter(ami_parameter, os=ec2.OperatingSystemType.LINUX),
+            machine_image=image,
             role=role,
             user_data=user_data,
             require_imdsv2=True,

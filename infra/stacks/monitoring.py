@@ -90,6 +90,30 @@ def function_failure_alarm(scope: Construct, cid: str, function, topic: sns.ITop
     return alarm
 
 
+def queue_depth_alarm(scope: Construct, cid: str, queue, topic: sns.ITopic, name: str) -> cw.Alarm:
+    """An alarm on ``queue``'s ``ApproximateNumberOfMessagesVisible`` (maximum over 5 minutes) > 0, notifying
+    ``topic`` when it goes to ALARM and back to OK: a failed event waiting in a dead-letter queue is never silent,
+    and the alarm stays in ALARM until someone reads and deletes it (Amazon SQS developer guide, "Available
+    CloudWatch metrics for Amazon SQS"; SQS sends them every 5 minutes while the queue is active, and a queue
+    with nothing in it for 6 hours goes inactive: missing data is OK)."""
+    alarm = cw.Alarm(
+        scope,
+        cid,
+        alarm_name=name,
+        metric=queue.metric_approximate_number_of_messages_visible(period=cdk.Duration.minutes(5), statistic="Maximum"),
+        threshold=0,
+        evaluation_periods=1,
+        datapoints_to_alarm=1,
+        comparison_operator=cw.ComparisonOperator.GREATER_THAN_THRESHOLD,
+        treat_missing_data=cw.TreatMissingData.NOT_BREACHING,
+        alarm_description=f"{name}: events the recovery could not handle wait in its failure queue "
+        "(`python -m infra status` counts them)",
+    )
+    alarm.add_alarm_action(cw_actions.SnsAction(topic))
+    alarm.add_ok_action(cw_actions.SnsAction(topic))
+    return alarm
+
+
 def job_name_patterns(cfg: InfraConfig) -> list[dict]:
     """EventBridge patterns matching the names of this environment's training jobs and no other's: one
     ``prefix`` per job phase, ``<prefix>-<phase>-`` (job names are ``<prefix>-<phase>-<8 hex>``). A bare

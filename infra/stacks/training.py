@@ -19,7 +19,7 @@ from infra.config import InfraConfig, machine_short
 from infra.constructs import user_data
 from infra.constructs.github_oidc import SAGEMAKER_ROLE_SUFFIX
 from infra.constructs.nag import S3_READ_WRITE_ACTIONS, ack_findings, nag_arn
-from infra.constructs.recovery import RecoveryController
+from infra.constructs.recovery import LaunchPins, RecoveryController
 from infra.constructs.sagemaker_job import SageMakerSpotJobs, phases_from_context
 from infra.constructs.spot_launch_template import SpotLaunchTemplate
 from infra.stacks.data import DataStack, bucket_export
@@ -154,12 +154,18 @@ class TrainingStack(cdk.Stack):
             volume_id=data.volume.volume_id,
             launch_templates={n: lt.launch_template_id for n, lt in self.launch_templates.items()},
             instance_role=self.instance_role,
+            pins=LaunchPins(
+                subnet_ids=tuple(s.subnet_id for s in data.instance_subnets[:1]),
+                security_group_id=data.instance_sg.security_group_id,
+                image_id=next(iter(self.launch_templates.values())).image_id,
+            ),
             bucket_finding=f"Resource::{bucket_export(cfg, 'arn')}",
             idle_alarm_prefix=f"{idle_alarm_name(cfg)}-",
             account=cfg.account,
             region=cfg.region,
         )
         cdk.CfnOutput(self, "RecoveryFunctionName", value=self.recovery.function.function_name)
+        cdk.CfnOutput(self, "RecoveryFailureQueueUrl", value=self.recovery.failures.queue_url)
 
         self.sagemaker_role = self._sagemaker_role()
         self.state_machines = {}

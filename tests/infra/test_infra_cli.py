@@ -52,7 +52,7 @@ def _instances(aws) -> list[dict]:
 def test_status_and_cost_of_an_empty_environment(aws, capsys):
     assert main(E + ["status"]) == 0
     out = capsys.readouterr().out
-    assert out.count("(none)") == 3
+    assert out.count("(none)") == 4  # instances, ec2 jobs, executions, SageMaker jobs
     assert main(E + ["cost"]) == 0
     assert "total so far: $0.00" in capsys.readouterr().out
 

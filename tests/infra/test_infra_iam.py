@@ -180,3 +180,103 @@ def test_push_image_registry_logins_and_pulls_are_allowed(aws, deploy_role, monk
     assert any(r.endswith(f":repository/trainstack-{moto_env.ENV}") for _, r in docker)
     assert "ecr:GetAuthorizationToken" in {a for a, _ in rec.calls}
     assert rec.denied(deploy_role, ACCOUNT, REGION, extra=docker) == []
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The recovery role's RunInstances: what a new template version (the role may make one: the on-demand copy) or an
+# override can change is refused, by every statement evaluated with its conditions (tests.infra_helpers.authorized).
+LT = {"g5.2xlarge": "lt-g52x", "g5.12xlarge": "lt-g512x", "p4d.24xlarge": "lt-p4d"}
+AMI, IMPORTED = "ami-0dlami", "<IMPORT>"  # the template's AMI parameter; subnet and security group are imports
+
+
+@pytest.fixture(scope="module")
+def recovery_role(templates):
+    from tests.infra_helpers import resources
+
+    t = templates["TrainingStack"]
+    refs = {
+        lid: LT[res["Properties"]["LaunchTemplateData"]["InstanceType"]]
+        for lid, res in resources(t, "AWS::EC2::LaunchTemplate").items()
+    }
+    refs.update({p: AMI for p, v in t.get("Parameters", {}).items() if "Image::Id" in v.get("Type", "")})
+    assert len(refs) == len(LT) + 1, refs
+    return policy_statements(t, "RecoveryRoleDefaultPolicy", ACCOUNT, REGION, refs=refs, unknown=IMPORTED)
+
+
+def _run_instances(template: str, **change) -> dict[str, dict[str, str]]:
+    """The resources IAM authorizes for one RunInstances from launch template ``template`` and the request
+    context of each (EC2 user guide, "Example policies for working with the Amazon EC2 API": RunInstances is
+    authorized on the instance, its image, subnet, security group, network interface, volumes and spot request,
+    and the launch template; the template's own values are marked ec2:IsLaunchTemplateResource). ``change``
+    sets what a new version or an override changes: instance_type, image, subnet, security_group, tokens
+    (IMDS HttpTokens), encrypted, env_tag, from_template (False: the subnet/SG/AMI came as overrides)."""
+    arn = f"arn:aws:ec2:{REGION}:{ACCOUNT}"
+    itype = change.get("instance_type", next((t for t, i in LT.items() if i == template), "g5.2xlarge"))
+    common = {"ec2:LaunchTemplate": f"{arn}:launch-template/{template}"}
+    common["aws:RequestTag/trainstack:env"] = change.get("env_tag", moto_env.ENV)
+    named = {"ec2:IsLaunchTemplateResource": "true" if change.get("from_template", True) else "false"}
+    return {
+        f"{arn}:launch-template/{template}": common,
+        f"{arn}:instance/i-new": {
+            **common,
+            "ec2:InstanceType": itype,
+            "ec2:MetadataHttpTokens": change.get("tokens", "required"),
+        },
+        f"arn:aws:ec2:{REGION}::image/{change.get('image', AMI)}": {**common, **named, "ec2:Owner": "amazon"},
+        f"{arn}:subnet/{change.get('subnet', IMPORTED)}": {**common, **named},
+        f"{arn}:security-group/{change.get('security_group', IMPORTED)}": {**common, **named},
+        f"{arn}:network-interface/*": common,
+        f"{arn}:volume/*": {**common, "ec2:Encrypted": change.get("encrypted", "true")},
+        f"{arn}:spot-instances-request/*": common,
+    }
+
+
+def _refused(statements, request: dict[str, dict[str, str]]) -> list[str]:
+    from tests.infra_helpers import authorized
+
+    return [r for r, ctx in request.items() if not authorized(statements, "ec2:RunInstances", r, ctx)]
+
+
+def test_recovery_launches_each_template_as_deployed(recovery_role):
+    for template in LT.values():
+        assert _refused(recovery_role, _run_instances(template)) == [], template
+
+
+@pytest.mark.parametrize(
+    "change, refused",
+    [
+        ({"instance_type": "p4d.24xlarge"}, "instance/"),  # a new version of the g5 template with another type
+        ({"instance_type": "g5.12xlarge"}, "instance/"),  # another type of this environment, wrong template
+        ({"image": "ami-0other"}, "image/"),  # another AMI, even Amazon's
+        ({"subnet": "subnet-0other"}, "subnet/"),
+        ({"security_group": "sg-0open"}, "security-group/"),
+        ({"tokens": "optional"}, "instance/"),  # IMDSv1 back on
+        ({"encrypted": "false"}, "volume/"),
+        ({"env_tag": "prod"}, "instance/"),
+        ({"from_template": False}, "subnet/"),  # the template's own subnet, given as an override
+    ],
+)
+def test_recovery_role_refuses_a_launch_a_new_template_version_or_override_changes(recovery_role, change, refused):
+    """The recovery role may create launch template versions (the on-demand copy): a version, or an override,
+    with another instance type, AMI, subnet, security group, IMDS setting or unencrypted volume is refused by
+    IAM. (Before, any type and any subnet, security group or Amazon AMI named by a new version was allowed.)"""
+    got = _refused(recovery_role, _run_instances("lt-g52x", **change))
+    assert any(refused in r for r in got), got
+    assert _refused(recovery_role, _run_instances("lt-other")), "a template of another environment"
+
+
+def test_status_runs_with_only_the_deploy_roles_permissions(aws, deploy_role, monkeypatch, capsys):
+    """deploy.yml's "What runs now" step: `status` now reads the job records and the recovery failure queue's
+    depth; every call is within the deploy role's policy."""
+    assert main(E + ["launch", "g5.2xlarge", "--job", "j"]) == 0
+    url = _outputs(aws, "TrainingStack")["RecoveryFailureQueueUrl"]
+    aws.client("sqs").send_message(QueueUrl=url, MessageBody="{}")
+    rec = CallRecorder()
+    rec.install(monkeypatch, cli_session)
+    capsys.readouterr()
+    assert main(E + ["status"]) == 0, capsys.readouterr().err
+    assert "1 event(s)" in capsys.readouterr().out
+    assert "sqs:GetQueueAttributes" in {a for a, _ in rec.calls}
+    s3_calls = _s3_as_iam(rec)
+    assert {a for a, _ in s3_calls} == {"s3:ListBucket", "s3:GetObject"}
+    assert rec.denied(deploy_role, ACCOUNT, REGION, extra=s3_calls) == []
