@@ -35,6 +35,11 @@ class CheckpointError(RuntimeError):
     label space, config); or a checkpoint cannot be written. The message names the path."""
 
 
+class CheckpointGone(CheckpointError):
+    """The checkpoint was deleted while it was being read (the training run writing its folder pruned it after
+    writing a newer one): a reader takes the next newest checkpoint instead."""
+
+
 class NonFiniteLossError(RuntimeError):
     """The training loss became NaN or inf; the message names the global step. Checkpoints written before
     that step are kept untouched."""

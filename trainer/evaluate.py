@@ -127,11 +127,11 @@ def _load_checkpoint(trainer, args: argparse.Namespace) -> str:
         EvaluateError: no valid checkpoint, another label space, or weights that do not fit.
     """
     from trainer.engine.resume import label_space_diff
-    from trainer.predict import PredictError, load_weights, read_state, resolve_checkpoint
+    from trainer.predict import PredictError, load_weights, read_checkpoint
 
     try:
-        path = resolve_checkpoint(args.checkpoint)
-        state = read_state(path)
+        read = read_checkpoint(args.checkpoint)
+        path, state = read.path, read.state
     except PredictError as e:
         raise EvaluateError(str(e)) from None
     saved = state.get("label_space")

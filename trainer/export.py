@@ -6,7 +6,7 @@ Usage::
         [--opset 18] [--weights ema|raw] [--verify/--no-verify] [--task TASK]
 
 ``CKPT`` is a checkpoint folder (``ckpt-*``) or a run's ``checkpoint_dir``, resolved and loaded exactly as
-``predict`` does (:func:`trainer.predict.resolve_checkpoint`, :func:`trainer.predict.load_model`). The task says
+``predict`` does (:func:`trainer.predict.read_checkpoint`, :func:`trainer.predict.load_model`). The task says
 how its model is exported (:meth:`trainer.tasks.base.Task.export_module`: ImageNet normalisation of float32 pixel
 values in [0, 255] inside the graph, the task's post-processing after it) and what serving needs to know
 (:meth:`~trainer.tasks.base.Task.export_metadata`: classes and ids, input size, mean/std, post-processing).
@@ -113,13 +113,6 @@ def prepare_out(out: str | Path) -> Path:
     except OSError as e:
         raise ExportError(f"--out: cannot create {d}: {describe_os_error(e)}; give a writable folder") from None
     return d
-
-
-def _manifest_task(ckpt: Path) -> Optional[str]:
-    try:
-        return json.loads((ckpt / "manifest.json").read_text()).get("task")
-    except (OSError, ValueError, AttributeError):
-        return None
 
 
 def sample_files(task, limit: int = VERIFY_FILES) -> list[str]:
@@ -410,18 +403,18 @@ def model_card(meta: dict, facts: dict, metrics: list[str], verify: list[str], l
 def export(args: argparse.Namespace) -> list[str]:
     """Run the command; returns the printed lines. Raises :class:`ExportError` for bad input."""
     import torch
-    import yaml
 
-    from trainer.engine.checkpoint import describe_os_error
-    from trainer.engine.durable import atomic_write_bytes, describe_holder, lock_holder
-    from trainer.predict import PredictError, load_model, read_state, resolve_checkpoint
+    from trainer.engine.durable import describe_holder, lock_holder
+    from trainer.predict import PredictError, load_model, read_checkpoint
 
     opset = check_opset(args.opset, args.format)
     try:
-        ckpt = resolve_checkpoint(args.checkpoint)
+        read = read_checkpoint(args.checkpoint)  # held whole from here: a training run may prune it meanwhile
     except PredictError as e:
         raise ExportError(f"{e}; give a ckpt-* folder or a checkpoint_dir") from None
-    found = _manifest_task(ckpt)
+    ckpt, state, manifest = read.path, read.state, read.manifest
+    del read
+    found = manifest.get("task") if isinstance(manifest, dict) else None
     if args.task and found and found != args.task:
         raise ExportError(
             f"--checkpoint: {ckpt} is a {found} checkpoint, not {args.task}; give a {args.task} checkpoint"
@@ -435,9 +428,7 @@ def export(args: argparse.Namespace) -> list[str]:
             flush=True,
         )
     check_out(Path(args.out), ckpt, args.format)
-    out = prepare_out(args.out)
     try:
-        state = read_state(ckpt)
         task, model, label_space, which = load_model(ckpt, torch.device("cpu"), args.weights == "ema", state)
     except PredictError as e:
         raise ExportError(str(e)) from None
@@ -446,6 +437,28 @@ def export(args: argparse.Namespace) -> list[str]:
     why = task.export_unsupported(args.format)
     if why:
         raise ExportError(f"--format: {why}")
+    created = not Path(args.out).exists()
+    out = prepare_out(args.out)
+    try:
+        return _write_export(args, out, ckpt, state, manifest, task, model, label_space, which, opset)
+    except BaseException:
+        if created:  # never leave an empty --out behind (the files are renamed into it only once written)
+            try:
+                out.rmdir()
+            except OSError:
+                pass
+        raise
+
+
+def _write_export(args, out: Path, ckpt: Path, state: dict, manifest: dict, task, model, label_space, which, opset):
+    """The export's files in ``out`` (each written to a temporary name, renamed once complete); returns the
+    printed lines. Raises :class:`ExportError` when ``out`` cannot be written."""
+    import torch
+    import yaml
+
+    from trainer.engine.checkpoint import describe_os_error
+    from trainer.engine.durable import atomic_write_bytes
+
     if args.format == "torchscript":  # one line instead of torch's FutureWarning per torch.jit call (trace, save, load)
         import warnings
 
@@ -456,7 +469,6 @@ def export(args: argparse.Namespace) -> list[str]:
             file=sys.stderr,
             flush=True,
         )
-    manifest = json.loads((ckpt / "manifest.json").read_text())
     meta = task.export_metadata(label_space)
     meta.update(checkpoint=ckpt.name, weights=which, config_fingerprint=str(state.get("fingerprint")))
     model.float().eval()

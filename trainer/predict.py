@@ -96,17 +96,12 @@ def add_predict_command(sub) -> None:
     )
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """The checkpoint folder ``path`` names: itself (a folder with ``manifest.json``, or a file in one), else the
-    one a run in checkpoint_dir ``path`` would resume from (:meth:`CheckpointDirectory.find_resume`). Each newer
-    checkpoint passed over on the way (corrupt, incomplete) is named with its reason in a ``warning:`` line on
-    stderr, so a fallback to an older checkpoint is never silent.
+def _checkpoint_arg(path: str | Path) -> Path:
+    """``--checkpoint`` as a folder: a file of a checkpoint (state.pt, ranks.pt, manifest.json) names its folder.
 
     Raises:
-        PredictError: nothing there, or no valid checkpoint in it.
+        PredictError: nothing there, or not a folder.
     """
-    from trainer.engine.checkpoint_files import CheckpointDirectory
-
     p = Path(path)
     if not p.exists():
         raise PredictError(f"--checkpoint: {p} does not exist")
@@ -114,20 +109,76 @@ def resolve_checkpoint(path: str | Path) -> Path:
         p = p.parent
     if not p.is_dir():
         raise PredictError(f"--checkpoint: {p} is not a checkpoint folder (ckpt-*) or a checkpoint_dir")
+    return p
+
+
+def _none_valid(p: Path, notes: list[str]) -> PredictError:
+    skipped = "; ".join(n.removeprefix("checkpoint: ") for n in notes if n.startswith("checkpoint: skipping "))
+    return PredictError(
+        f"--checkpoint: {p} holds no valid checkpoint (ckpt-* folders with a manifest.json)"
+        + (f": {skipped}" if skipped else "")
+    )
+
+
+def _warn_skipped(notes: list[str], found: Path) -> None:
+    """A ``warning:`` line for each newer checkpoint passed over as invalid (one pruned while read is not)."""
+    for n in notes:
+        if n.startswith("checkpoint: skipping "):
+            name, _, why = n.removeprefix("checkpoint: skipping ").partition(": ")
+            _warn(f"--checkpoint: skipped {name} ({why}); using the older {found.name}")
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """The checkpoint folder ``path`` names: itself (a folder with ``manifest.json``, or a file in one), else the
+    one a run in checkpoint_dir ``path`` would resume from (:meth:`CheckpointDirectory.find_resume`). Each newer
+    checkpoint passed over on the way (corrupt, incomplete) is named with its reason in a ``warning:`` line on
+    stderr, so a fallback to an older checkpoint is never silent. Choosing is not reading: a command reads with
+    :func:`read_checkpoint`, which takes another checkpoint when a running training prunes this one.
+
+    Raises:
+        PredictError: nothing there, or no valid checkpoint in it.
+    """
+    from trainer.engine.checkpoint_files import CheckpointDirectory
+
+    p = _checkpoint_arg(path)
     if (p / "manifest.json").exists():
         return p
     # a reader only (no writer lock, no writability probe, no clean-up of the run's temporary files)
     found, notes = CheckpointDirectory(p).find_resume()
     if found is None:
-        skipped = "; ".join(n.removeprefix("checkpoint: ") for n in notes)
-        raise PredictError(
-            f"--checkpoint: {p} holds no valid checkpoint (ckpt-* folders with a manifest.json)"
-            + (f": {skipped}" if skipped else "")
-        )
-    for n in notes:
-        if n.startswith("checkpoint: skipping "):
-            name, _, why = n.removeprefix("checkpoint: skipping ").partition(": ")
-            _warn(f"--checkpoint: skipped {name} ({why}); using the older {found.name}")
+        raise _none_valid(p, notes)
+    _warn_skipped(notes, found)
+    return found
+
+
+def read_checkpoint(path: str | Path):
+    """The checkpoint ``--checkpoint`` names, read whole on the CPU (a
+    :class:`~trainer.engine.checkpoint_files.Checkpoint`: path, manifest, state; manifest and SHA-256 checked):
+    a ``ckpt-*`` folder (or a file in one) itself, else the newest checkpoint of the checkpoint_dir ``path`` that
+    can be read whole (:meth:`CheckpointDirectory.read_newest`: one that a training run still writing the folder
+    prunes meanwhile is passed over for the next newest). Newer checkpoints skipped as invalid are warned about
+    as :func:`resolve_checkpoint` does.
+
+    Raises:
+        PredictError: nothing there, no valid checkpoint in it, or the ``ckpt-*`` folder given is unreadable,
+            corrupt or was deleted while being read.
+    """
+    from trainer.engine.checkpoint_files import CheckpointDirectory
+    from trainer.errors import CheckpointError, CheckpointGone
+
+    p = _checkpoint_arg(path)
+    if (p / "manifest.json").exists() or p.name.startswith("ckpt-"):
+        try:
+            return CheckpointDirectory.read(p)
+        except CheckpointGone as e:
+            raise PredictError(f"--checkpoint: {e}; give its checkpoint_dir ({p.parent}) to read the newest") from None
+        except CheckpointError as e:
+            raise PredictError(f"--checkpoint: {e}") from None
+    # a reader only (no writer lock, no writability probe, no clean-up of the run's temporary files)
+    found, notes = CheckpointDirectory(p).read_newest()
+    if found is None:
+        raise _none_valid(p, notes)
+    _warn_skipped(notes, found.path)
     return found
 
 
@@ -216,15 +267,14 @@ def num_outputs_of(label_space: dict) -> int:
     return len(lists[0])
 
 
-def _input_extensions(path: Path) -> Optional[tuple]:
+def _input_extensions(manifest: dict) -> Optional[tuple]:
     """The file extensions the checkpoint's task reads (:attr:`Task.input_extensions`; None: images), from the
-    task name in ``path/manifest.json`` (cheap: the weights are not read here; older checkpoints have none)."""
+    task name in its ``manifest`` (older checkpoints have none)."""
     from trainer.tasks import task_class
 
     try:
-        task = json.loads((Path(path) / "manifest.json").read_text())["task"]
-        return task_class(task).input_extensions
-    except (OSError, ValueError, KeyError, TypeError):
+        return task_class(manifest["task"]).input_extensions
+    except (ValueError, KeyError, TypeError):
         return None
 
 
@@ -319,14 +369,15 @@ def predict(args: argparse.Namespace) -> str:
     from trainer.engine.distributed import resolve_device
     from trainer.errors import ConfigError
 
-    ckpt = resolve_checkpoint(args.checkpoint)
-    paths = list_images(args.images, args.limit, _input_extensions(ckpt))
+    read = read_checkpoint(args.checkpoint)  # held whole from here: a training run may prune it meanwhile
+    ckpt, state = read.path, read.state
+    paths = list_images(args.images, args.limit, _input_extensions(read.manifest))
+    del read
     out = prepare_out(args.out, args.images)
     try:
         device = resolve_device(args.device, 0)
     except ConfigError as e:
         raise PredictError(f"--device: {str(e).removeprefix('device: ')}") from None
-    state = read_state(ckpt)
     run_ids = tracked_runs(ckpt, state) if args.track else {}
     tracking_uri = state.get("tracking_uri")
     task, model, label_space, which = load_model(ckpt, device, args.ema, state)

@@ -261,7 +261,8 @@ class CheckpointManager(CheckpointDirectory):
             self._staging = StagingBuffers(shared=True)
 
     def release_lock(self) -> None:
-        """Let go of the folder's writer lock (idempotent; the kernel also releases it when the process ends)."""
+        """Let go of the folder's writer lock (idempotent; the kernel also releases it when the process ends);
+        its file is deleted only while it is still this run's (never a newcomer's that replaced it)."""
         self.lock.release()
 
     def wait(self) -> Optional[Path]:
@@ -283,6 +284,11 @@ class CheckpointManager(CheckpointDirectory):
             self._written.wait()
             self._writer.join()
             self._writer = None
+        if self._error is None:
+            try:
+                self.lock.check()  # a lost lock is this writer's failure: every rank stops (see wait)
+            except CheckpointError as e:
+                self._error = e
 
     @property
     def failed(self) -> bool:
@@ -365,6 +371,7 @@ class CheckpointManager(CheckpointDirectory):
         }
         atomic_write_bytes(tmp / "manifest.json", json.dumps(manifest, indent=2).encode())
         self._check_abort()
+        self.lock.check()  # another run in this folder (our lock file deleted or replaced): write nothing more
         old = None
         if final.exists():  # same step written again (a rerun after a crash before `latest` moved)
             old = self.dir / f".tmp-old-{name}"
@@ -396,7 +403,9 @@ class CheckpointManager(CheckpointDirectory):
         """Delete the checkpoints nothing keeps: not ``latest`` or ``best``, not among the newest ``keep_last``
         complete ones (counted by global step: the mid-epoch checkpoint written before an evaluation is the same
         step as the epoch end after it, which supersedes it), not an epoch end that ``keep_every_epochs`` keeps.
-        Folders without a manifest (incomplete, foreign) are left alone and count for nothing."""
+        Folders without a manifest (incomplete, foreign) are left alone and count for nothing. Each is renamed to
+        ``.tmp-<name>-pruned`` before it is deleted: a reader (:meth:`CheckpointDirectory.read_newest`) then finds
+        it whole or not at all, never half deleted."""
         keep = {self.pointer("latest"), self.pointer("best")}
         found = self.list()  # newest first; at one step the epoch end comes before its ``-m`` twin
         steps: set[str] = set()
@@ -414,7 +423,13 @@ class CheckpointManager(CheckpointDirectory):
                 continue  # not ours to judge: leave incomplete/foreign folders alone
             if prog.get("step_in_epoch", 0) == 0 and prog.get("epoch", 0) % self.keep_every == 0:
                 continue
-            shutil.rmtree(d, ignore_errors=True)
+            # renamed out of the way first (one atomic step), so a reader sees the whole checkpoint or none of it
+            gone = self.dir / f".tmp-{d.name}-pruned"
+            try:
+                os.replace(d, gone)
+            except OSError:
+                gone = d
+            shutil.rmtree(gone, ignore_errors=True)
 
     # .. interruption marker .............................................................................
     def mark_interrupted(self, reason: str, path: Optional[Path], global_step: int) -> None:

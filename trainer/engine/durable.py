@@ -20,7 +20,7 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, BinaryIO, Optional
 
 import torch
 
@@ -133,12 +133,19 @@ def describe_os_error(e: BaseException) -> str:
     return error_detail(e, 300)
 
 
-def sha256_file(path: Path) -> str:
-    """Hex SHA-256 of a file, read in 4 MiB chunks."""
-    h = hashlib.sha256()
+def sha256_file(path: Path | BinaryIO) -> str:
+    """Hex SHA-256 of a file (a path, or a binary file open for reading, hashed from where it stands to its end),
+    read in 4 MiB chunks."""
+    if not isinstance(path, (str, os.PathLike)):
+        return _sha256_of(path)
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
+        return _sha256_of(f)
+
+
+def _sha256_of(f: BinaryIO) -> str:
+    h = hashlib.sha256()
+    for chunk in iter(lambda: f.read(1 << 22), b""):
+        h.update(chunk)
     return h.hexdigest()
 
 
@@ -174,6 +181,14 @@ class WriterLock:
     :meth:`acquire` therefore checks, once it holds a lock, that the path still names the file it locked
     (and tries again otherwise).
 
+    A lock belongs to a file, not to its name: a lock file deleted (or replaced) while held lets the next run
+    create a new one and lock that. The holder therefore remembers the file it locked (device and inode) and
+    :meth:`check` (at every checkpoint, and at the end) fails when the path names another file or none;
+    :meth:`release` deletes the path only while it still names the holder's own file. A lock file that cannot be
+    opened for writing (another user's, left by a run that is gone) is opened read-only to ask whether anyone
+    holds it: if not, it is stale and replaced (the folder being writable); otherwise the message names its
+    holder and owner.
+
     Where it works: local disks and EBS (one kernel), and Amazon FSx for Lustre, whose clients mount with the
     ``flock`` option (coherent across all client nodes: mount.lustre(8); the AWS guide's mount command uses it:
     https://docs.aws.amazon.com/fsx/latest/LustreGuide/mounting-ec2-instance.html). A Lustre client mounted
@@ -187,6 +202,7 @@ class WriterLock:
     def __init__(self, directory: str | Path):
         self.path = Path(directory) / LOCK_FILE
         self._fd: Optional[int] = None
+        self._file: Optional[tuple[int, int]] = None  # (st_dev, st_ino) of the file this object locked
 
     @property
     def held(self) -> bool:
@@ -198,17 +214,11 @@ class WriterLock:
 
         Raises:
             CheckpointError: another process holds it (the message names its pid, host and start time), or the
-                lock file cannot be created.
+                lock file cannot be created, or a stale one of another user cannot be replaced.
         """
         busy = 0
         while self._fd is None:
-            try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            except OSError as e:
-                raise CheckpointError(
-                    f"checkpoint_dir: cannot create the lock file {self.path}: {describe_os_error(e)}; "
-                    "choose a writable folder"
-                ) from None
+            fd, writable = self._open()
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
@@ -227,30 +237,111 @@ class WriterLock:
                     f"checkpoint: {self.path.parent} cannot be locked ({describe_os_error(e)}: a file system "
                     "mounted without flock support); nothing stops a second run from writing it"
                 )
-            try:
-                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
-            except FileNotFoundError:
-                same = False
-            if not same:  # released and deleted by its previous holder between our open and our flock
+            st = os.fstat(fd)
+            if not _names(self.path, st):  # released and deleted by its previous holder between our open and flock
                 os.close(fd)
                 continue
-            self._fd = fd
+            if not writable:  # nobody holds this read-only (another user's) file: stale, replaced while we lock it
+                self._replace_stale(fd, st)
+                continue
+            self._fd, self._file = fd, (st.st_dev, st.st_ino)
         started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": started}).encode()
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, record, 0)
         return None
 
+    def _open(self) -> tuple[int, bool]:
+        """(file descriptor of the lock file, whether it is open for writing): created if missing; opened
+        read-only when it exists but cannot be opened for writing (another user's)."""
+        try:
+            return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644), True
+        except OSError as e:
+            err = e
+        if err.errno == errno.EACCES:
+            try:
+                return os.open(self.path, os.O_RDONLY | os.O_CLOEXEC), False
+            except OSError:
+                pass
+            try:
+                owner = os.stat(self.path).st_uid
+            except OSError:
+                owner = None
+            if owner is not None and owner != os.geteuid():
+                raise CheckpointError(
+                    f"checkpoint_dir: the lock file {self.path} belongs to uid {owner} and cannot be opened "
+                    f"({describe_os_error(err)}), so whether a run holds it cannot be told; delete it if no run "
+                    "writes this folder, or give this run another checkpoint_dir"
+                ) from None
+        raise CheckpointError(
+            f"checkpoint_dir: cannot create the lock file {self.path}: {describe_os_error(err)}; "
+            "choose a writable folder"
+        ) from None
+
+    def _replace_stale(self, fd: int, st: os.stat_result) -> None:
+        """Delete the stale lock file ``fd`` (locked by us, so no second newcomer deletes a fresh one) and close
+        it; :meth:`acquire` then creates a new one. Raises CheckpointError naming it when it cannot be deleted."""
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise CheckpointError(
+                f"checkpoint_dir: the lock file {self.path} is held by uid {st.st_uid}, "
+                f"{describe_holder(_read_holder(self.path))}, stale: no process holds its lock, but it cannot be "
+                f"replaced ({describe_os_error(e)}); delete it, or give this run another checkpoint_dir"
+            ) from None
+        finally:
+            os.close(fd)
+
+    def check(self) -> None:
+        """Raise CheckpointError when the lock file this object holds was deleted or replaced (then another run
+        may be writing the folder: the message names the pid and host in the new file, when there is one).
+        No-op when nothing is held."""
+        if self._fd is None or self._file is None:
+            return
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            st = None
+        except OSError:
+            return  # cannot tell (a network file system's hiccup): the next check asks again
+        if st is not None and (st.st_dev, st.st_ino) == self._file:
+            return
+        if st is None:
+            what = "was deleted while this run held it"
+        else:
+            newcomer = _read_holder(self.path)
+            who = describe_holder(newcomer) if newcomer else "no process named in it"
+            what = f"was replaced while this run held it (now: {who})"
+        raise CheckpointError(
+            f"checkpoint_dir: the lock file {self.path} {what}; another run may be writing {self.path.parent}, "
+            "so this run stops here: its checkpoints so far are complete; stop the other run, or give one of "
+            "them another checkpoint_dir"
+        )
+
     def release(self) -> None:
-        """Delete the lock file and let go of the lock (idempotent)."""
+        """Delete the lock file (only while the path still names the file this object locked: never another
+        run's) and let go of the lock (idempotent)."""
         if self._fd is None:
             return
         fd, self._fd = self._fd, None
+        mine, self._file = self._file, None
         try:
-            self.path.unlink(missing_ok=True)
+            st = os.stat(self.path)
+            if mine is not None and (st.st_dev, st.st_ino) == mine:
+                self.path.unlink()
         except OSError:
             pass
         os.close(fd)
+
+
+def _names(path: Path, st: os.stat_result) -> bool:
+    """Whether ``path`` still names the file whose ``fstat`` is ``st``."""
+    try:
+        return os.path.samestat(st, os.stat(path))
+    except FileNotFoundError:
+        return False
 
 
 def lock_holder(directory: str | Path) -> Optional[dict]:
