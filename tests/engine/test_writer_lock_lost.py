@@ -7,16 +7,18 @@ folder"."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
-import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
 import torch
-from test_bad_inputs_engine import _env, flags, tiny_data
+from test_bad_inputs_engine import _env, tiny_data
+from test_writer_lock import _start
 
 from trainer.engine.checkpoint import CheckpointManager
 from trainer.engine.durable import LOCK_FILE, WriterLock
@@ -135,7 +137,6 @@ def test_a_stale_lock_file_still_held_by_a_run_of_another_user_is_refused_naming
     try:
         lock_file, _ = _stale_lock_of_another_user(root)
         held = os.open(lock_file, os.O_RDONLY)
-        import fcntl
 
         fcntl.flock(held, fcntl.LOCK_EX)  # the other user's run is alive
         me = 65534 if os.geteuid() == 0 else os.geteuid()
@@ -155,33 +156,24 @@ def test_a_train_whose_lock_file_is_taken_over_stops_with_exit_2_and_leaves_the_
     next checkpoint with exit 2 and one line naming the newcomer; the newcomer's lock file survives its end."""
     tiny_data(tmp_path / "data", train=40)
     extra = dict(model="shufflenet_v2_x0_5", epochs=1000, max_steps_per_epoch=5, checkpoint_every_steps=1)
-    run = subprocess.Popen(
-        [sys.executable, "-m", "trainer", "train", *flags(tmp_path, checkpoint_writer="thread", **extra)],
-        cwd=tmp_path,
-        env=_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    run, out = _start(tmp_path, _env(), "-m", "trainer", checkpoint_writer="thread", **extra)
     ck, newcomer = tmp_path / "ck", WriterLock(tmp_path / "ck")
     try:
-        import time
-
         deadline = time.monotonic() + 300
         while not (ck / "latest").exists():
-            assert run.poll() is None and time.monotonic() < deadline, run.communicate()[1][-3000:]
+            assert run.poll() is None and time.monotonic() < deadline, "".join(out.lines[-30:])
             time.sleep(0.1)
         (ck / LOCK_FILE).unlink()
         assert newcomer.acquire() is None
-        _, err = run.communicate(timeout=300)
+        run.wait(300)
     finally:
         if run.poll() is None:
             run.kill()
             run.wait()
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert run.returncode == 2 and "Traceback" not in err, err[-3000:]
-    assert len(lines) == 1 and "was replaced while this run held it" in lines[0], err[-3000:]
-    assert f"pid {os.getpid()} on host " in lines[0]
+    time.sleep(0.5)  # the reader thread's last lines
+    errors = [line for line in out.lines if line.startswith("error:")]
+    assert run.returncode == 2 and not any("Traceback" in line for line in out.lines), "".join(out.lines[-30:])
+    assert len(errors) == 1 and "was replaced while this run held it" in errors[0], "".join(out.lines[-30:])
+    assert f"pid {os.getpid()} on host " in errors[0]
     assert json.loads((ck / LOCK_FILE).read_text())["pid"] == os.getpid()
     newcomer.release()
