@@ -14,9 +14,10 @@ On-disk format (``FORMAT_VERSION`` 1), one directory per checkpoint::
       latest                   text: name of the newest complete checkpoint
       best                     text: name of the checkpoint with the best primary metric
 
-Loading uses ``torch.load(weights_only=True)``. Readers (``predict``, ``export``, ``resume_from`` of another run)
-use :class:`CheckpointDirectory` alone and take no lock: they follow ``latest``, which names only complete
-checkpoints.
+Loading uses ``torch.load(weights_only=True)``. Readers (``predict``, ``export``, ``evaluate``, ``resume_from`` of
+another run) use :class:`CheckpointDirectory` alone and take no lock: they follow ``latest``, which names only
+complete checkpoints, and read with :meth:`CheckpointDirectory.read_newest`, which holds a checkpoint's files open
+while it checks and loads them and takes the next newest when the running training pruned its choice first.
 """
 
 from __future__ import annotations
