@@ -338,6 +338,7 @@ def two_tasks(monkeypatch):
     """A registry of two tasks, the second never imported (the config only reads the names): a registered
     task name is accepted, an unregistered one (here segmentation, taken out) is refused."""
     import trainer.registry
+    import trainer.tasks
 
     monkeypatch.setitem(trainer.registry._REGISTRY, "detection", "nowhere.detection:DetectionTask")
     monkeypatch.delitem(trainer.registry._REGISTRY, "segmentation")

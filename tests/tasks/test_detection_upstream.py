@@ -86,6 +86,20 @@ def upstream_ckpt(coco90, tmp_path_factory) -> str:
     return str(path)
 
 
+def test_coco_ids_refuse_a_category_id_above_max_category_id(coco90):
+    """coco_ids builds max id + 1 outputs per head: one stray large id would build a huge head (10**6 was killed
+    for memory at 23.5 GB); above ``max_category_id`` the data is refused in one line naming the id and file."""
+    from trainer.errors import DataError
+
+    task = build_task(load_config(None, {**coco90, "max_category_id": 89}), CPU)
+    with pytest.raises(DataError) as e:
+        task.build_data()
+    msg = str(e.value)
+    assert "\n" not in msg and "instances_train.json" in msg and "category id 90" in msg
+    assert "max_category_id (89)" in msg
+    assert build_task(load_config(None, {**coco90, "max_category_id": 90}), CPU).build_data().num_outputs == 91
+
+
 def test_coco_ids_keep_the_category_ids_and_load_upstreams_heads(coco90, upstream_ckpt, tmp_path, capsys):
     task = build_task(load_config(None, {**coco90, "init_from": upstream_ckpt}), CPU)
     data = task.build_data()

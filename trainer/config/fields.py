@@ -261,6 +261,11 @@ class TrainConfig:
         "heads load as they are (docs/detection.md).",
         choices=("contiguous", "coco_ids"),
     )
+    max_category_id: int = _det(
+        10_000,
+        "label_space: coco_ids builds max id + 1 outputs per class head: a category id above this refuses the data "
+        "(one stray id 10**6 would build a million-class head). COCO 2017's largest is 90; LVIS's 1203.",
+    )
     pad_value: str = _det(
         "mean",
         "Padding of batches and canvases: mean = the mean colour, 0 after normalisation (upstream DINO's "
