@@ -177,10 +177,18 @@ def evaluate(args: argparse.Namespace) -> str:
     if result is None:  # a stop signal during the evaluation
         raise EvaluateError("evaluate: interrupted before the metrics were computed")
     metrics, n_bad, _ = result
-    shown = " ".join(f"{k}={int(v)}" if k == "images" else f"{k}={v:.2f}" for k, v in metrics.items())
+    shown = " ".join(f"{k}={_shown(k, v)}" for k, v in metrics.items())
     print(f"evaluate: {what} on {cfg.val_split}: {shown}", flush=True)
     skipped = f"; {n_bad} undecodable file(s) left out" if n_bad else ""
     return f"evaluate: done in {time.perf_counter() - t0:.1f} s{skipped}"
+
+
+def _shown(key: str, value: float) -> str:
+    """A metric as the closing line prints it: image counts as integers, an undefined metric (NaN, e.g. COCO's AP
+    of an area range without ground truth) as ``-``, the rest with 2 decimals."""
+    if key.startswith("images"):
+        return str(int(value))
+    return "-" if value != value else f"{value:.2f}"
 
 
 def run_evaluate(args: argparse.Namespace) -> int:

@@ -75,6 +75,8 @@ def test_lower_is_better_target_stops_early_and_an_unknown_target_metric_is_refu
 
 def test_better_and_reached_follow_the_direction():
     assert better(2.0, 1.0, "max") and not better(2.0, 1.0, "min") and better(0.5, None, "min")
+    nan = float("nan")  # an undefined metric (COCO's AP without ground truth) is never best, never blocks one
+    assert not better(nan, None, "max") and not better(nan, 1.0, "max") and better(1.0, nan, "max")
     assert reached(0.1, 0.2, "min") and not reached(0.1, 0.2, "max") and reached(0.2, 0.2, "max")
 
 

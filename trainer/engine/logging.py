@@ -26,10 +26,13 @@ from trainer.errors import ConfigError
 
 def format_kv(values: dict) -> str:
     """``key=value`` pairs separated by spaces; floats with 4 decimals, or 6 significant digits when that would
-    hide them (below 1e-3, e.g. lr=0.0001 or 1e-05, or from 1e4 up); ints as ints."""
+    hide them (below 1e-3, e.g. lr=0.0001 or 1e-05, or from 1e4 up); NaN (an undefined metric, e.g. COCO's AP of
+    an area range without ground truth) as ``-``; ints as ints."""
     parts = []
     for k, v in values.items():
-        if isinstance(v, float):
+        if isinstance(v, float) and v != v:
+            parts.append(f"{k}=-")
+        elif isinstance(v, float):
             plain = v != v or v == 0 or 1e-3 <= abs(v) < 1e4
             parts.append(f"{k}={v:.4f}" if plain else f"{k}={v:.6g}")
         else:
@@ -188,6 +191,7 @@ class MetricsLogger:
 
     def _record(self, kind: str, global_step: int, values: dict, hold: bool = False) -> None:
         row = {"kind": kind, "step": global_step, "time": time.time(), **values}
+        row = {k: None if isinstance(v, float) and v != v else v for k, v in row.items()}  # NaN: JSON null
         self._jsonl.write(json.dumps(row) + "\n")
         for k, v in values.items():
             if isinstance(v, (int, float)) and k != "epoch" and math.isfinite(v):

@@ -380,7 +380,7 @@ class DetectionTask(DetectionSettings, DetectionServing, Task):
         if val is None:
             return CocoEvaluator()
         ids, names = val.label_map.dense()  # per class index, whichever the label space
-        return CocoEvaluator(val.annotations, tuple(ids), tuple(names))
+        return CocoEvaluator(val.annotations, tuple(ids), tuple(names), tuple(i for i, _, _ in val.left_out))
 
     # .. planning ...........................................................................................
     def input_size(self, train: bool = True) -> tuple[int, int]:
