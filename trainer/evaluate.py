@@ -149,6 +149,30 @@ def _load_checkpoint(trainer, args: argparse.Namespace) -> str:
     return f"{path.name} ({which} weights)"
 
 
+def _check_nothing_random(report, path: str) -> None:
+    """Refuse to score a model part of which ``--init-from`` did not fill (weights.py's ``InitReport``): its
+    re-initialised or missing tensors are random, and the mAP of random class heads (0.00) would read as a
+    measurement.
+
+    Raises:
+        EvaluateError: any tensor re-initialised or missing, naming the first three and the likely cause.
+    """
+    if report is None:
+        return
+    random = [*report.reinitialised, *report.missing]
+    if random:
+        hint = ""
+        if report.checkpoint_classes and report.checkpoint_classes != report.num_classes:
+            hint = (
+                f"; the file's class heads have {report.checkpoint_classes} columns, the data's label space "
+                f"{report.num_classes} (label_space: coco_ids for an upstream COCO checkpoint on COCO ids)"
+            )
+        raise EvaluateError(
+            f"--init-from: {Path(path).name} leaves {len(random)} tensor(s) of the model random "
+            f"({', '.join(random[:3])}{', ...' if len(random) > 3 else ''}): nothing to evaluate{hint}"
+        )
+
+
 def evaluate(args: argparse.Namespace) -> str:
     """Run the command; prints the metrics line and returns the closing line. Raises :class:`EvaluateError` for bad
     input (and the engine's ConfigError/DataError/CheckpointError, mapped by :func:`run_evaluate`)."""
@@ -170,6 +194,8 @@ def evaluate(args: argparse.Namespace) -> str:
         device = resolve_device(cfg.device, 0)
         trainer = Trainer(cfg, DistInfo(0, 0, 1, device))
         try:
+            if args.init_from:
+                _check_nothing_random(getattr(trainer.task, "init_report", None), args.init_from)
             what = _load_checkpoint(trainer, args) if args.checkpoint else f"{Path(args.init_from).name} (init_from)"
             result = trainer.evaluate(trainer.model)
         finally:

@@ -226,6 +226,19 @@ def test_predict_batch_1_and_8_agree_and_carry_coco_ids(coco90, upstream_ckpt, t
         assert 0 <= r1["category_id"] <= 90 and r1["category"] == names.get(r1["category_id"], str(r1["category_id"]))
 
 
+def test_evaluate_refuses_an_upstream_checkpoint_whose_class_heads_would_be_random(
+    coco90, upstream_ckpt, tmp_path, capsys
+):
+    """contiguous labels (3 classes) against the file's 91-column heads: 27 tensors re-initialised; evaluating
+    them printed mAP 0.00 and exited 0. Now exit 2, one line naming the tensors and the label-space fix."""
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({**coco90, "label_space": "contiguous"}))
+    assert main(["evaluate", "--config", str(config), "--init-from", upstream_ckpt]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("error: --init-from: checkpoint0011_4scale.pth leaves ")
+    assert "label_space: coco_ids" in err and "91 columns" in err
+
+
 def test_evaluate_prints_box_map_for_an_upstream_checkpoint(coco90, upstream_ckpt, tmp_path, capsys):
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump(coco90))
