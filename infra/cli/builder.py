@@ -323,9 +323,9 @@ def ca_mounts(b: Builder, bundle: Optional[str], image: str) -> list[Mount]:
     """The build-time mounts of the CA file ``bundle`` over the CA bundle that the OpenSSL of ``image`` (the
     build's FROM) reads by default (:data:`CA_FILES`, resolved inside the image: Debian's, Amazon Linux's), so
     that pip in the RUN steps trusts a TLS-inspecting proxy without any setting in the image, and nothing of
-    it stays in a layer. None without ``bundle`` or for docker (no build-time mounts). Raises CliError when
-    ``image`` has none of those files, or cannot be run to look."""
-    if not bundle or b.kind == "docker":
+    it stays in a layer. None without ``bundle``, for docker (no build-time mounts) or FROM ``scratch``. Raises
+    CliError when ``image`` has none of those files, or cannot be run to look."""
+    if not bundle or b.kind == "docker" or image == "scratch":
         return []
     targets = b.real_files(image, CA_FILES)
     if not targets:

@@ -8,10 +8,11 @@ Steps (each prints one ``image-smoke:`` line; the first failure ends the run wit
    Containerfile). The stand-in is for offline builds only and is never pushed.
 2. The image: the Dockerfile with push-image's build arguments (infra/cli/image.py ``build_args``: the op compiled
    in the build for ``--archs``, default the Dockerfile's, and the OCI labels), tagged
-   ``trainstack-training:<git tag>`` (push-image's tag): the image push-image builds for that commit.
+   ``<--name>:<git tag>`` (default ``trainstack-training-smoke``; push-image's tag): the image push-image builds
+   for that commit.
 3. In the image, each command started as ``docker run IMAGE ...`` starts it (through the image's ENTRYPOINT):
    the base as the build left it (nvcc's version, ``pip check``, the base's packages, our ``train`` first on
-   PATH); ``python -m trainer.check_install``; the op; ``train`` on the embedded digits for a few steps with the
+   PATH; ``pip freeze`` against images/training/requirements-lock.txt); ``python -m trainer.check_install``; the op; ``train`` on the embedded digits for a few steps with the
    checkpoint in a mounted folder; SIGTERM during training -> exit 75, and a rerun that resumes and finishes;
    the SageMaker contract (``/opt/ml`` mounted: hyperparameters.json, checkpoints, model, and the failure file
    of a bad hyperparameter, exit 2); a 2-host SageMaker job (two containers as algo-1 and algo-2 on loopback,
@@ -24,8 +25,10 @@ Steps (each prints one ``image-smoke:`` line; the first failure ends the run wit
    JSON record under ``runs/image-smoke/`` (what docs/training-image.md tabulates). ``--build-only`` builds and
    says ``built ... (nothing checked)``.
 
-Build-time bind mounts: the host's CA bundle over the image's (``--ca-bundle``), so pip inside the build trusts
-a TLS-inspecting proxy; nothing of it stays in the image. Exit 2: a bad flag or a missing data folder.
+Build-time bind mounts: a CA bundle (``--ca-bundle``, default this machine's) over the file the base's OpenSSL
+reads (infra/cli/builder.py ``ca_mounts``), so pip inside the build trusts a TLS-inspecting proxy; nothing of it
+stays in the image. Exit 2, before anything is built: a bad flag, a missing data folder or CA file, an
+architecture the base cannot build, a builder that is not one, too little disk (infra/cli/image_inputs.py).
 """
 
 from __future__ import annotations
