@@ -228,6 +228,12 @@ class TrainConfig:
     tracking_run_name: Optional[str] = _log(None, "Name of the tracked run (default: the tracker's generated name).")
 
     # --- classification (task section: only with task: classification) ------------------------------
+    weights: Optional[str] = _cls(
+        None,
+        "Start from pretrained weights: a torchvision weights name of model (IMAGENET1K_V2, DEFAULT; from torch.hub's "
+        "cache, downloaded once when online) or a local .pth/.safetensors state_dict or timm/torchvision checkpoint; "
+        "the classifier head is replaced when its classes differ from the data's (README: own photos).",
+    )
     label_smoothing: float = _cls(0.0, "Label smoothing for the cross-entropy loss, in [0, 1).")
     mixup_alpha: float = _cls(0.0, "MixUp Beta(alpha, alpha) parameter (0 = MixUp off).")
     cutmix_alpha: float = _cls(1.0, "CutMix Beta(alpha, alpha) parameter (0 = CutMix off).")
