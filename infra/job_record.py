@@ -48,10 +48,15 @@ FINAL_STATES = (DONE, FAILED, STOPPED, CAPPED, ENDED)
 
 #: Fields every record has (written by ``launch``); a record without one of them is :class:`Corrupt`.
 REQUIRED = (
-    "job", "state", "recover", "instance_type", "fallback_types", "on_demand_fallback", "max_recoveries",
+    "job", "state", "reason", "recover", "instance_type", "fallback_types", "on_demand_fallback", "max_recoveries",
     "max_cost_usd", "prices", "tags", "attempts", "recoveries", "capacity_rounds", "next_try_at", "lease_until",
 )  # fmt: skip
-ATTEMPT_REQUIRED = ("instance_id", "type", "market", "start", "end")
+#: The type of the fields that the controller and the CLI compute with (a wrong one is as bad as a missing one).
+TYPES = {
+    "job": str, "state": str, "reason": str, "recover": bool, "attempts": list, "recoveries": int,
+    "max_recoveries": int, "prices": dict,
+}  # fmt: skip
+ATTEMPT_REQUIRED = ("instance_id", "type", "market", "start", "end", "ended_by")
 
 
 class Conflict(Exception):
@@ -73,10 +78,15 @@ def check(job: str, etag: str, record: object) -> dict:
     """``record`` when it has every field the controller reads, else raises :class:`Corrupt` naming the first
     missing or wrong one."""
     if not isinstance(record, dict):
-        raise Corrupt(job, etag, f"expected a JSON object, got {type(record).__name__}")
+        raise Corrupt(job, etag, f"is a JSON {type(record).__name__}, not an object")
     missing = [k for k in REQUIRED if k not in record]
     if missing:
-        raise Corrupt(job, etag, f"missing field(s) {', '.join(missing)}", "KeyError")
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise Corrupt(job, etag, f"lacks field {missing[0]!r}{more}", "KeyError")
+    wrong = [k for k, kind in TYPES.items() if not isinstance(record[k], kind)]
+    if wrong:
+        k = wrong[0]
+        raise Corrupt(job, etag, f"field {k!r} is {record[k]!r}, expected a {TYPES[k].__name__}")
     if record["state"] not in STATES:
         raise Corrupt(job, etag, f"state {record['state']!r} is not one of {', '.join(STATES)}")
     if not isinstance(record["attempts"], list) or not all(
@@ -155,7 +165,7 @@ def load(s3, bucket: str, job: str) -> Optional[Stored]:
     try:
         record = json.loads(body)
     except ValueError as e:
-        raise Corrupt(job, got["ETag"], f"not JSON ({e})", type(e).__name__) from None
+        raise Corrupt(job, got["ETag"], f"is not JSON ({e})", type(e).__name__) from None
     return Stored(check(job, got["ETag"], record), got["ETag"])
 
 
