@@ -232,7 +232,7 @@ class TrainConfig:
         None,
         "Start from pretrained weights: a torchvision weights name of model (IMAGENET1K_V2, DEFAULT; from torch.hub's "
         "cache, downloaded once when online) or a local .pth/.safetensors state_dict or timm/torchvision checkpoint; "
-        "the classifier head is replaced when its classes differ from the data's (README: own photos).",
+        "the classifier head is replaced when its classes differ from the data's (docs/classification.md).",
     )
     label_smoothing: float = _cls(0.0, "Label smoothing for the cross-entropy loss, in [0, 1).")
     mixup_alpha: float = _cls(0.0, "MixUp Beta(alpha, alpha) parameter (0 = MixUp off).")

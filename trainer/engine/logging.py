@@ -7,7 +7,7 @@ Epoch line format (one line per epoch, parsed by SageMaker metric definitions)::
     epoch=3 step=150 lr=0.0400 train_loss=0.8123 train_top1=71.20 val_loss=0.6012 val_top1=80.40
     val_top5=98.10 ema_val_top1=79.90 images_per_s=812.3 epoch_time_s=12.41 bad_files=0 image_size=160
 
-SageMaker ``MetricDefinitions`` regexes (documented in README.md): ``val_top1=([0-9.]+)``,
+SageMaker ``MetricDefinitions`` regexes (documented in docs/training.md): ``val_top1=([0-9.]+)``,
 ``train_loss=([0-9.eE+-]+)``, ``images_per_s=([0-9.]+)`` and so on: every key is ``key=([0-9.eE+-]+)``.
 """
 
