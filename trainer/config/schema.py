@@ -98,7 +98,7 @@ def config_field(
         choices: allowed values (a tuple, or a function returning one).
         aliases: other accepted YAML keys and (hidden) flag names, e.g. seed 002's ``compile_model``.
         legacy: the value a checkpoint written before the field existed was trained with, when that is not
-            ``default`` (e.g. ``pad_value``: ``black`` before issue 51); None: such checkpoints behaved as the
+            ``default`` (e.g. ``pad_value``: ``black`` before the field existed); None: such checkpoints behaved as the
             default does. Read by :func:`trainer.config.fields.saved_config`.
 
     Raises:
