@@ -141,7 +141,7 @@ image-lock: setup
 IMAGE_TORCH_VENV := .venv-image-torch
 # The image base's CUDA toolkit: compiler-only nvcc 13.3 (no cuBLAS/cuSPARSE headers) under torch's CUDA 13.0,
 # laid out from PyPI's nvcc wheels once (images/standin/install_cuda_toolkit.sh); the op is built against it, and
-# test_msda_build.py checks that it was (TRAINSTACK_MSDA_EXPECT_CUDA), so issue 48's mismatch is built in CI too.
+# test_msda_build.py checks that it was (TRAINSTACK_MSDA_EXPECT_CUDA), so a toolkit without them is built in CI too.
 IMAGE_CUDA_VERSION := 13.3
 IMAGE_CUDA_HOME := build/cuda-$(IMAGE_CUDA_VERSION)
 IMAGE_TORCH_TESTS := tests/ops/test_msda_reference.py tests/ops/test_msda_library.py tests/ops/test_msda_build.py \

@@ -1,4 +1,4 @@
-"""The checkpoint writer process (issue 24 item 1): byte-identical files to the writer thread, a new shared buffer
+"""The checkpoint writer process: byte-identical files to the writer thread, a new shared buffer
 only when the layout changes, the OS error of a failed write, a dead writer replaced, Ctrl-C/SIGTERM ignored, and
 ``auto`` choosing by state size. End to end: tests/engine/test_loop.py (bit-exact resume from process-written
 checkpoints) and tests/engine/test_interruption.py (Ctrl-C to the process group)."""

@@ -148,7 +148,7 @@ def test_a_field_added_after_a_checkpoint_is_no_change_while_it_keeps_its_defaul
 
 
 def test_a_field_with_a_legacy_value_reads_as_what_the_older_trainer_used():
-    """pad_value arrived with issue 51 (default mean); detection checkpoints written before it padded black, so
+    """pad_value arrived on 2026-11-28 (default mean); detection checkpoints written before it padded black, so
     resuming one with the new default is a config change (refused without --force-resume), and keeping black is
     not. Other tasks' checkpoints never read the detection field."""
     from trainer.config import TrainConfig, saved_config

@@ -281,7 +281,7 @@ def test_a_swept_model_is_checked_per_model_and_the_tightest_sets_k(shared_data,
         parallel_for_space(BASE, fixed, trials, 4, 2, None, out)
 
 
-# ------------------------------------------------------------------------------- one writer per trial (issue 53)
+# -------------------------------------------------------------------------------------------- one writer per trial
 def _popen_sweep(args: list[str]) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "trainer", "sweep", "--config", str(BASE), *args]

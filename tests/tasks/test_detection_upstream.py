@@ -1,4 +1,4 @@
-"""DINO for users coming from IDEA-Research/DINO (issue 51), on facemask images re-labelled with COCO-style ids
+"""DINO for users coming from IDEA-Research/DINO, on facemask images re-labelled with COCO-style ids
 (1, 44, 90 out of 1..90; ../shared/data/facemask-coco) and a tiny DINO checkpoint written in upstream's layout
 (``{"model", "optimizer", "lr_scheduler", "epoch", "args"}``, 91 classes as upstream's ``num_classes``):
 

@@ -275,7 +275,7 @@ class TrainConfig:
     pad_value: str = _det(
         "mean",
         "Padding of batches and canvases: mean = the mean colour, 0 after normalisation (upstream DINO's "
-        "nested_tensor_from_tensor_list); black = pixel value 0 before normalisation (this trainer before issue 51).",
+        "nested_tensor_from_tensor_list); black = pixel value 0 before normalisation (the padding before 2026-11-28).",
         choices=("mean", "black"),
         legacy="black",
     )
@@ -539,7 +539,7 @@ FIELDS_BY_SECTION: dict[str, tuple[str, ...]] = {
 def saved_config(saved: dict) -> dict:
     """A checkpoint's stored config (``state["config"]``, a plain dict) with every field it lacks that has a
     ``legacy`` value (:func:`trainer.config.schema.config_field`) filled with that value: the setting the older
-    trainer that wrote it actually used (e.g. ``pad_value: black`` for detection checkpoints from before issue 51).
+    trainer that wrote it actually used (e.g. ``pad_value: black`` for detection checkpoints older than the field).
     Only the fields of shared sections and of the checkpoint's own task (``saved["task"]``) are filled; fields
     without a legacy value stay absent (their default reproduces the older trainer). Returns a new dict."""
     out = dict(saved)

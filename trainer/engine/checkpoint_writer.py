@@ -9,7 +9,7 @@ checkpoint the pipe carries only the tree's skeleton: every tensor replaced by `
 The writer clones each slot into its own tensor (so ``state.pt`` has one storage per tensor, byte for byte the
 format the thread writer produces) and calls the same :func:`~trainer.engine.durable.atomic_torch_save`.
 
-This is the "writer process on shared memory" alternative of issue 24 item 1. ``torch.distributed.checkpoint``'s
+Why a process of our own (docs/architecture.md, "Dated decisions"): ``torch.distributed.checkpoint``'s
 ``async_save`` with process-based staging is the library way, but it writes DCP's sharded ``.distcp`` format, not
 this repo's ``state.pt`` + manifest, which every resume, ``validate`` and ``export`` reads.
 

@@ -162,7 +162,7 @@ class MetricsLogger:
         step), so that a run stopped between that step and the evaluation leaves the step unused in the trackers:
         the resumed run (:meth:`resume_at` with ``evaluated=False``) sends both then. Otherwise the earlier segment
         had used the step and the resumed one logged the validation row at it again (W&B drops a row below its
-        current step: issue 53, N4)."""
+        current step)."""
         if not self.enabled:
             return
         if self._bar is not None:
