@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from test_bad_inputs_engine import _env, flags, tiny_data
 
@@ -66,3 +67,98 @@ def test_sighup_after_the_terminal_closed_checkpoints_exits_75_and_ends_the_mlfl
     client = MlflowClient(tracking_uri=(tmp_path / "logs" / "mlruns").resolve().as_uri())
     runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
     assert [r.info.status for r in runs] == ["KILLED"]
+
+
+def _session(sid: int) -> list[psutil.Process]:
+    """The live processes of session ``sid`` (zombies count as gone)."""
+    procs = []
+    for proc in psutil.process_iter(["status"]):
+        try:
+            if os.getsid(proc.pid) == sid and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                procs.append(proc)
+        except (ProcessLookupError, PermissionError, psutil.Error):
+            pass
+    return procs
+
+
+def test_sigkill_of_train_leaves_no_worker_server_worker_tracker_or_writer_behind(tmp_path: Path):
+    """SIGKILL of ``train`` with 2 loader workers and the checkpoint writer process: within 5 s none of the
+    processes it started is alive. Before, the fork server, the workers and the resource tracker stayed for good
+    (each worker holds the server's liveness pipe, and the server is the parent the workers watch)."""
+    tiny_data(tmp_path / "data", train=40)
+    argv = [sys.executable, "-m", "trainer", "train"]
+    argv += flags(tmp_path, model=MODEL, epochs=1000, max_steps_per_epoch=5, num_workers=2, log_every_steps=1)
+    argv += ["--checkpoint-writer", "process", "--checkpoint-every-steps", "1"]
+    p = subprocess.Popen(
+        argv,
+        cwd=tmp_path,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    lines = []
+    try:
+        for line in p.stdout:
+            lines.append(line)
+            if line.startswith("step=3 "):
+                break
+        tree = psutil.Process(p.pid).children(recursive=True)
+        names = " ".join(" ".join(c.cmdline()) for c in tree)
+        # the server and the tracker are forks of the trainer (its command line), the workers forks of the server
+        assert "checkpoint_writer" in names and len(tree) >= 5, names  # writer, server, tracker, 2 train workers
+    finally:
+        p.kill()
+    p.wait(30)
+    deadline = time.monotonic() + 5
+    while (left := _session(p.pid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    try:
+        assert not left, [" ".join(c.cmdline())[:200] for c in left] + lines[-20:]
+        assert not [c.pid for c in tree if psutil.pid_exists(c.pid) and c.status() != psutil.STATUS_ZOMBIE]
+    finally:
+        for c in _session(p.pid):
+            c.kill()
+    assert "Traceback" not in p.stdout.read()  # the checkpoint writer ended quietly (no BrokenPipeError)
+
+
+#: A process whose loader (2 workers) starts a fresh-interpreter fork server from its main thread, as ``probe``
+#: and a ``Trainer`` in a threaded process do, then waits to be killed.
+_FRESH_SERVER = """
+import time, torch
+from trainer.data.loading import build_loader, iterate, start_worker_server, worker_server_note
+data = torch.utils.data.TensorDataset(torch.arange(64.0))
+sampler = torch.utils.data.BatchSampler(range(64), 4, drop_last=False)
+loader = build_loader(data, sampler, torch.utils.data.default_collate, num_workers=2, prefetch_factor=2,
+                      pin_memory=False, persistent_workers=True)
+start_worker_server()
+it = iterate(loader)
+next(it)
+print(worker_server_note(2), flush=True)
+time.sleep(600)
+"""
+
+
+def test_sigkill_leaves_no_fresh_worker_server_or_worker_behind():
+    """The fresh-interpreter server (not a fork of the trainer) dies with the process that started it from its
+    main thread, and its workers with it."""
+    p = subprocess.Popen(
+        [sys.executable, "-c", _FRESH_SERVER], env=_env(), stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        line = p.stdout.readline()
+        assert "a fresh interpreter" in line, line
+        tree = psutil.Process(p.pid).children(recursive=True)
+        assert len(tree) >= 4, tree  # server, 2 workers, resource tracker
+    finally:
+        p.kill()
+    p.wait(30)
+    deadline = time.monotonic() + 5
+    while (left := _session(p.pid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    try:
+        assert not left, [" ".join(c.cmdline())[:200] for c in left]
+    finally:
+        for c in _session(p.pid):
+            c.kill()
