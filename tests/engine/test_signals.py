@@ -81,6 +81,21 @@ def _session(sid: int) -> list[psutil.Process]:
     return procs
 
 
+def _assert_killed_with_all_its_processes(p: subprocess.Popen, tree: list, lines: list) -> None:
+    """``p`` (killed, the leader of its own session) is gone, and within 5 s so is every process of its session and
+    of ``tree`` (its descendants before the kill); any left are killed after the check."""
+    p.wait(30)
+    deadline = time.monotonic() + 5
+    while (left := _session(p.pid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    try:
+        assert not left, [" ".join(c.cmdline())[:200] for c in left] + lines[-20:]
+        assert not [c.pid for c in tree if psutil.pid_exists(c.pid) and c.status() != psutil.STATUS_ZOMBIE]
+    finally:
+        for c in _session(p.pid):
+            c.kill()
+
+
 def test_sigkill_of_train_leaves_no_worker_server_worker_tracker_or_writer_behind(tmp_path: Path):
     """SIGKILL of ``train`` with 2 loader workers and the checkpoint writer process: within 5 s none of the
     processes it started is alive. Before, the fork server, the workers and the resource tracker stayed for good
@@ -110,16 +125,7 @@ def test_sigkill_of_train_leaves_no_worker_server_worker_tracker_or_writer_behin
         assert "checkpoint_writer" in names and len(tree) >= 5, names  # writer, server, tracker, 2 train workers
     finally:
         p.kill()
-    p.wait(30)
-    deadline = time.monotonic() + 5
-    while (left := _session(p.pid)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    try:
-        assert not left, [" ".join(c.cmdline())[:200] for c in left] + lines[-20:]
-        assert not [c.pid for c in tree if psutil.pid_exists(c.pid) and c.status() != psutil.STATUS_ZOMBIE]
-    finally:
-        for c in _session(p.pid):
-            c.kill()
+    _assert_killed_with_all_its_processes(p, tree, lines)
     assert "Traceback" not in p.stdout.read()  # the checkpoint writer ended quietly (no BrokenPipeError)
 
 
@@ -153,12 +159,4 @@ def test_sigkill_leaves_no_fresh_worker_server_or_worker_behind():
         assert len(tree) >= 4, tree  # server, 2 workers, resource tracker
     finally:
         p.kill()
-    p.wait(30)
-    deadline = time.monotonic() + 5
-    while (left := _session(p.pid)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    try:
-        assert not left, [" ".join(c.cmdline())[:200] for c in left]
-    finally:
-        for c in _session(p.pid):
-            c.kill()
+    _assert_killed_with_all_its_processes(p, tree, [])

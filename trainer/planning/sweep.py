@@ -74,6 +74,12 @@ CHOICE_RESOURCE_FIELDS = ("model", "precision", "channels_last", "decode_device"
 #: Exit status when a trial failed (the results are still written).
 EXIT_TRIAL_FAILED = 1
 
+
+class SweepInterrupted(Exception):
+    """A stop signal came before any trial started (during the probe); the message is the one line to print.
+    The sweep exits 75 (run the same command again)."""
+
+
 MANIFEST = "sweep.json"
 
 
@@ -175,8 +181,13 @@ def cheap_probe(config: str, overrides: dict, cfg, out_dir: Path) -> Path:
     process's RSS high-water mark (``host_rss_hwm_bytes``, what the planner takes as one job's process RSS), the
     step's memory (GPU memory on CUDA) and the loader workers' memory. Reused when ``out_dir/probe.json`` exists.
 
+    The probe runs in its own session (a terminal's Ctrl-C reaches only the sweep) and dies with the sweep
+    (:func:`die_with_parent`). SIGTERM, SIGINT or SIGHUP to the sweep meanwhile stops it: SIGTERM to the probe
+    (SIGKILL after 10 s), then :class:`SweepInterrupted`.
+
     Raises:
         ConfigError: the probe failed (names its log).
+        SweepInterrupted: a stop signal came during the probe (the probe was stopped; nothing was trained).
     """
     path = out_dir / "probe.json"
     if path.exists():
@@ -189,12 +200,39 @@ def cheap_probe(config: str, overrides: dict, cfg, out_dir: Path) -> Path:
     with open(out_dir / "probe.log", "w") as fh:
         fh.write(f"$ {' '.join(argv)}\n")
         fh.flush()
-        rc = subprocess.run(argv, stdout=fh, stderr=subprocess.STDOUT).returncode
+        stop = _Stop()
+        old = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
+        try:
+            proc = subprocess.Popen(
+                argv, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent()
+            )
+            while (rc := proc.poll()) is None and stop.signum is None:
+                time.sleep(0.1)
+            if stop.signum is not None:
+                _stop_process(proc)
+                raise SweepInterrupted(
+                    f"sweep: {signal.Signals(stop.signum).name} during the probe: the probe (pid {proc.pid}) was "
+                    f"stopped, nothing was trained; run the same command again (probe log {out_dir / 'probe.log'})"
+                )
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
     if rc != 0 or not path.exists():
         raise ConfigError(
             f"sweep probe: exit {rc}, see {out_dir / 'probe.log'}; fix the base config or give --probe-report"
         )
     return path
+
+
+def _stop_process(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """SIGTERM to ``proc``; SIGKILL when it has not ended ``grace_s`` seconds later; waits for it."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def worst_overrides(fixed: dict, trials: list[dict]) -> dict:
@@ -309,8 +347,6 @@ def trial_result(name: str, values: dict, metric: str, mode: str, out: Path) -> 
     return row
 
 
-#: ``prctl`` option: the signal the calling process gets when its parent dies (linux/prctl.h).
-_PR_SET_PDEATHSIG = 1
 #: Signals that stop the sweep (forwarded to the trials as SIGTERM).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
@@ -318,20 +354,14 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 def die_with_parent() -> Optional[Callable[[], None]]:
     """A ``preexec_fn`` for :class:`subprocess.Popen` that makes the child get SIGTERM when this process dies (Linux
     ``prctl(PR_SET_PDEATHSIG, SIGTERM)``, kept across ``exec``: prctl(2)), and SIGTERM at once when this process
-    died between the fork and the ``prctl``. None off Linux (nothing to arm)."""
-    if not sys.platform.startswith("linux"):
+    died between the fork and the ``prctl`` (:func:`trainer.parent_death.die_with_parent`). None off Linux
+    (nothing to arm). The sweep starts its children from its main thread, the thread the signal follows."""
+    from trainer import parent_death
+
+    if parent_death.load() is None:
         return None
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
     parent = os.getpid()
-
-    def arm() -> None:
-        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-        if os.getppid() != parent:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    return arm
+    return lambda: parent_death.die_with_parent(signal.SIGTERM, parent)
 
 
 class _Stop:
@@ -468,34 +498,65 @@ def run_sweep(args: argparse.Namespace, log: Callable[[str], None] = print) -> i
         p = trial_dirs(out, name)["status"]
         return json.loads(p.read_text())["status"] if p.exists() else "pending"
 
-    todo = [(n, a) for n, a in zip(names, argvs) if state(n) not in ("done", "failed")]
-    skipped = len(names) - len(todo)
-    if skipped:
-        log(f"sweep: {skipped} of {len(names)} trial(s) already finished in {out}: skipped")
-    stopped, held = False, 0
-    k, why = (
-        parallel_for_space(base, fixed, trials, len(todo), args.parallel, args.probe_report, out) if todo else (0, "")
-    )
-    out.mkdir(parents=True, exist_ok=True)  # every check has passed: the manifest marks OUT as this sweep's
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str) + "\n")
-    if todo:
-        log(why)
-        from trainer.planning.local import local_machine
+    lock = _lock_out(out)  # a second sweep on OUT is refused from here on
+    try:
+        todo = [(n, a) for n, a in zip(names, argvs) if state(n) not in ("done", "failed")]
+        skipped = len(names) - len(todo)
+        if skipped:
+            log(f"sweep: {skipped} of {len(names)} trial(s) already finished in {out}: skipped")
+        stopped, held = False, 0
+        k, why = (
+            parallel_for_space(base, fixed, trials, len(todo), args.parallel, args.probe_report, out)
+            if todo
+            else (0, "")
+        )
+        out.mkdir(parents=True, exist_ok=True)  # every check has passed: the manifest marks OUT as this sweep's
+        (out / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str) + "\n")
+        if todo:
+            log(why)
+            from trainer.planning.local import local_machine
 
-        stopped, held = _run_trials(todo, out, k, local_machine().gpus, log)
-    rows = rank([trial_result(n, t, metric, mode, out) for n, t in zip(names, trials)], metric, mode)
-    import logging
+            stopped, held = _run_trials(todo, out, k, local_machine().gpus, log)
+        rows = rank([trial_result(n, t, metric, mode, out) for n, t in zip(names, trials)], metric, mode)
+        import logging
 
-    logging.getLogger("matplotlib.font_manager").setLevel(logging.ERROR)  # "findfont: ..." lines, not ours
-    paths = write_results(rows, space.names, metric, mode, out, extra=("best_epoch", "last"))
-    print(results_markdown(rows, space.names, metric, mode, extra=("best_epoch", "last")), end="")
-    log(f"sweep: results: {paths['md']}, {paths['json']}, {paths['png']}")
-    if stopped or held:
-        log(f"sweep: interrupted; run the same command again to resume ({out})")
-        return EXIT_INTERRUPTED
-    if any(r["status"].startswith("failed") for r in rows):
-        return EXIT_TRIAL_FAILED
-    return EXIT_OK
+        logging.getLogger("matplotlib.font_manager").setLevel(logging.ERROR)  # "findfont: ..." lines, not ours
+        paths = write_results(rows, space.names, metric, mode, out, extra=("best_epoch", "last"))
+        print(results_markdown(rows, space.names, metric, mode, extra=("best_epoch", "last")), end="")
+        log(f"sweep: results: {paths['md']}, {paths['json']}, {paths['png']}")
+        if stopped or held:
+            log(f"sweep: interrupted; run the same command again to resume ({out})")
+            return EXIT_INTERRUPTED
+        if any(r["status"].startswith("failed") for r in rows):
+            return EXIT_TRIAL_FAILED
+        return EXIT_OK
+    finally:
+        lock.release()
+
+
+def _lock_out(out: Path):
+    """Take ``OUT``'s lock (:class:`trainer.engine.durable.WriterLock` on ``OUT/writer.lock``, created with
+    ``OUT``), so that a second sweep on the same ``--out`` is refused instead of running trials beside this one.
+
+    Raises:
+        ConfigError: another sweep holds it (names its pid, host and start time), or it cannot be taken.
+    """
+    from trainer.engine.durable import WriterLock, describe_holder, lock_holder
+    from trainer.errors import CheckpointError
+
+    out.mkdir(parents=True, exist_ok=True)
+    lock = WriterLock(out)
+    try:
+        lock.acquire()
+    except CheckpointError as e:
+        holder = lock_holder(out)
+        if holder is None:
+            raise ConfigError(f"--out {out}: cannot be locked: {e}") from None
+        raise ConfigError(
+            f"--out {out}: another sweep is running on this folder: {describe_holder(holder)}; wait for it to end "
+            "or choose another --out"
+        ) from None
+    return lock
 
 
 def run_sweep_command(args: argparse.Namespace) -> int:
@@ -509,6 +570,9 @@ def run_sweep_command(args: argparse.Namespace) -> int:
     except (ConfigError, DataError, PlanError, CatalogError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except SweepInterrupted as e:
+        print(e, file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     except KeyboardInterrupt:  # Ctrl-C before the trials started (their handler covers the rest)
         print("error: sweep: interrupted before any trial started; run the same command again", file=sys.stderr)
         return EXIT_INTERRUPTED
