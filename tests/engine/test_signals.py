@@ -46,7 +46,7 @@ def test_sighup_after_the_terminal_closed_checkpoints_exits_75_and_ends_the_mlfl
     tiny_data(tmp_path / "data", train=40)
     master, slave = pty.openpty()
     env = {**_env(), "MLFLOW_ALLOW_FILE_STORE": "true"}
-    argv = [sys.executable, "-m", "trainer", "train", *flags(tmp_path, model=MODEL, epochs=1000, max_steps_per_epoch=5)]
+    argv = [sys.executable, "-m", "trainer", "train", *flags(tmp_path, model=MODEL, epochs=1000, max_steps_per_epoch=2)]
     p = subprocess.Popen(
         argv + ["--tracking", "mlflow"], cwd=tmp_path, env=env, stdout=slave, stderr=slave, start_new_session=True
     )
@@ -117,7 +117,7 @@ def test_sigkill_of_train_leaves_no_worker_server_worker_tracker_or_writer_behin
     try:
         for line in p.stdout:
             lines.append(line)
-            if line.startswith("step=3 "):
+            if line.startswith("step=2 "):
                 break
         tree = psutil.Process(p.pid).children(recursive=True)
         names = " ".join(" ".join(c.cmdline()) for c in tree)
