@@ -6,8 +6,8 @@ Every :class:`trainer.config.TrainConfig` field is a flag (``batch_size`` -> ``-
 YAML file. Works unchanged under ``torchrun --nproc-per-node N -m trainer train ...``.
 
 Exit codes: 0 done; 2 bad config/data/checkpoint (nothing trained) or bad usage (argparse: the sub-command's
-usage, then the error, last); 3 loss became NaN/inf; 75 interrupted (SIGTERM/SIGINT/spot notice) after a durable
-checkpoint: run the same command again to resume (75 is EX_TEMPFAIL of sysexits.h, "try again later"); 130
+usage, then the error, last); 3 loss became NaN/inf; 75 interrupted (SIGTERM/SIGINT/SIGHUP/spot notice) after a
+durable checkpoint: run the same command again to resume (75 is EX_TEMPFAIL of sysexits.h, "try again later"); 130
 aborted by a second Ctrl-C. Under torchrun an error is shown once (:mod:`trainer.failures`).
 """
 
