@@ -17,7 +17,7 @@ NPROC  ?= 2
 TEST_WORKERS ?= 2
 SHELL  := /bin/bash
 
-.PHONY: setup node run test e2e clean msda image image-cpu image-smoke image-tools test-image-torch ffcv lint format
+.PHONY: setup node run test e2e clean msda image image-cpu image-smoke image-lock image-tools test-image-torch ffcv lint format
 MSDA_ARCHS ?= 8.0
 # Node for the CDK CLI and jsii: the machine's when at least NODE_MIN_MAJOR, else NODE_VERSION (`make node`)
 NODE_VERSION   := 24.22.3
@@ -116,12 +116,20 @@ image-smoke: setup image-tools
 
 # The training image FROM the real Deep Learning Container (the builder must be logged in to its registry:
 # push-image does that) and its CPU variant (no op compile); built only, through the same builder code.
+# Each target tags its own local name (trainstack-training-smoke is image-smoke's), so one never replaces another's.
 image: setup image-tools
-	$(PY) -m infra.cli.smoke --build-only --base-image "$$(sed -n 's/^ARG BASE_IMAGE=//p' images/training/Dockerfile)"
+	$(PY) -m infra.cli.smoke --build-only --name trainstack-training \
+	  --base-image "$$(sed -n 's/^ARG BASE_IMAGE=//p' images/training/Dockerfile)"
 # the CPU twin of BASE_IMAGE's line (aws/deep-learning-containers docs/src/data/pytorch/2.13-cpu-sagemaker.yml)
 image-cpu: setup image-tools
-	$(PY) -m infra.cli.smoke --build-only --msda reference \
+	$(PY) -m infra.cli.smoke --build-only --msda reference --name trainstack-training-cpu \
 	  --base-image 763104351884.dkr.ecr.us-east-1.amazonaws.com/pytorch:2.13.0-cpu-amzn2023-sagemaker
+
+# The pip layer's lock (images/training/requirements-lock.txt: every package the image's pip step installs on the
+# base's set, with its wheels' SHA-256) from requirements-trainer.txt; needs PyPI and python3.12/3.13 (pyenv).
+# Rerun after changing requirements-trainer.txt or images/standin/dlc-packages.txt (a test says when).
+image-lock: setup
+	$(PY) images/training/lock.py
 
 # The torch the image ships (requirements-image-torch.txt = BASE_IMAGE's torch/torchvision) in a second venv:
 # the op's CPU tests, the custom-operator checks and one short training per task, in a copy of the tree under
@@ -133,7 +141,7 @@ image-cpu: setup image-tools
 IMAGE_TORCH_VENV := .venv-image-torch
 # The image base's CUDA toolkit: compiler-only nvcc 13.3 (no cuBLAS/cuSPARSE headers) under torch's CUDA 13.0,
 # laid out from PyPI's nvcc wheels once (images/standin/install_cuda_toolkit.sh); the op is built against it, and
-# test_msda_build.py checks that it was (TRAINSTACK_MSDA_EXPECT_CUDA), so issue 48's mismatch is built in CI too.
+# test_msda_build.py checks that it was (TRAINSTACK_MSDA_EXPECT_CUDA), so a toolkit without them is built in CI too.
 IMAGE_CUDA_VERSION := 13.3
 IMAGE_CUDA_HOME := build/cuda-$(IMAGE_CUDA_VERSION)
 IMAGE_TORCH_TESTS := tests/ops/test_msda_reference.py tests/ops/test_msda_library.py tests/ops/test_msda_build.py \

@@ -1,6 +1,6 @@
 """Checkpoint costs (CPU, or ``--device cuda``): SIGTERM-to-durable time and the training stall of a periodic
 checkpoint, for the writer process on shared memory, the writer thread on reused host buffers, and the writer
-thread with a fresh host copy per checkpoint (before issue 24), measured side by side in alternating rounds. The
+thread with a fresh host copy per checkpoint (the earlier staging), measured side by side in alternating rounds. The
 last line is ``stall_steps=X``: the full cost of one periodic checkpoint (epoch time with periodic checkpoints minus
 without, per checkpoint) in steps, for the first of ``--variants`` (default: the writer process).
 
@@ -45,8 +45,8 @@ def _trainer(args, batches, stop=None, **extra):
 
 
 class _ClonePerCheckpoint:
-    """The staging before issue 24: a fresh host copy of every tensor at each checkpoint (allocation, page faults,
-    and on a GPU a synchronous device-to-host copy)."""
+    """The earlier staging, kept for comparison: a fresh host copy of every tensor at each checkpoint (allocation,
+    page faults, and on a GPU a synchronous device-to-host copy)."""
 
     def stage(self, obj):
         if isinstance(obj, torch.Tensor):
@@ -72,7 +72,7 @@ def measure_stall(args, batches, writer: str = "process", staging=None) -> dict:
     checkpoint (after a warm-up epoch of each); ``writer`` is the ``checkpoint_writer``; ``staging`` replaces
     the manager's StagingBuffers."""
     t = _trainer(args, batches, checkpoint_every_steps=args.every, checkpoint_writer=writer)
-    if staging is not None:  # the state before issue 24: a clone per checkpoint
+    if staging is not None:  # the earlier staging: a clone per checkpoint
         t.ckpt._staging = staging
     times, saved = [], []
     orig_save = t.save_checkpoint
@@ -141,7 +141,7 @@ def main() -> None:
         "--variants",
         default="process,thread,clone_per_checkpoint",
         help="comma-separated: process (writer process on shared memory), thread (writer thread, reused "
-        "buffers), clone_per_checkpoint (writer thread, a fresh host copy per checkpoint: before issue 24); the "
+        "buffers), clone_per_checkpoint (writer thread, a fresh host copy per checkpoint: the earlier staging); the "
         "first is the one of the stall_steps line and of SIGTERM-to-durable",
     )
     args = ap.parse_args()

@@ -1,4 +1,4 @@
-"""DINO checkpoints evaluated with per-batch padding and with ``canvases: auto``, side by side (issue 37 item 1).
+"""DINO checkpoints evaluated with per-batch padding and with ``canvases: auto``, side by side.
 
 Each checkpoint (a ``ckpt-<step>`` folder of ``python -m trainer train``, or its ``state.pt``) is evaluated twice on its
 own run's validation split, through the trainer's own evaluation (:meth:`trainer.engine.trainer.Trainer.evaluate`),

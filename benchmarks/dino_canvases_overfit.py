@@ -1,6 +1,6 @@
 """The DINO overfit recipe of ``tests/tasks/test_detection_learning.py`` (4 facemask images, 128 px, 30 epochs)
 with per-batch padding and with ``canvases: auto``, seeds 0 and 1, one thread: one JSON line per run (best and
-last mAP@0.5 on the training images, last mAP, first and last train loss, seconds). Issue 37 asks that the
+last mAP@0.5 on the training images, last mAP, first and last train loss, seconds). It checks that the
 learning tests keep their thresholds with canvases on.
 
     PYTHONPATH=. .venv/bin/python benchmarks/dino_canvases_overfit.py --data ../shared/data --out /tmp/ovf

@@ -3,7 +3,7 @@ batch shapes an epoch of facemask-coco makes for each ``pad_to_multiple`` (DINO-
 px multi-scale + crop branch, batch 2 in dataset order). Shapes that repeat are what a compiled layer and cuDNN's
 autotuner reuse; the images/s says whether ``num_workers`` loader processes can feed the GPU.
 
-Then ``canvases: auto`` (issue 37) against today's per-batch padding (``pad_to_multiple`` 64), over ``--epochs``
+Then ``canvases: auto`` (fixed canvases) against today's per-batch padding (``pad_to_multiple`` 64), over ``--epochs``
 epochs of the training order at batch 2 and the evaluation batches at 4, from the transformed sizes (no decode):
 distinct padded shapes and the share of padded pixels.
 

@@ -1,4 +1,4 @@
-"""DINO's training step under torch.profiler: host syncs and operator calls per step (issue 23's CPU proxy).
+"""DINO's training step under torch.profiler: host syncs and operator calls per step (a CPU proxy of GPU cost).
 
 The real ``TrainStep`` (:func:`trainer.engine.step.build_single_rank_step`: model, AdamW, clipping, precision) of
 the detection task runs on two kinds of batch: the task's example batch (``--image-size`` px, 8 boxes per image)

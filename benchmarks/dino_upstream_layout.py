@@ -1,5 +1,5 @@
 """A DINO checkpoint in upstream's layout with COCO-style category ids, for ``evaluate --init-from`` and ``predict``
-(issue 51's "must show", docs/benchmarks.md).
+(the upstream-checkpoint figures of docs/benchmarks.md).
 
 Writes under ``--out``: ``data/`` (the 4 facemask images of ``tests/tasks/test_detection_learning.py``, train x4 and
 val x1, category ids 0/1/2 re-labelled 1/44/90), ``val171/`` (facemask's whole val split, re-labelled the same way,

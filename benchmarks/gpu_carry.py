@@ -1,4 +1,5 @@
-"""Build ``.gpu-carry/``: everything issue 50's GPU run needs that the lent GPU machine lacks (issue 50).
+"""Build ``.gpu-carry/``: everything the prepared GPU run (``gpu_prepared_run.sh``) needs that the lent GPU
+machine lacks.
 
 The GPU machine (/work/.library/device/README.md, KINDS.md) has Python 3.12 with torch 2.11.0, numpy 2.x, numba,
 opencv-python-headless, no apt and no network; one call carries the working tree (tracked and untracked files

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Issue 23's GPU figures in one command, on a machine with one NVIDIA GPU (about 8 minutes on an H100), run from the
-# repository root. Each step has its own time limit; logs and a summary under $OUT (default /tmp/gpu-dino-out).
+# DINO's GPU figures (step time, real loop, GPU busy) in one command, on a machine with one NVIDIA GPU (about 8
+# minutes on an H100), run from the repository root. Each step has its own time limit; logs and a summary under
+# $OUT (default /tmp/gpu-dino-out).
 #   DATA=DIR       folder holding facemask-coco/ (../shared/data on a developer machine; carry it to a GPU machine)
 #   UPSTREAM=DIR   optional checkout of upstream DINO's op (../shared/gpu-check/upstream_msda), timed beside ours
 #   BASE=DIR       optional older checkout of this repository: its DINO step profiled beside this one (same GPU)

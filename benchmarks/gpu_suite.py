@@ -1,4 +1,4 @@
-"""Every GPU figure of the project in one command (issue 24): run by ``benchmarks/gpu_suite.sh``.
+"""Every GPU figure of the project in one command: run by ``benchmarks/gpu_suite.sh``.
 
 Steps, each a benchmark script of this folder run as a subprocess under its own time limit (a step that fails or
 runs out of time is reported as such; the others still run; with ``--small --device cpu`` each step runs in a
@@ -337,7 +337,7 @@ def summarize(results: list[dict]) -> tuple[list[tuple[str, str, str]], list[str
 
 def needed_datasets(steps: list[tuple[str, int, list[str]]], data: Path) -> list[str]:
     """The shared datasets that ``steps`` read from ``data`` and that are not there (a run that carries only some
-    datasets, e.g. ``--only`` of issue 50's steps, needs only theirs)."""
+    datasets, e.g. ``--only`` of the prepared GPU run's steps, needs only theirs)."""
     names = ("imagenette-subset", "rid-roofs", "video-clips")
     used = [d for d in names if any(str(data / d) in arg for _, _, argv in steps for arg in argv)]
     return [d for d in used if not (data / d).is_dir()]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU figure of the project in one command (issue 24; benchmarks/gpu_suite.py lists the steps):
+# Every GPU figure of the project in one command (benchmarks/gpu_suite.py lists the steps):
 #   bash benchmarks/gpu_suite.sh --device cuda --data DIR --out DIR     (about 8 minutes on one H100)
 #   bash benchmarks/gpu_suite.sh --device cpu --small                   (the CPU check that it runs through)
 # DIR for --data holds imagenette-subset, rid-roofs and video-clips (../shared/data; carry them to a GPU machine).

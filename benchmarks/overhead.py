@@ -8,7 +8,7 @@ schedule, NaN flag, metrics, logging. Alternating rounds, one JSON line per prec
 ``32`` on the CPU; ``bf16-mixed`` runs with channels_last, as ``../shared/gpu-check/throughput.py``), ending
 with ``ratio_trainer_over_minimal=X`` (the lowest over the precisions).
 
-``--profile`` counts instead of timing (issue 24's CPU proxy, ``tests/engine/test_step_overhead.py`` pins it):
+``--profile`` counts instead of timing (a CPU proxy of GPU cost; ``tests/engine/test_step_overhead.py`` pins it):
 per optimizer step of each loop, ATen operator calls (a proxy for kernel launches), host syncs (``.item()``,
 boolean indexing, ``.tolist()/.numpy()/.cpu()``) and tensors built from Python data on the training device
 (``torch.tensor(..., device=...)``: on CUDA a blocking copy from pageable memory, i.e. a host sync), and ends
@@ -21,7 +21,7 @@ with ``extra_aten_calls_per_step=N host_syncs_per_step=M``.
     python benchmarks/overhead.py --data DIR --model resnet50 --size 224 --batch 256 --steps 20 --rounds 3 \
         --device cuda --precisions bf16-mixed,32
 
-``--ffcv-dir DIR`` (seed 003's loader, issue 50): instead of in-memory batches both loops read the trainer's own
+``--ffcv-dir DIR`` (seed 003's loader): instead of in-memory batches both loops read the trainer's own
 FFCV train loader (``--use-ffcv``: ``DIR/train.ffcv`` written by ``python -m trainer write-ffcv``, FFCV's
 ``--workers`` threads, batches moved to the device by FFCV's ``ToDevice``), one whole epoch per round, so both
 pay the same decoding and FFCV's per-epoch numba compilation; ``--steps`` is then unused.

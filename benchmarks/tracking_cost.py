@@ -1,4 +1,4 @@
-"""Per-call cost of the tracking sinks (issue 26 item 1): ``log_metrics`` of one step row (loss, lr, images_per_s)
+"""Per-call cost of the tracking sinks (MLflow, W&B): ``log_metrics`` of one step row (loss, lr, images_per_s)
 to MLflow's file store and to W&B offline, timed over N calls after 5 warm-up calls.
 
 Usage: ``python benchmarks/tracking_cost.py [--calls 200]`` (writes under a temporary folder). The per-step overhead

@@ -32,6 +32,7 @@ TASK_METRICS: dict[str, tuple[str, ...]] = {
         "val_map_small",
         "val_map_medium",
         "val_map_large",
+        "val_mar_100",
         "ema_val_map",
         "ema_val_map_50",
         "ema_val_map_75",

@@ -17,7 +17,10 @@ instance tags, image digest included), ``attempts`` (each: ``instance_id``, ``ty
 ``version``, ``start``, ``end`` (epoch seconds or None), ``ended_by``, ``warned_at``), ``recoveries``,
 ``capacity_rounds``, ``transient_rounds`` (rounds ended by a throttling/server error), ``next_try_at``,
 ``lease_until`` (epoch seconds or None), ``notes`` (the last round's errors), ``refusals`` ("<type> <market>" ->
-{"code", "at"}: EC2's last refusal of each).
+{"code", "at"}: EC2's last refusal of each), ``launch`` (the next attempt's RunInstances client tokens,
+"<type> <market>" -> token, kept until that attempt is recorded; each attempt keeps its ``client_token``),
+``terminate_rounds``/``terminate_next_at`` (a final job's live instances not yet terminated: tries and the next).
+Older records lack the last three and read as empty.
 boto3 only: the recovery function imports this module.
 """
 
@@ -43,8 +46,54 @@ STATES = (RUNNING, WARNED, RELAUNCHING, WAITING, DONE, FAILED, STOPPED, CAPPED, 
 FINAL_STATES = (DONE, FAILED, STOPPED, CAPPED, ENDED)
 
 
+#: Fields every record has (written by ``launch``); a record without one of them is :class:`Corrupt`.
+REQUIRED = (
+    "job", "state", "reason", "recover", "instance_type", "fallback_types", "on_demand_fallback", "max_recoveries",
+    "max_cost_usd", "prices", "tags", "attempts", "recoveries", "capacity_rounds", "next_try_at", "lease_until",
+)  # fmt: skip
+#: The type of the fields that the controller and the CLI compute with (a wrong one is as bad as a missing one).
+TYPES = {
+    "job": str, "state": str, "reason": str, "recover": bool, "attempts": list, "recoveries": int,
+    "max_recoveries": int, "prices": dict,
+}  # fmt: skip
+ATTEMPT_REQUIRED = ("instance_id", "type", "market", "start", "end", "ended_by")
+
+
 class Conflict(Exception):
     """Another writer changed (or created) the record since it was read: read it again."""
+
+
+class Corrupt(ValueError):
+    """A record that is not JSON, or lacks a field of :data:`REQUIRED` / :data:`ATTEMPT_REQUIRED`, or has a state
+    outside :data:`STATES`: nothing can be decided from it. ``job`` names it, ``etag`` is the object's ETag (so
+    that a report can be made once per version of the object), ``cause`` the kind of fault (``JSONDecodeError``,
+    ``KeyError`` for a missing field, ``ValueError``)."""
+
+    def __init__(self, job: str, etag: str, what: str, cause: str = "ValueError") -> None:
+        super().__init__(f"record of job {job} unreadable: {what}")
+        self.job, self.etag, self.cause = job, etag, cause
+
+
+def check(job: str, etag: str, record: object) -> dict:
+    """``record`` when it has every field the controller reads, else raises :class:`Corrupt` naming the first
+    missing or wrong one."""
+    if not isinstance(record, dict):
+        raise Corrupt(job, etag, f"is a JSON {type(record).__name__}, not an object")
+    missing = [k for k in REQUIRED if k not in record]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise Corrupt(job, etag, f"lacks field {missing[0]!r}{more}", "KeyError")
+    wrong = [k for k, kind in TYPES.items() if not isinstance(record[k], kind)]
+    if wrong:
+        k = wrong[0]
+        raise Corrupt(job, etag, f"field {k!r} is {record[k]!r}, expected a {TYPES[k].__name__}")
+    if record["state"] not in STATES:
+        raise Corrupt(job, etag, f"state {record['state']!r} is not one of {', '.join(STATES)}")
+    if not isinstance(record["attempts"], list) or not all(
+        isinstance(a, dict) and all(k in a for k in ATTEMPT_REQUIRED) for a in record["attempts"]
+    ):
+        raise Corrupt(job, etag, f"attempts: expected a list of objects with {', '.join(ATTEMPT_REQUIRED)}")
+    return record
 
 
 @dataclass
@@ -95,6 +144,7 @@ def new_record(
         "lease_until": None,
         "notes": [],
         "refusals": {},
+        "launch": {},
     }
 
 
@@ -103,14 +153,20 @@ def _is(err: ClientError, *codes: str) -> bool:
 
 
 def load(s3, bucket: str, job: str) -> Optional[Stored]:
-    """The record of ``job``, or None when there is none. Raises botocore ClientError for other S3 errors."""
+    """The record of ``job``, or None when there is none. Raises :class:`Corrupt` (a ValueError) for a record
+    that is not JSON or lacks a field, botocore ClientError for other S3 errors."""
     try:
         got = s3.get_object(Bucket=bucket, Key=record_key(job))
     except ClientError as e:
         if _is(e, "NoSuchKey", "404"):
             return None
         raise
-    return Stored(json.loads(got["Body"].read()), got["ETag"])
+    body = got["Body"].read()
+    try:
+        record = json.loads(body)
+    except ValueError as e:
+        raise Corrupt(job, got["ETag"], f"is not JSON ({e})", type(e).__name__) from None
+    return Stored(check(job, got["ETag"], record), got["ETag"])
 
 
 def _put(s3, bucket: str, record: dict, **condition) -> Stored:

@@ -11,22 +11,38 @@ rebalance recommendations"; CloudWatch user guide, "Alarm events and EventBridge
 Decisions (docs/infrastructure.md has the state diagram):
 
 - an event about an instance that is not the job's current attempt, or of another environment: nothing;
-- interruption warning: the attempt is marked warned (the instance still holds the data volume);
+- interruption warning or rebalance recommendation: the attempt is marked warned (the instance still holds the
+  data volume); ignored for a job that is final or whose attempt is already closed (a late notice never reopens it);
+- what EC2 has not confirmed is *unknown* and decides nothing: ``InvalidInstanceID.NotFound`` for an attempt
+  younger than :attr:`Settings.unknown_grace_s` (EC2 developer guide, "Eventual consistency in the Amazon EC2
+  API"), a ``terminated`` event while DescribeInstances still shows the instance up, or a terminated instance
+  without a StateReason and without a spot warning (spot notices are best effort) until the grace has passed
+  since it was first seen so; the tick looks again;
 - the current instance ``terminated`` with a recorded exit 0 -> ``done``; 2 or 3 -> ``failed``; no recorded
   exit: relaunched only when EC2 reclaimed it (StateReason ``Server.SpotInstanceTermination``, or a warned
   attempt EC2 no longer describes), once the data volume is free and no job instance of the environment lives;
+  ended at launch by ``Server.InternalError``/``Server.InsufficientInstanceCapacity`` -> the capacity ladder
+  (backoff, fallback types, on-demand); by ``Client.InternalError`` -> ``failed`` (the EBS volumes' KMS key);
   any other reason (``Client.UserInitiatedShutdown``, ``Client.InstanceInitiatedShutdown``) -> ``ended``;
-  ``stopping``/``shutting-down`` only close the attempt. ``stop``/``teardown`` mark the job ``stopped`` first;
+  ``stopping``/``shutting-down`` only close the attempt; a termination already handled (the job waits or is
+  relaunching) changes nothing, so a redelivered event never skips the backoff. ``stop``/``teardown`` mark the
+  job ``stopped`` first;
 - the GPU-idle alarm of the current instance in ALARM -> ``failed`` (a hung job; the alarm ends the instance);
+  a leftover alarm of an ended attempt while the job waits for capacity changes nothing;
 - an exit record while the instance is still up (``--keep``) -> ``done``/``failed``, the instance left alone;
-- relaunch (:mod:`infra.recovery_launch`): same launch template, same tags (image by digest); capacity
-  refusals back off and fall back; throttling and EC2 server errors back off; permission/configuration errors
-  -> ``failed``;
+- relaunch (:mod:`infra.recovery_launch`): same launch template, same tags (image by digest), a client token
+  kept in the record; a live instance tagged with the job that no attempt holds (a launch whose answer was
+  lost) is adopted instead; capacity refusals back off and fall back; throttling and EC2 server errors back off;
+  permission/configuration errors -> ``failed``;
 - caps: ``max_recoveries`` relaunches, ``max_cost_usd`` of catalog price x hours: the job is ``capped`` and the
   topic told; the tick also ends a running attempt once the spend reaches the cap;
+- a final job whose attempt's instance still runs (a terminate that was throttled, a job that exited and did
+  not shut down) has it terminated by the tick, backing off while EC2 refuses (kept instances of a finished job
+  stay); stopped instances are left alone;
 - the tick handles each job on its own: a job it cannot handle is skipped and named in :attr:`Controller.failures`
-  (the handler then fails the invocation: on-failure queue, Errors alarm); an instance EC2 does not describe
-  is unknown, never gone.
+  (the handler then fails the invocation: on-failure queue, Errors alarm); an unreadable record is reported once
+  per version of it (a topic message), then only logged, so it does not hold the alarm; an instance EC2 does not
+  describe is unknown, never gone.
 
 Idempotent: a lease in the record (conditional S3 writes) lets one invocation relaunch at a time; a relaunch
 that finds the record changed under it (``stop``) terminates what it launched. boto3 only.
@@ -41,8 +57,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
 
+from botocore.exceptions import BotoCoreError, ClientError
+
 from infra import job_record as jr
-from infra.recovery_ec2 import RECLAIM_CODE, InstanceInfo, Unknown, describe_instance, live_job_instances
+from infra.recovery_ec2 import (
+    KMS_CODE,
+    LAUNCH_RETRY_CODES,
+    RECLAIM_CODE,
+    InstanceInfo,
+    LiveInstance,
+    Unknown,
+    describe_instance,
+    error_code,
+    live_instances,
+    live_job_instances,
+)
+from infra.recovery_final import UNREADABLE_KEY, FinalMixin  # noqa: F401  (re-exported for the tests)
 from infra.recovery_launch import (  # noqa: F401  (re-exported: the tests and infra/cli read them from here)
     BACKOFF_BASE_S,
     BACKOFF_MAX_S,
@@ -55,7 +85,13 @@ from infra.recovery_launch import (  # noqa: F401  (re-exported: the tests and i
 )
 
 TICK_S = 120
+#: Seconds during which what EC2 says of a new attempt (NotFound) or of an unexplained termination (no
+#: StateReason, no warning) is not yet an answer. The EC2 developer guide ("Eventual consistency in the Amazon
+#: EC2 API") has Describe calls retried with backoff "up to a few minutes".
+UNKNOWN_GRACE_S = 300
 ALARM_EVENT = "CloudWatch Alarm State Change"
+WARNING_EVENT = "EC2 Spot Instance Interruption Warning"
+REBALANCE_EVENT = "EC2 Instance Rebalance Recommendation"
 
 
 class RecoveryError(Exception):
@@ -68,7 +104,8 @@ class RecoveryError(Exception):
 class Settings:
     """The deployed environment, from the function's environment variables (infra/constructs/recovery.py).
     ``idle_alarm_prefix``: name prefix of the per-instance GPU-idle alarms (``<prefix><instance id>``,
-    infra/stacks/monitoring.py)."""
+    infra/stacks/monitoring.py). ``unknown_grace_s``: seconds (:data:`UNKNOWN_GRACE_S`; optional variable
+    ``TRAINSTACK_UNKNOWN_GRACE_S``)."""
 
     env: str
     bucket: str
@@ -76,6 +113,7 @@ class Settings:
     volume_id: str
     launch_templates: dict[str, str]  # instance type -> launch template id
     idle_alarm_prefix: str = ""
+    unknown_grace_s: float = UNKNOWN_GRACE_S
 
     def __post_init__(self) -> None:
         self.idle_alarm_prefix = self.idle_alarm_prefix or f"trainstack-{self.env}-gpu-idle-"
@@ -90,10 +128,11 @@ class Settings:
             volume_id=environ["TRAINSTACK_VOLUME_ID"],
             launch_templates=json.loads(environ["TRAINSTACK_LAUNCH_TEMPLATES"]),
             idle_alarm_prefix=environ.get("TRAINSTACK_IDLE_ALARM_PREFIX", ""),
+            unknown_grace_s=float(environ.get("TRAINSTACK_UNKNOWN_GRACE_S", UNKNOWN_GRACE_S)),
         )
 
 
-class Controller(RelaunchMixin):
+class Controller(RelaunchMixin, FinalMixin):
     """The decisions of the module docstring, on boto3 clients ``ec2``, ``s3``, ``sns``; ``now`` gives epoch
     seconds (tests move it). Every public method returns a list of short lines saying what it did;
     ``failures`` lists the jobs the last tick had to skip (malformed record, an error it could not handle)."""
@@ -101,6 +140,7 @@ class Controller(RelaunchMixin):
     def __init__(self, settings: Settings, ec2, s3, sns, now: Callable[[], float] = time.time) -> None:
         self.s, self.ec2, self.s3, self.sns, self.now = settings, ec2, s3, sns, now
         self.failures: list[str] = []
+        self.unreadable: list[jr.Corrupt] = []
 
     # ------------------------------------------------------------------ events
     def handle(self, event: dict) -> list[str]:
@@ -119,10 +159,14 @@ class Controller(RelaunchMixin):
         if isinstance(found, str):
             return [found]
         stored, info = found
-        job = stored.record["job"]
-        if kind == "EC2 Spot Instance Interruption Warning":
+        job, r = stored.record["job"], stored.record
+        if kind in (WARNING_EVENT, REBALANCE_EVENT) and (
+            r["state"] not in (jr.RUNNING, jr.WARNED) or jr.current(r)["end"]
+        ):
+            return [f"{job}: {kind} for {iid} ignored (state {r['state']}: the attempt has ended)"]
+        if kind == WARNING_EVENT:
             return self._mark(stored, lambda r: self._warned(r, iid), f"{job}: {iid} warned")
-        if kind == "EC2 Instance Rebalance Recommendation":
+        if kind == REBALANCE_EVENT:
             return [f"{job}: rebalance recommendation for {iid} noted (the job keeps running)"]
         if kind == "EC2 Instance State-change Notification":
             return self._ended(stored, iid, event["detail"].get("state", ""), info)
@@ -132,11 +176,16 @@ class Controller(RelaunchMixin):
         """(stored record, InstanceInfo) when ``iid`` is this environment's instance and its job's current
         attempt, else the line saying why the event is ignored. Raises Unknown (see :meth:`handle`)."""
         info = describe_instance(self.ec2, iid)
+        if info.state == "gone":
+            return f"unknown: EC2 does not find {iid} (it may be new); the tick decides"
         tags = info.tags or {}
         job = tags.get("trainstack:job") if tags.get("trainstack:env") == self.s.env else None
         if job is None:
             return f"ignored: {iid} is not a job instance of {self.s.env}"
-        stored = jr.load(self.s3, self.s.bucket, job)
+        try:
+            stored = jr.load(self.s3, self.s.bucket, job)
+        except jr.Corrupt as e:
+            return f"ignored: {e} (the tick reports it)"
         if stored is None:
             return f"ignored: job {job} has no record"
         att = jr.current(stored.record)
@@ -149,20 +198,29 @@ class Controller(RelaunchMixin):
         a line in the output and in :attr:`failures`, and the other jobs go on): retry a due relaunch, take over an
         expired lease, notice a current instance that ended without an event or whose job exited while the
         instance stays up (``--keep``), enforce the cost cap on a running attempt."""
-        out, self.failures = [], []
+        out, self.failures, self.unreadable = [], [], []
+        try:
+            live: Optional[list[LiveInstance]] = live_instances(self.ec2, self.s.env)
+        except (ClientError, BotoCoreError) as e:
+            live = None  # final jobs' leftovers wait for the next tick
+            out.append(f"live instances unknown (DescribeInstances: {error_code(e)}); leftovers checked next tick")
         for job in jr.list_jobs(self.s3, self.s.bucket):
             try:
-                out += self._tick_job(job)
+                out += self._tick_job(job, live)
+            except jr.Corrupt as e:
+                out.append(self._unreadable_line(e))
             except Exception as e:  # noqa: BLE001  (one bad record never stops the tick for the others)
                 line = f"{job}: skipped this tick: {type(e).__name__}: {e}"
                 out.append(line)
                 self.failures.append(line)
         return out
 
-    def _tick_job(self, job: str) -> list[str]:
+    def _tick_job(self, job: str, live: Optional[list[LiveInstance]]) -> list[str]:
         stored = jr.load(self.s3, self.s.bucket, job)
-        if stored is None or stored.record["state"] in jr.FINAL_STATES:
+        if stored is None:
             return []
+        if stored.record["state"] in jr.FINAL_STATES:
+            return [] if live is None else self._leftovers(stored, [i for i in live if i.job == job])
         r, now = stored.record, self.now()
         if r["state"] == jr.WAITING and (r["next_try_at"] or 0) <= now:
             return self.relaunch(stored)
@@ -170,9 +228,10 @@ class Controller(RelaunchMixin):
             return self.relaunch(stored, take_over=True)
         if r["state"] not in (jr.RUNNING, jr.WARNED) or not jr.current(r):
             return []
-        iid, out = jr.current(r)["instance_id"], []
+        att, out = jr.current(r), []
+        iid, young = att["instance_id"], now - att["start"] < self.s.unknown_grace_s
         try:
-            info = describe_instance(self.ec2, iid)
+            info = describe_instance(self.ec2, iid, young=young)
         except Unknown as e:  # never "gone": the attempt stays open and its spend keeps counting
             info = None
             out.append(f"{job}: {e}; decided on a later tick")
@@ -196,7 +255,9 @@ class Controller(RelaunchMixin):
         """The current attempt's instance ``state`` (stopping, shutting-down, terminated): a terminated one
         with a final exit record ends the job; without one it is relaunched only when EC2 reclaimed it
         (StateReason :data:`RECLAIM_CODE`, or, when EC2 no longer says why, a spot warning came first);
-        anything else (teardown, stop, the idle alarm, a shutdown inside the instance) ends the job unrelaunched.
+        anything else (teardown, stop, the idle alarm, a shutdown inside the instance) ends the job unrelaunched;
+        an instance ended at launch goes back to the capacity ladder or fails (:meth:`_ended_at_launch`). What EC2
+        has not confirmed decides nothing (module docstring): a line, and the tick looks again.
         """
         r = stored.record
         job, att = r["job"], jr.current(r)
@@ -204,10 +265,28 @@ class Controller(RelaunchMixin):
             if att["end"] is None and state in ("shutting-down", "terminated", "stopping"):
                 return self._mark(stored, lambda x: self._close(x, state), f"{job}: {iid} {state}")
             return [f"{job}: {iid} {state}, nothing to do (state {r['state']})"]
+        if r["state"] == jr.RELAUNCHING:  # another invocation holds the lease (or it expired: take it over)
+            return self.relaunch(stored)
+        if r["state"] not in (jr.RUNNING, jr.WARNED):  # handled already: the backoff of that decision stands
+            return [f"{job}: {iid} terminated, already handled (state {r['state']}: {r['reason']})"]
         code = jr.exit_code(self.s3, self.s.bucket, job, iid)
         if code in jr.FINAL_EXIT_CODES:
             return self._finish(stored, code)
+        if info.state not in ("terminated", "gone"):
+            return [
+                f"{job}: {iid} terminated by the event, EC2 still says {info.state}: unknown, decided on a later tick"
+            ]
         reclaimed = info.reason_code == RECLAIM_CODE or (not info.reason_code and att.get("warned_at"))
+        if info.reason_code in LAUNCH_RETRY_CODES or info.reason_code == KMS_CODE:
+            return self._ended_at_launch(stored, iid, info)
+        if not reclaimed and not info.reason_code and info.state == "terminated":
+            first = att.get("unknown_since")
+            line = f"{job}: {iid} terminated, EC2 gives no reason and no spot warning came: unknown"
+            if first is None:
+                att["unknown_since"] = self.now()
+                return self._save(stored, f"{line} (decided after {self.s.unknown_grace_s:.0f} s)")
+            if self.now() - first < self.s.unknown_grace_s:
+                return [f"{line} since {iso(first)}"]
         if not reclaimed:
             cause = info.reason or info.reason_code or "EC2 gave no reason and no spot warning came"
             why = f"{iid} ended by {cause}: not a spot reclaim"
@@ -258,8 +337,8 @@ class Controller(RelaunchMixin):
         r, job = stored.record, stored.record["job"]
         if (info.tags or {}).get("trainstack:keep") == "true":
             return [f"{job}: idle alarm of {iid}, kept up (trainstack:keep=true): the alarm only notifies"]
-        if r["state"] in (jr.DONE, jr.FAILED, jr.STOPPED, jr.CAPPED):
-            return [f"{job}: idle alarm of {iid}, nothing to do (state {r['state']})"]
+        if r["state"] in (jr.DONE, jr.FAILED, jr.STOPPED, jr.CAPPED, jr.WAITING, jr.RELAUNCHING):
+            return [f"{job}: idle alarm of {iid}, nothing to do (state {r['state']}: that attempt has ended)"]
         why = f"GPU idle: {iid} ended by its idle alarm ({(d.get('state') or {}).get('reason', '')})"
 
         def fail(x: dict) -> None:
@@ -278,21 +357,6 @@ class Controller(RelaunchMixin):
 
     def _over_cost(self, r: dict) -> bool:
         return r["max_cost_usd"] is not None and jr.spend_usd(r, self.now()) >= r["max_cost_usd"]
-
-    def _cap(self, stored: jr.Stored, why: str, terminate: Optional[str] = None) -> list[str]:
-        """Mark the job ``capped``, then terminate ``terminate`` (the running attempt over the cost cap) and tell the
-        topic, both only once that is saved: when another writer changed the record since it was read, nothing
-        is done and the next tick decides again from the record as it is then."""
-        r = stored.record
-        r["state"], r["reason"], r["lease_until"] = jr.CAPPED, f"stopped: {why}", None
-        if terminate:
-            self._close(r, "cost cap")
-        if not self._saved(stored):
-            return [self._not_saved(stored)]
-        if terminate:
-            self.ec2.terminate_instances(InstanceIds=[terminate])
-        self._tell(r["job"], f"job {r['job']} stopped: {why}")
-        return [f"{r['job']}: capped ({why})"]
 
     # ------------------------------------------------------------------ helpers
     def _mark(self, stored: jr.Stored, change: Callable[[dict], None], line: str) -> list[str]:
@@ -331,7 +395,8 @@ def handler(event: dict, context: object = None) -> dict:
     """The Lambda entry point: one EventBridge event -> :meth:`Controller.handle`. Returns {"actions": [...]}
     (also printed, so each decision is in the function's log). Raises :class:`RecoveryError` after a tick that
     skipped jobs and :class:`infra.recovery_ec2.Unknown` when EC2 could not be asked: the invocation fails, so
-    Lambda retries it, then sends it to the on-failure destination, and the Errors alarm tells the topic."""
+    Lambda retries it, then sends it to the on-failure destination, and the Errors alarm tells the topic. An
+    unreadable record fails only the invocation that first reports it (:meth:`Controller.report_unreadable`)."""
     import boto3
     from botocore.config import Config
 
@@ -344,6 +409,7 @@ def handler(event: dict, context: object = None) -> dict:
     ec2, s3, sns = (boto3.client(name, config=cfg) for name in ("ec2", "s3", "sns"))
     ctl = Controller(Settings.from_environ(), ec2, s3, sns)
     actions = ctl.handle(event)
+    actions += ctl.report_unreadable()
     for line in actions:
         print(line)
     if ctl.failures:

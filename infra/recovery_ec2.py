@@ -7,8 +7,15 @@ instance ended (its ``StateReason``), and sort EC2 errors into capacity, transie
 is the only one that means "EC2 took the spot instance back"; ``Client.UserInitiatedShutdown`` (the EC2 API:
 ``teardown``, ``stop``, a CloudWatch alarm's terminate/stop action) and ``Client.InstanceInitiatedShutdown``
 (``shutdown -h`` inside the instance: the user data after a final exit or a failed boot step) are not.
+``Server.InternalError`` and ``Server.InsufficientInstanceCapacity`` end an instance during its launch (EC2 ran out
+of capacity or failed after accepting it): retried like a capacity refusal. ``Client.InternalError`` at launch is
+what an encrypted EBS volume gives when the instance cannot use its KMS key (EC2 user guide, "Troubleshoot Amazon
+EC2 instance launch issues", "Instance terminates immediately"): final.
 Error codes: EC2 API reference, "Error codes for the Amazon EC2 API" (client errors, server errors,
-``RequestLimitExceeded`` for request throttling). boto3 only: the recovery function imports this module.
+``RequestLimitExceeded`` for request throttling). Eventual consistency: EC2 developer guide, "Eventual consistency
+in the Amazon EC2 API": ``InvalidInstanceID.NotFound`` right after RunInstances "does not mean the instance does
+not exist"; Describe calls are to be retried with backoff "up to a few minutes". boto3 only: the recovery function
+imports this module.
 """
 
 from __future__ import annotations
@@ -43,6 +50,12 @@ FINAL_CODES = frozenset(
 )
 #: The StateReason code of a spot reclaim: the one termination that recovery relaunches.
 RECLAIM_CODE = "Server.SpotInstanceTermination"
+#: StateReason codes of an instance EC2 ended during its launch for want of capacity or by its own fault: the
+#: job goes back to the capacity ladder (backoff, fallback types, on-demand) as a refused RunInstances does.
+LAUNCH_RETRY_CODES = frozenset({"Server.InternalError", "Server.InsufficientInstanceCapacity"})
+#: StateReason code of an instance ended at launch because it could not use the KMS key of its encrypted EBS
+#: volumes (no grant for the instance's role or EC2): final, the job fails naming it.
+KMS_CODE = "Client.InternalError"
 ON_DEMAND_DESCRIPTION = "trainstack on-demand fallback (spot options removed)"
 LIVE_STATES = ["pending", "running", "stopping", "stopped", "shutting-down"]
 
@@ -100,20 +113,24 @@ class Unknown(Exception):
         self.code = code
 
 
-def describe_instance(ec2, instance_id: str) -> InstanceInfo:
+def describe_instance(ec2, instance_id: str, young: bool = False) -> InstanceInfo:
     """:class:`InstanceInfo` of ``instance_id``; ``state="gone"`` only when EC2 answers that the id does not exist
-    (``InvalidInstanceID.NotFound``: terminated instances stay visible for about an hour). Raises :class:`Unknown`
-    for every other error."""
+    (``InvalidInstanceID.NotFound``: terminated instances stay visible for about an hour) and the instance is not
+    ``young`` (launched within the caller's grace period: then NotFound is eventual consistency, not an answer).
+    Raises :class:`Unknown` for a young instance EC2 does not find yet and for every other error."""
     try:
         res = ec2.describe_instances(InstanceIds=[instance_id])["Reservations"]
     except ClientError as e:
-        if error_code(e) in ("InvalidInstanceID.NotFound", "InvalidInstanceID.Malformed"):
+        code = error_code(e)
+        if code == "InvalidInstanceID.Malformed" or (code == "InvalidInstanceID.NotFound" and not young):
             return InstanceInfo("gone")
-        raise Unknown(instance_id, error_code(e)) from None
+        raise Unknown(instance_id, code) from None
     except BotoCoreError as e:
         raise Unknown(instance_id, error_code(e)) from None
     found = [i for r in res for i in r["Instances"]]
     if not found:
+        if young:
+            raise Unknown(instance_id, "not listed yet")
         return InstanceInfo("gone")
     inst = found[0]
     sr = inst.get("StateReason") or {}
@@ -150,11 +167,16 @@ def on_demand_version(ec2, template_id: str) -> str:
     return str(made["LaunchTemplateVersion"]["VersionNumber"])
 
 
-def run_job_instance(ec2, template_id: str, tags: list[dict], market: str) -> tuple[str, str]:
+def run_job_instance(
+    ec2, template_id: str, tags: list[dict], market: str, client_token: Optional[str] = None
+) -> tuple[str, str]:
     """Run one instance of a job from ``template_id``: its default version for ``market="spot"``, the
     spot-free copy (:func:`on_demand_version`) for ``"on-demand"``. ``tags`` go on the instance; the job and
-    environment tags also on its volumes and spot request. Returns (instance id, version). Raises botocore
-    ClientError (capacity codes: :data:`CAPACITY_CODES`)."""
+    environment tags also on its volumes and spot request. ``client_token`` (at most 64 ASCII characters) makes
+    the call idempotent: repeated with the same token and parameters, EC2 answers with the instance the first call
+    made instead of making another (EC2 developer guide, "Ensuring idempotency in Amazon EC2 API requests").
+    Returns (instance id, version). Raises botocore ClientError (capacity codes: :data:`CAPACITY_CODES`) or
+    BotoCoreError (no answer: the instance may exist)."""
     version = "$Default" if market == "spot" else on_demand_version(ec2, template_id)
     small = [t for t in tags if t["Key"] in ("trainstack:env", "trainstack:job")]
     spec = [{"ResourceType": "instance", "Tags": tags}, {"ResourceType": "volume", "Tags": small}]
@@ -165,16 +187,50 @@ def run_job_instance(ec2, template_id: str, tags: list[dict], market: str) -> tu
         MinCount=1,
         MaxCount=1,
         TagSpecifications=spec,
+        **({"ClientToken": client_token} if client_token else {}),
     )
     return out["Instances"][0]["InstanceId"], version
 
 
-def live_job_instances(ec2, env: str, job: Optional[str] = None) -> list[str]:
-    """Ids of the instances of ``job`` (of any job when None) in environment ``env`` that are not terminated
-    (they may hold the data volume). Raises botocore ClientError."""
+@dataclass
+class LiveInstance:
+    """A job instance that is not terminated: ``id``, ``job`` (its ``trainstack:job`` tag), ``state``, ``kept``
+    (tag ``trainstack:keep=true``), ``launched`` (LaunchTime, epoch seconds), ``type``, ``market``."""
+
+    id: str
+    job: str
+    state: str
+    kept: bool
+    launched: float
+    type: str
+    market: str
+
+
+def live_instances(ec2, env: str, job: Optional[str] = None) -> list[LiveInstance]:
+    """The instances of ``job`` (of any job when None) in environment ``env`` that are not terminated (they may
+    hold the data volume), in launch order. Raises botocore ClientError."""
     filters = [{"Name": "tag:trainstack:env", "Values": [env]}, {"Name": "instance-state-name", "Values": LIVE_STATES}]
     filters.append(
         {"Name": "tag:trainstack:job", "Values": [job]} if job else {"Name": "tag-key", "Values": ["trainstack:job"]}
     )
     pages = ec2.get_paginator("describe_instances").paginate(Filters=filters)
-    return [i["InstanceId"] for page in pages for r in page["Reservations"] for i in r["Instances"]]
+    out = []
+    for i in (i for page in pages for r in page["Reservations"] for i in r["Instances"]):
+        tags = {t["Key"]: t["Value"] for t in i.get("Tags", [])}
+        out.append(
+            LiveInstance(
+                i["InstanceId"],
+                tags.get("trainstack:job", ""),
+                i["State"]["Name"],
+                tags.get("trainstack:keep") == "true",
+                i["LaunchTime"].timestamp(),
+                i.get("InstanceType", ""),
+                "spot" if i.get("InstanceLifecycle") == "spot" else "on-demand",
+            )
+        )
+    return sorted(out, key=lambda x: x.launched)
+
+
+def live_job_instances(ec2, env: str, job: Optional[str] = None) -> list[str]:
+    """Ids of :func:`live_instances`. Raises botocore ClientError."""
+    return [i.id for i in live_instances(ec2, env, job)]

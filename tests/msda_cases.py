@@ -81,3 +81,10 @@ def naive_msda(value, shapes, loc, attn):
                                 sample += weight * grid[b, yy, xx, head]
                         out[b, q, head] += attn[b, q, head, lvl, pt].item() * sample
     return out.reshape(n, lq, m * d)
+
+
+def loaded_libraries(maps_text: str, stem: str) -> list[str]:
+    """The files of ``/proc/<pid>/maps`` text whose name starts with ``stem`` (e.g. ``libcudart``): the shared
+    libraries of that name the process has loaded, each once, in the order first mapped."""
+    paths = (line.split(None, 5)[5].strip() for line in maps_text.splitlines() if len(line.split(None, 5)) == 6)
+    return list(dict.fromkeys(p for p in paths if p.startswith("/") and p.rsplit("/", 1)[-1].startswith(stem)))

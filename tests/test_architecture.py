@@ -252,3 +252,65 @@ def test_no_trainer_module_imports_from_a_layer_above_its_own():
         if layer_of(t) > layer_of(m)
     ]
     assert up == []
+
+
+# An internal ticket reference ("issue 24", "issue 53, N4", "gpu_issue50"): a reader of the repository cannot look
+# it up. Another project's tracker is named as such ("PyTorch GitHub issue #13246", "W&B GitHub issues #3841").
+_TICKET = re.compile(r"(?<![A-Za-z])issues?[\s_#-]*\d+", re.I)
+_EXTERNAL = re.compile(r"GitHub\s+$", re.I)
+_HISTORY_FREE = ("trainer", "infra", "benchmarks", "docs", "catalog", "images", "app.py", "Makefile")
+_TEXT_SUFFIXES = {
+    ".py",
+    ".sh",
+    ".md",
+    ".txt",
+    ".yaml",
+    ".yml",
+    ".toml",
+    ".cfg",
+    ".conf",
+    ".json",
+    ".c",
+    ".cpp",
+    ".cu",
+    ".h",
+    ".cuh",
+    ".in",
+    "",
+}
+
+
+def _ticket_references(text: str) -> list[str]:
+    """Every internal ticket reference in ``text``; "GitHub issue #N" (another project's tracker) is allowed."""
+    return [
+        m.group(0) for m in _TICKET.finditer(text) if not _EXTERNAL.search(text[max(0, m.start() - 12) : m.start()])
+    ]
+
+
+def test_ticket_references_are_found_and_external_trackers_allowed():
+    text = (
+        "the staging before issue 24; issue 53, N4; gpu_issue50.sh; Issue 37 item 3; issues 25 and 26\n"
+        "PyTorch GitHub issue #13246; W&B GitHub issues #3841 and #5865; no issue here; 2 issues"
+    )
+    assert _ticket_references(text) == ["issue 24", "issue 53", "issue50", "Issue 37", "issues 25"]
+
+
+def test_no_internal_ticket_reference_in_the_product():
+    """Code, comments and docs say what and why, not which ticket asked (a decision that needs its story is in
+    docs/architecture.md, "Dated decisions")."""
+    found = []
+    for part in _HISTORY_FREE:
+        p = ROOT / part
+        files = [p] if p.is_file() else sorted(p.rglob("*"))
+        for f in files:
+            skip = {"__pycache__", "node_modules", "cdk.out", "build"} & set(f.relative_to(ROOT).parts)
+            if skip or not f.is_file() or f.suffix not in _TEXT_SUFFIXES:
+                continue
+            try:
+                lines = f.read_text().splitlines()
+            except UnicodeDecodeError:
+                continue
+            found += [
+                f"{f.relative_to(ROOT)}:{n}: {r}" for n, line in enumerate(lines, 1) for r in _ticket_references(line)
+            ]
+    assert found == []

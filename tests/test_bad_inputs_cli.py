@@ -217,7 +217,7 @@ CASES = [
         "error: tracking: got 'tensorbord'; allowed: mlflow, wandb (a list: mlflow,wandb)",
         _nothing_trained,
     ),
-    Case(  # issue 53, N8: accepted before, then nothing tracked
+    Case(  # accepted before, then nothing tracked
         "tracking-uri-sqlite-without-sqlalchemy",
         lambda t: trainer_cmd("train", *TINY, "--tracking", "mlflow", "--tracking-uri", "sqlite:///mlflow.db"),
         2,
@@ -310,7 +310,7 @@ CASES = [
         "error: --out-dir results: exists and is not a folder",
         _results_file_kept,
     ),
-    Case(  # issue 25: plan skipped the task's config check (a ValueError traceback building the model)
+    Case(  # plan skipped the task's config check (a ValueError traceback building the model)
         "plan-detection-config-train-refuses",
         lambda t: _plan_refused("--task", "detection", "--model", "resnet18", "--hidden-dim", "48", "--nheads", "4"),
         2,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import re
 import shlex
 
 import pytest
@@ -338,6 +340,7 @@ def two_tasks(monkeypatch):
     """A registry of two tasks, the second never imported (the config only reads the names): a registered
     task name is accepted, an unregistered one (here segmentation, taken out) is refused."""
     import trainer.registry
+    import trainer.tasks
 
     monkeypatch.setitem(trainer.registry._REGISTRY, "detection", "nowhere.detection:DetectionTask")
     monkeypatch.delitem(trainer.registry._REGISTRY, "segmentation")
@@ -431,7 +434,10 @@ def test_help_groups_flags_by_section():
     import sys
     from pathlib import Path
 
-    from trainer.config import FIELDS, FIELDS_BY_SECTION, SECTIONS, flag_of
+    from trainer.config import FIELDS, FIELDS_BY_SECTION, SECTIONS, flag_of, section_title
+    from trainer.config.schema import SECTION_TITLES
+
+    assert set(SECTION_TITLES) == set(SECTIONS)
 
     out = subprocess.run(
         [sys.executable, "-m", "trainer", "train", "--help"],
@@ -440,7 +446,7 @@ def test_help_groups_flags_by_section():
         cwd=Path(__file__).resolve().parents[1],
         check=True,
     ).stdout
-    starts = [out.index(f"\n{s}:\n") for s in SECTIONS]
+    starts = [out.index(f"\n{section_title(s)}:\n") for s in SECTIONS]
     assert starts == sorted(starts)  # groups in SECTIONS order
     ends = starts[1:] + [len(out)]
     for (section, line), start, end in zip(SECTIONS.items(), starts, ends):
@@ -452,6 +458,65 @@ def test_help_groups_flags_by_section():
     options = [line.split()[0].rstrip(",") for line in out.splitlines() if line.startswith("  -")]
     assert "--target-value" in options and "--target-accuracy" not in options  # aliases hidden
     assert "--compile" in options and "--compile-model" not in options and "--data" not in options
+
+
+#: "default" as a word of a help text (not ``DEFAULT``, a torchvision weights name, nor a path's ``runs/default/``).
+DEFAULT_WORD = re.compile(r"(?<![/\w])[Dd]efault\b(?!/)")
+
+
+def _help_of(command: str) -> tuple[str, list]:
+    """(``python -m trainer COMMAND --help``'s text at 100 columns, the command parser's visible options)."""
+    from trainer.cli import _command_parser, build_parser
+
+    parser = _command_parser(build_parser(command), command)
+    parser.formatter_class = lambda prog: argparse.HelpFormatter(prog, width=100)
+    visible = [a for a in parser._actions if a.option_strings and a.help != argparse.SUPPRESS]
+    return parser.format_help(), visible
+
+
+def test_train_help_shows_each_default_with_its_unit_once():
+    """Every field's flag says its default (argparse's "(default: X)", with the unit its help names), or its help
+    text says it in words; never twice; the last line points to the full table."""
+    from trainer.config import FIELDS, flag_of
+
+    out, visible = _help_of("train")
+    flat = " ".join(out.split())
+    for shown in (
+        "--batch-size BATCH_SIZE Global batch size: images per optimizer step over all ranks and accumulation steps. "
+        "(default: 256)",
+        "Peak learning rate for the global batch (no automatic scaling). (default: 0.1)",
+        "(pixels, square; at most 8192). (default: 224 px)",  # --image-size
+        "interruption-notice polls (IMDSv2). (default: 5 s)",  # --spot-poll-interval-s
+        "Choices: sgd, adamw. (default: sgd)",
+        "(default: not set)",  # --resume
+    ):
+        assert shown in flat, shown
+    by_flag = {a.option_strings[0]: a.help for a in visible}
+    for name, f in FIELDS.items():
+        mentions = DEFAULT_WORD.findall(by_flag[flag_of(f)])
+        assert len(mentions) == 1, (name, by_flag[flag_of(f)])
+    assert all(len(DEFAULT_WORD.findall(a.help)) <= 1 for a in visible)
+    assert out.rstrip().splitlines()[-1].endswith("docs/configuration.md.")
+    assert len(out.splitlines()) < 600  # the usage line is one line, not one per flag
+
+
+@pytest.mark.parametrize("command", ["train", "plan", "probe", "sweep"])
+def test_help_groups_are_named_by_what_a_user_does_and_no_option_says_its_default_twice(command):
+    """Group titles say what a user does there (never a class name such as PlanOptions); plan's and probe's own
+    options say their default once (probe's --workers said "default 0,2,4 and the config's" and then
+    "(default: (0, 2, 4, 8))")."""
+    out, visible = _help_of(command)
+    titles = [line[:-1] for line in out.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
+    assert "data" in titles and "schedule and optimizer (YAML section optim)" in titles, titles
+    assert not [t for t in titles if re.search(r"[a-z][A-Z]|Options", t)], titles
+    if command in ("plan", "probe"):
+        assert [t for t in titles if t.startswith({"plan": "planning: ", "probe": "probing: "}[command])], titles
+    twice = [(a.option_strings[0], a.help) for a in visible if len(DEFAULT_WORD.findall(a.help)) > 1]
+    assert twice == []
+    if command in ("plan", "probe"):
+        own = [a for a in visible if a.dest.startswith("opt_")]
+        assert own and all(DEFAULT_WORD.search(a.help) for a in own)
+        assert "(0, 2, 4, 8)" not in out and "(default: None)" not in out
 
 
 def test_import_config_does_not_import_torch():

@@ -1,4 +1,4 @@
-"""``python -m trainer export`` on real tiny checkpoints (issue 26 item 2): a 1-epoch digits classifier, a 1-step
+"""``python -m trainer export`` on real tiny checkpoints: a 1-epoch digits classifier, a 1-step
 RID U-Net, a 1-epoch video frame transformer on the shared clips, a 1-step DINO. ONNX (ONNX Runtime vs PyTorch:
 max |diff| < 1e-3, top-1 / mask / detection agreement 100 %, batch 1 and 3), TorchScript and safetensors; the
 metadata, the model card; the bad-input rows (exit 2, one line)."""
@@ -148,7 +148,7 @@ def test_video_exports_onnx_with_top1_agreement(shared_data, tmp_path, capsys):
     meta = _check_onnx(tmp_path / "onnx" / "model.onnx", clips, 1)
     assert json.loads(meta["num_frames"]) == 4 and json.loads(meta["inputs"]) == ["clip"]
     assert len(json.loads(meta["classes"])) == 7
-    # the card says what predict does to each frame: resize the shorter side, then the centre crop (issue 53, N11)
+    # the card says what predict does to each frame: resize the shorter side, then the centre crop
     card = (tmp_path / "onnx" / "model_card.md").read_text()
     assert "each resized (shorter side to 32 px, antialiased) and centre-cropped to 32x32" in card
 
@@ -341,8 +341,8 @@ def test_export_replaces_its_own_files_atomically_and_falls_back_with_a_warning(
     capsys,
     monkeypatch,
 ):
-    """Issue 53: (N12) an export into a folder that holds the same checkpoint's export replaces its files, and one
-    that fails mid-write (a full disk) leaves the earlier model file whole and no temporary file; (N13, N14) a
+    """An export into a folder that holds the same checkpoint's export replaces its files, and one
+    that fails mid-write (a full disk) leaves the earlier model file whole and no temporary file; a
     dangling ``latest`` and a truncated state.pt whose manifest was rewritten to match both fall back to the older
     checkpoint with the same ``warning: --checkpoint: skipped`` line."""
     import errno

@@ -1,5 +1,5 @@
-"""Issue 50's prepared GPU call, checked on the CPU: what ``benchmarks/gpu_carry.py`` counts as travelling (the
-device takes 64 MiB in all), its pins, the steps ``benchmarks/gpu_issue50.sh`` runs (the four deliverables,
+"""The prepared GPU call, checked on the CPU: what ``benchmarks/gpu_carry.py`` counts as travelling (the
+device takes 64 MiB in all), its pins, the steps ``benchmarks/gpu_prepared_run.sh`` runs (its four figures,
 every name one that ``gpu_dino.sh`` / ``gpu_suite.py`` has) and the summary table's goals."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import gpu_carry  # noqa: E402
-import gpu_issue50  # noqa: E402
+import gpu_prepared_run  # noqa: E402
 import gpu_suite  # noqa: E402
 
 IGNORE = "/.gpu-carry/\n/scratch/\n"
@@ -75,25 +75,27 @@ def test_pins_come_from_the_requirements_files(tmp_path):
         gpu_carry.pins(("fastargs",), req)
 
 
-def test_the_run_covers_issue_50s_four_deliverables_with_existing_step_names(tmp_path):
-    dino = gpu_issue50.dino_steps_in_script()
-    assert set(gpu_issue50.DINO_STEPS) <= set(dino), set(gpu_issue50.DINO_STEPS) - set(dino)
-    assert set(gpu_issue50.dino_skip()) | set(gpu_issue50.DINO_STEPS) == set(dino)
-    assert "build" not in gpu_issue50.dino_skip()  # the op is built when the carried build does not load
+def test_the_prepared_run_covers_its_four_figures_with_existing_step_names(tmp_path):
+    dino = gpu_prepared_run.dino_steps_in_script()
+    assert set(gpu_prepared_run.DINO_STEPS) <= set(dino), set(gpu_prepared_run.DINO_STEPS) - set(dino)
+    assert set(gpu_prepared_run.dino_skip()) | set(gpu_prepared_run.DINO_STEPS) == set(dino)
+    assert "build" not in gpu_prepared_run.dino_skip()  # the op is built when the carried build does not load
     suite = [name for name, _, _ in gpu_suite.plan("cuda", False, tmp_path, tmp_path / "work")]
-    assert set(gpu_issue50.SUITE_STEPS) <= set(suite), set(gpu_issue50.SUITE_STEPS) - set(suite)
+    assert set(gpu_prepared_run.SUITE_STEPS) <= set(suite), set(gpu_prepared_run.SUITE_STEPS) - set(suite)
     assert suite.index("jpeg_copies") < suite.index("speed_decode_cuda") < suite.index("ffcv_write")
     assert suite.index("ffcv_write") < suite.index("speed_ffcv")
     # 1: graphs and the batched matcher on the real loop; 2: decode beside the in-memory rate; 3; 4
-    assert {r for r, _, _ in gpu_issue50.DINO_RUNS} <= set(gpu_issue50.DINO_STEPS)
-    assert {"speed_classification", "speed_decode_cuda", "checkpoint", "speed_ffcv"} <= set(gpu_issue50.SUITE_STEPS)
-    script = (ROOT / "benchmarks" / "gpu_issue50.sh").read_text()
+    assert {r for r, _, _ in gpu_prepared_run.DINO_RUNS} <= set(gpu_prepared_run.DINO_STEPS)
+    assert {"speed_classification", "speed_decode_cuda", "checkpoint", "speed_ffcv"} <= set(
+        gpu_prepared_run.SUITE_STEPS
+    )
+    script = (ROOT / "benchmarks" / "gpu_prepared_run.sh").read_text()
     assert "--steps dino-skip" in script and "--steps suite" in script and "gpu_carry.py" in script
 
 
 def test_the_suite_asks_only_for_the_datasets_its_steps_read(tmp_path, capsys):
     (tmp_path / "imagenette-subset").mkdir()
-    steps = [s for s in gpu_suite.plan("cuda", False, tmp_path, tmp_path / "w") if s[0] in gpu_issue50.SUITE_STEPS]
+    steps = [s for s in gpu_suite.plan("cuda", False, tmp_path, tmp_path / "w") if s[0] in gpu_prepared_run.SUITE_STEPS]
     assert gpu_suite.needed_datasets(steps, tmp_path) == []
     everything = gpu_suite.plan("cuda", False, tmp_path, tmp_path / "w")
     assert gpu_suite.needed_datasets(everything, tmp_path) == ["rid-roofs", "video-clips"]
@@ -131,7 +133,7 @@ def test_the_summary_sets_each_figure_beside_its_goal(tmp_path):
         "| ffcv resnet50 224 px batch 256 bf16-mixed: trainer / bare loop | 3,000.0 / 3,050.0 (ratio 0.9836) "
         "| speed_ffcv |\n",
     )
-    rows = {ln.split("|")[-2].strip(): ln for ln in gpu_issue50.summary(tmp_path)[2:]}
+    rows = {ln.split("|")[-2].strip(): ln for ln in gpu_prepared_run.summary(tmp_path)[2:]}
     assert "20.01 images/s over the epoch, 22.91 over its second half; busy 52.2 %" in rows["dino_train_static"]
     assert "0.82 x the synthetic step (107.0 ms" in rows["dino_train_static"]
     assert rows["dino_train_static"].rstrip().endswith("| no | dino_train_static |")
@@ -150,9 +152,9 @@ def test_the_summary_sets_each_figure_beside_its_goal(tmp_path):
 
 
 def test_the_summary_says_not_run_for_a_missing_suite(tmp_path):
-    rows = gpu_issue50.summary(tmp_path)
+    rows = gpu_prepared_run.summary(tmp_path)
     assert any("| 4 FFCV | speed_ffcv | not run |" in r for r in rows), rows
-    assert gpu_issue50.main(["--summary", str(tmp_path / "absent")]) == 2
+    assert gpu_prepared_run.main(["--summary", str(tmp_path / "absent")]) == 2
 
 
 def test_the_carried_op_is_keyed_by_its_sources(tmp_path, monkeypatch):
@@ -166,7 +168,7 @@ def test_the_carried_op_is_keyed_by_its_sources(tmp_path, monkeypatch):
     assert gpu_carry.op_sources_sha() == before
     (msda / "csrc" / "msda_kernel.cu").write_text("__global__ void k() { }\n")
     assert gpu_carry.op_sources_sha() != before
-    script = (ROOT / "benchmarks" / "gpu_issue50.sh").read_text()
+    script = (ROOT / "benchmarks" / "gpu_prepared_run.sh").read_text()
     assert "gpu_carry.py --op-sha" in script and "SOURCES.sha256" in script
 
 

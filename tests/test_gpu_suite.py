@@ -1,4 +1,4 @@
-"""``benchmarks/gpu_suite.sh`` (issue 24 item 5) runs through on the CPU at small sizes, as it must on any machine
+"""``benchmarks/gpu_suite.sh`` runs through on the CPU at small sizes, as it must on any machine
 before a GPU is lent: every step succeeds and the summary table has a figure for each."""
 
 from __future__ import annotations

@@ -303,7 +303,7 @@ def test_a_corrupt_newest_checkpoint_is_named_when_predict_and_export_fall_back(
 
 def test_segmentation_masks_do_not_depend_on_the_batch_and_evaluate_reads_the_checkpoint(shared_data, tmp_path, capsys):
     """Tiles of three sizes (RID tiles, some cropped): the class-index masks at --batch-size 8 and 1 agree (before
-    issue 51, 26 % of the pixels changed: batch padding moved the border features and the sliding windows); at
+    2026-11-28, 26 % of the pixels changed: batch padding moved the border features and the sliding windows); at
     most 0.1 % may differ (a near-tied argmax flipped by float rounding of a batched convolution). Then
     ``evaluate --checkpoint`` prints the run's mIoU without training."""
     import yaml

@@ -6,8 +6,8 @@ Every :class:`trainer.config.TrainConfig` field is a flag (``batch_size`` -> ``-
 YAML file. Works unchanged under ``torchrun --nproc-per-node N -m trainer train ...``.
 
 Exit codes: 0 done; 2 bad config/data/checkpoint (nothing trained) or bad usage (argparse: the sub-command's
-usage, then the error, last); 3 loss became NaN/inf; 75 interrupted (SIGTERM/SIGINT/spot notice) after a durable
-checkpoint: run the same command again to resume (75 is EX_TEMPFAIL of sysexits.h, "try again later"); 130
+usage, then the error, last); 3 loss became NaN/inf; 75 interrupted (SIGTERM/SIGINT/SIGHUP/spot notice) after a
+durable checkpoint: run the same command again to resume (75 is EX_TEMPFAIL of sysexits.h, "try again later"); 130
 aborted by a second Ctrl-C. Under torchrun an error is shown once (:mod:`trainer.failures`).
 """
 
@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import os
 import sys
 from collections.abc import Sequence
 from typing import Optional
 
+from trainer.argtypes import with_default
 from trainer.config import (
     FIELDS,
     FIELDS_BY_SECTION,
@@ -30,6 +32,7 @@ from trainer.config import (
     embedded_default_for,
     flag_of,
     load_config,
+    section_title,
 )
 from trainer.errors import EXIT_USAGE
 
@@ -45,12 +48,19 @@ class UsageParser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"error: {command}: {message.removeprefix('argument ')}; see {self.prog} --help\n")
 
 
+def _field_default(f):
+    """Field ``f``'s default value (a fresh one for list/dict fields made by ``default_factory``)."""
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
 def _add_field_flags(group, f) -> None:
-    """Add field ``f``'s flag (``--x`` VALUE, or ``--x/--no-x`` for a boolean) and its hidden alias flags."""
+    """Add field ``f``'s flag (``--x`` VALUE, or ``--x/--no-x`` for a boolean) and its hidden alias flags. Its help
+    ends with its default and unit (:func:`trainer.argtypes.with_default`) unless the text already says it."""
     name = f.name
     help_text = f.metadata.get("help") or ""
     if choices_of(f):
         help_text += f" Choices: {', '.join(map(str, choices_of(f)))}."
+    help_text = with_default(help_text, name, _field_default(f))
     kw = {"dest": name, "default": argparse.SUPPRESS, "help": help_text.replace("%", "%%")}
     if name != "precision" and choices_of(f):  # precision: aliases such as bf16/fp16 are normalised by the config
         kw["choices"] = choices_of(f)
@@ -70,14 +80,22 @@ def _add_field_flags(group, f) -> None:
 
 def _add_train_flags(p: argparse.ArgumentParser) -> None:
     """Add ``--config`` and one flag per :class:`~trainer.config.TrainConfig` field to ``p``, in one argument group
-    per config section (title: the section name, description: its line), so ``--help`` lists them by section.
+    per config section (title: what a user does there, :func:`~trainer.config.section_title`; description: the
+    section's line), so ``--help`` lists them by section.
 
     Aliases (``--compile-model``, ``--data``, seed 003's ``--target-accuracy``) are accepted but hidden; seed 003's
     ``--amp``/``--no-amp`` set ``precision`` (amp / 32) and are listed in the ``speed`` group.
     """
-    p.add_argument("--config", help="YAML file of config fields, flat or nested by section (flags below override it)")
+    p.usage = "%(prog)s [-h] [--config FILE] [--FIELD VALUE ...] (the options below)"  # not 130 lines of flags
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help="YAML file of config fields, flat or nested by section (the YAML section names are in the group titles "
+        "below); the flags below override it. Default for train: configs/digits.yaml (the quick start) when no "
+        "--data-dir or other --task is given, else none (the field defaults shown).",
+    )
     for section, description in SECTIONS.items():
-        group = p.add_argument_group(section, description)
+        group = p.add_argument_group(section_title(section), description)
         for name in FIELDS_BY_SECTION[section]:
             _add_field_flags(group, FIELDS[name])
         if section == "speed":
@@ -87,7 +105,8 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
                 action="store_const",
                 const="amp",
                 default=argparse.SUPPRESS,
-                help="Mixed precision: bf16 where supported, fp16 + GradScaler otherwise (seed 003).",
+                help="Mixed precision: bf16 where supported, fp16 + GradScaler otherwise (seed 003; same as "
+                "--precision amp).",
             )
             group.add_argument(
                 "--no-amp",
@@ -133,8 +152,8 @@ def build_parser(command: Optional[str] = "train") -> argparse.ArgumentParser:
             train = sub.add_parser(
                 "train",
                 help=help_line,
-                description="Train a model. Flags override --config; defaults are "
-                "trainer/config/ (docs/configuration.md).",
+                description="Train a model. A flag overrides --config, which overrides the defaults shown.",
+                epilog="Every field with its YAML key, default, unit and meaning: docs/configuration.md.",
             )
             _add_train_flags(train)
         elif name in ("probe", "plan"):

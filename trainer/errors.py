@@ -5,7 +5,7 @@ Exit statuses (``python -m trainer``, the ranks under torchrun, and the image's 
 * 0 ``EXIT_OK``: done.
 * 2 ``EXIT_USAGE``: bad config, data or checkpoint: do not retry unchanged (argparse's own usage status).
 * 3 ``EXIT_NONFINITE``: the loss became NaN/inf; checkpoints before that step are intact.
-* 75 ``EXIT_INTERRUPTED``: stopped on request (SIGTERM, Ctrl-C, spot interruption notice) after a durable
+* 75 ``EXIT_INTERRUPTED``: stopped on request (SIGTERM, Ctrl-C, SIGHUP, spot interruption notice) after a durable
   checkpoint: run the same command again to resume (EX_TEMPFAIL of sysexits.h, "try again later").
 * 130 ``EXIT_ABORTED``: aborted by a second Ctrl-C (128 + SIGINT, the shell's convention): no checkpoint for
   the step in flight; checkpoints already durable stay, half-written ones are removed.

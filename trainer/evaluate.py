@@ -149,6 +149,30 @@ def _load_checkpoint(trainer, args: argparse.Namespace) -> str:
     return f"{path.name} ({which} weights)"
 
 
+def _check_nothing_random(report, path: str) -> None:
+    """Refuse to score a model part of which ``--init-from`` did not fill (weights.py's ``InitReport``): its
+    re-initialised or missing tensors are random, and the mAP of random class heads (0.00) would read as a
+    measurement.
+
+    Raises:
+        EvaluateError: any tensor re-initialised or missing, naming the first three and the likely cause.
+    """
+    if report is None:
+        return
+    random = [*report.reinitialised, *report.missing]
+    if random:
+        hint = ""
+        if report.checkpoint_classes and report.checkpoint_classes != report.num_classes:
+            hint = (
+                f"; the file's class heads have {report.checkpoint_classes} columns, the data's label space "
+                f"{report.num_classes} (label_space: coco_ids for an upstream COCO checkpoint on COCO ids)"
+            )
+        raise EvaluateError(
+            f"--init-from: {Path(path).name} leaves {len(random)} tensor(s) of the model random "
+            f"({', '.join(random[:3])}{', ...' if len(random) > 3 else ''}): nothing to evaluate{hint}"
+        )
+
+
 def evaluate(args: argparse.Namespace) -> str:
     """Run the command; prints the metrics line and returns the closing line. Raises :class:`EvaluateError` for bad
     input (and the engine's ConfigError/DataError/CheckpointError, mapped by :func:`run_evaluate`)."""
@@ -170,6 +194,8 @@ def evaluate(args: argparse.Namespace) -> str:
         device = resolve_device(cfg.device, 0)
         trainer = Trainer(cfg, DistInfo(0, 0, 1, device))
         try:
+            if args.init_from:
+                _check_nothing_random(getattr(trainer.task, "init_report", None), args.init_from)
             what = _load_checkpoint(trainer, args) if args.checkpoint else f"{Path(args.init_from).name} (init_from)"
             result = trainer.evaluate(trainer.model)
         finally:
@@ -177,10 +203,18 @@ def evaluate(args: argparse.Namespace) -> str:
     if result is None:  # a stop signal during the evaluation
         raise EvaluateError("evaluate: interrupted before the metrics were computed")
     metrics, n_bad, _ = result
-    shown = " ".join(f"{k}={int(v)}" if k == "images" else f"{k}={v:.2f}" for k, v in metrics.items())
+    shown = " ".join(f"{k}={_shown(k, v)}" for k, v in metrics.items())
     print(f"evaluate: {what} on {cfg.val_split}: {shown}", flush=True)
     skipped = f"; {n_bad} undecodable file(s) left out" if n_bad else ""
     return f"evaluate: done in {time.perf_counter() - t0:.1f} s{skipped}"
+
+
+def _shown(key: str, value: float) -> str:
+    """A metric as the closing line prints it: image counts as integers, an undefined metric (NaN, e.g. COCO's AP
+    of an area range without ground truth) as ``-``, the rest with 2 decimals."""
+    if key.startswith("images"):
+        return str(int(value))
+    return "-" if value != value else f"{value:.2f}"
 
 
 def run_evaluate(args: argparse.Namespace) -> int:

@@ -177,7 +177,7 @@ def opset_range() -> tuple[int, int]:
     Lowest: torch.onnx's torch.export-based exporter implements opset ``TORCHLIB_OPSET`` (18,
     ``torch/onnx/_internal/exporter/_constants.py``); asked for less, it converts with onnxscript's version
     converter, whose range starts at ``SUPPORTED_MIN_ONNX_OPSET`` (18 in
-    ``onnxscript/version_converter/_version_converter.py``), so it keeps 18 (the issue-53 QA pass: ``--opset 17``
+    ``onnxscript/version_converter/_version_converter.py``), so it keeps 18 (a QA pass on 2026-11-28: ``--opset 17``
     wrote 18 with exit 0). Highest: that converter's ``SUPPORTED_MAX_ONNX_OPSET`` (25); asked for more,
     ``torch.onnx.export`` keeps 18 without a word. 18 for both ends where those constants are not found."""
     lowest = highest = 18

@@ -318,7 +318,7 @@ def load_model(path: Path, device, use_ema: bool, state: Optional[dict] = None):
     values["device"] = "cpu" if device.type == "cpu" else "cuda"
     values["compile"] = False
     for name in FIELDS:  # files the model build would read: the checkpoint's weights replace them anyway
-        if name.startswith("pretrained") or name in ("init_from", "frame_weights"):
+        if name.startswith("pretrained") or name in ("init_from", "frame_weights", "encoder_weights", "weights"):
             values[name] = FIELDS[name].default
     try:
         cfg = load_config(None, values)

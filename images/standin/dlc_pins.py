@@ -33,30 +33,55 @@ ENV = {
 }
 
 
+def pick(entries: list[dict], dep: dict) -> dict:
+    """The lock's entry that ``dep`` (a dependency table: ``name``, and ``version`` where the lock holds several
+    versions of that name) means on the DLC's platform: the one of ``dep``'s version, else the one whose
+    ``resolution-markers`` (uv's forks of the resolution) match :data:`ENV`, or that has none. uv.lock holds two
+    versions of a package when they differ by platform (shap 0.50.0 for macOS x86_64, 0.51.0 elsewhere), and the
+    order of the entries says nothing. Raises ValueError unless exactly one entry fits."""
+    fits = [p for p in entries if p["version"] == dep["version"]] if "version" in dep else entries
+    if len(fits) > 1:
+        fits = [
+            p
+            for p in fits
+            if not p.get("resolution-markers") or any(Marker(m).evaluate(ENV) for m in p["resolution-markers"])
+        ]
+    if len(fits) != 1:
+        found = [p["version"] for p in fits]
+        raise ValueError(f"{dep['name']}: {len(fits)} lock entries fit Python 3.12 on x86_64 Linux {found}")
+    return fits[0]
+
+
 def closure(lock: dict, project: str = "pytorch-dlc", extras: tuple[str, ...] = ("sagemaker",)) -> dict[str, dict]:
     """The lock's packages that ``uv sync --extra <extras>`` of ``project`` installs on the DLC's platform:
-    name -> the lock's package table. Raises KeyError when the lock has no ``project``."""
-    packages = {p["name"]: p for p in lock["package"]}
+    name -> the lock's package table (:func:`pick` chooses among a name's entries). Raises KeyError when the lock
+    has no ``project``, ValueError when a name's entry is ambiguous."""
+    packages: dict[str, list[dict]] = {}
+    for p in lock["package"]:
+        packages.setdefault(p["name"], []).append(p)
 
     def wanted(dep: dict) -> bool:
         return "marker" not in dep or Marker(dep["marker"]).evaluate(ENV)
 
-    root = packages[project]
+    root = packages[project][0]
     todo = [d for d in root.get("dependencies", []) if wanted(d)]
     for extra in extras:
         todo += [d for d in root.get("optional-dependencies", {}).get(extra, []) if wanted(d)]
     seen: set[tuple[str, tuple[str, ...]]] = set()
+    chosen: dict[str, dict] = {}
     while todo:
         dep = todo.pop()
         key = (dep["name"], tuple(dep.get("extra", [])))
         if key in seen:
             continue
         seen.add(key)
-        pkg = packages[dep["name"]]
+        pkg = pick(packages[dep["name"]], dep)
+        if chosen.setdefault(dep["name"], pkg) is not pkg:
+            raise ValueError(f"{dep['name']}: required at {chosen[dep['name']]['version']} and {pkg['version']}")
         todo += [d for d in pkg.get("dependencies", []) if wanted(d)]
         for extra in key[1]:
             todo += [d for d in pkg.get("optional-dependencies", {}).get(extra, []) if wanted(d)]
-    return {name: packages[name] for name in sorted({n for n, _ in seen})}
+    return dict(sorted(chosen.items()))
 
 
 def main(path: str) -> int:

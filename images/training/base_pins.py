@@ -29,10 +29,19 @@ def installed(name: str) -> str | None:
         return None
 
 
+def plan(requirements_text: str, version_of=None) -> tuple[list[str], list[str]]:
+    """(constraints, base upgrades) as ``name==version`` lines for a base whose installed version of a package is
+    ``version_of(name)`` (None when not installed; default: this interpreter's, :func:`installed`).
+    images/training/lock.py calls it with the base's package list instead."""
+    version_of = version_of or installed
+    pins = dict(re.findall(r"^([A-Za-z0-9_.-]+)==([^\s#;]+)", requirements_text, re.M))
+    keep = [f"{n}=={v}" for n in KEEP if (v := version_of(n))]
+    moves = [f"{pkg}=={pins[half]}" for pkg, half in MOVES_WITH.items() if version_of(pkg) and half in pins]
+    return keep, moves
+
+
 def main(requirements: str) -> int:
-    pins = dict(re.findall(r"^([A-Za-z0-9_.-]+)==([^\s#;]+)", open(requirements).read(), re.M))
-    keep = [f"{n}=={v}" for n in KEEP if (v := installed(n))]
-    moves = [f"{pkg}=={pins[half]}" for pkg, half in MOVES_WITH.items() if installed(pkg) and half in pins]
+    keep, moves = plan(open(requirements).read())
     for path, lines in (("constraints.txt", keep), ("base-upgrades.txt", moves)):
         with open(path, "w") as f:
             f.write("".join(f"{line}\n" for line in lines))

@@ -18,7 +18,6 @@ buildah-run(1), podman-push(1), the Docker CLI reference for ``docker push``.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import signal
@@ -56,6 +55,7 @@ class Container:
     name: str
     proc: subprocess.Popen
     cleanup: list[list[str]] = field(default_factory=list)
+    folders: list[str] = field(default_factory=list)
 
     def signal(self, sig: int = signal.SIGTERM) -> None:
         """Send ``sig`` to the command (docker/podman: the container's PID 1; buildah: the child of ``buildah
@@ -77,14 +77,25 @@ class Container:
         else:
             subprocess.run([self.builder.binary, "kill", "--signal", str(int(sig)), self.name], check=False)
 
+    def stop(self) -> None:
+        """Kills the command when it still runs, then removes the working container and the host folders made
+        for it (a no-op for a command :meth:`wait` has seen end)."""
+        if self.proc.poll() is None:
+            try:
+                self.signal(signal.SIGKILL)
+            except CliError:
+                pass
+            self.proc.kill()
+        self.wait()
+
     def wait(self, timeout: Optional[float] = None) -> int:
-        """Exit status of the command (waits up to ``timeout`` s), then removes the working container."""
+        """Exit status of the command (waits up to ``timeout`` s), then removes the working container and the
+        host folders made for it."""
         try:
             return self.proc.wait(timeout)
         finally:
             if self.proc.poll() is not None:
-                for cmd in self.cleanup:
-                    subprocess.run(cmd, check=False, capture_output=True)
+                _clean(self.cleanup, self.folders)
 
 
 @dataclass(frozen=True)
@@ -112,7 +123,8 @@ class Builder:
             ) from None
         if proc.returncode != 0:
             shown = " ".join(cmd[:3])
-            raise CliError(f"`{shown} ...` failed with exit {proc.returncode}: {(proc.stderr or '')[-500:]}")
+            said = (proc.stderr or "").strip()[-500:] or "its messages are above"
+            raise CliError(f"`{shown} ...` failed with exit {proc.returncode}: {said}")
         return proc.stdout or ""
 
     def storage_root(self) -> str:
@@ -134,13 +146,15 @@ class Builder:
         build_args: Optional[dict[str, str]] = None,
         mounts: Sequence[Mount] = (),
     ) -> None:
-        """Builds ``dockerfile`` (relative to ``context``) as ``tag`` with layer caching. ``mounts`` are bind
-        mounts for the RUN steps only (buildah/podman ``--volume``; docker has none and refuses them)."""
+        """Builds ``dockerfile`` (relative to ``context``) as ``tag`` with layer caching; a failed build leaves
+        no working container behind. ``mounts`` are bind mounts for the RUN steps only (buildah/podman
+        ``--volume``; docker has none and refuses them)."""
         args = ["build", "-f", dockerfile, "-t", tag]
         for key, value in (build_args or {}).items():
             args += ["--build-arg", f"{key}={value}"]
-        if self.kind != "docker":  # Docker's image format: OCI's has no SHELL, and the Dockerfile sets one
-            args[1:1] = ["--format", "docker"]
+        if self.kind != "docker":  # Docker's image format: OCI's has no SHELL, and the Dockerfile sets one;
+            # --force-rm: the working container of a failed step is removed too (buildah-bud(1), podman-build(1))
+            args[1:1] = ["--format", "docker", "--force-rm"]
         if self.kind == "buildah":
             args[0:1] = ["bud", "--layers", "--isolation", "chroot"]
         if mounts:
@@ -245,47 +259,78 @@ class Builder:
         env_args = [a for k, v in (env or {}).items() for a in ("--env", f"{k}={v}")]
         vol_args = [a for m in mounts for a in ("--volume", m.arg())]
         host_args = [f"--add-host={name}:{ip}" for name, ip in (hosts or {}).items()]
-        if self.kind == "buildah" and hosts:
-            table = Path(tempfile.mkdtemp(prefix="trainstack-hosts-")) / "hosts"
+        if self.kind != "buildah":
+            cmd = [self.binary, "run", "--rm", "--name", name, "--ipc", "host", *env_args, *vol_args, *host_args]
+            proc = subprocess.Popen(
+                [*cmd, image, *argv], stdout=stdout, stderr=subprocess.STDOUT if stdout else None, text=True
+            )
+            return Container(self, name, proc)
+        folders: list[str] = []
+        if hosts:
+            folders.append(tempfile.mkdtemp(prefix="trainstack-hosts-"))
+            table = Path(folders[0]) / "hosts"
             lines = ["127.0.0.1 localhost", "::1 localhost"] + [f"{ip} {name}" for name, ip in hosts.items()]
             table.write_text("\n".join(lines) + "\n")
             host_args = ["--no-hosts", "--volume", Mount(str(table), "/etc/hosts").arg()]
-        if self.kind == "buildah":
+        cleanup: list[list[str]] = []
+        try:
             self._run(["from", "--pull-never", "--name", name, image], quiet=True)
+            cleanup.append([self.binary, "rm", name])
             entrypoint = self._buildah_config(image).get("Entrypoint")
             # --uts host: buildah names the container's host after its id but leaves it out of /etc/hosts, and
             # torchrun's rendezvous resolves the host name (it waited on DNS until killed)
-            cmd = [
-                self.binary,
-                "run",
-                "--isolation",
-                "chroot",
-                "--uts",
-                "host",
-                *env_args,
-                *vol_args,
-                *host_args,
-                name,
-                "--",
-                *(entrypoint or []),
-                *argv,
-            ]
-            cleanup = [[self.binary, "rm", name]]
+            cmd = [self.binary, "run", "--isolation", "chroot", "--uts", "host", *env_args, *vol_args, *host_args]
+            cmd += [name, "--", *(entrypoint or []), *argv]
+            proc = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.STDOUT if stdout else None, text=True)
+        except BaseException:
+            _clean(cleanup, folders)
+            raise
+        return Container(self, name, proc, cleanup, folders)
+
+    def real_files(self, image: str, paths: Sequence[str]) -> list[str]:
+        """Of ``paths`` (absolute, inside ``image``), the regular files there, each as the path it resolves to
+        inside the image (symbolic links followed, once per file), in the order given. Runs ``sh`` in a
+        throw-away container of the local ``image`` without its entrypoint. Raises CliError when it cannot."""
+        script = 'for f in "$@"; do [ -f "$f" ] && readlink -f "$f"; done; true'
+        if self.kind == "buildah":
+            name = f"trainstack-probe-{uuid.uuid4().hex[:12]}"
+            self._run(["from", "--pull-never", "--name", name, image], quiet=True)
+            try:
+                out = self._run(
+                    ["run", "--isolation", "chroot", name, "--", "sh", "-c", script, "sh", *paths], quiet=True
+                )
+            finally:
+                subprocess.run([self.binary, "rm", name], capture_output=True)
         else:
-            cmd = [self.binary, "run", "--rm", "--name", name, "--ipc", "host", *env_args, *vol_args, *host_args]
-            cmd += [image, *argv]
-            cleanup = []
-        proc = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.STDOUT if stdout else None, text=True)
-        return Container(self, name, proc, cleanup)
+            out = self._run(["run", "--rm", "--entrypoint", "sh", image, "-c", script, "sh", *paths], quiet=True)
+        return list(dict.fromkeys(line.strip() for line in out.splitlines() if line.strip().startswith("/")))
 
 
-def ca_mounts(b: Builder, bundle: Optional[str]) -> list[Mount]:
-    """The build-time mount of a CA bundle over the image's ``/etc/ssl/certs/ca-certificates.crt`` (so pip in
-    the RUN steps trusts a TLS-inspecting proxy; nothing stays in a layer), or none: no ``bundle``, no such file,
-    or docker (no build-time mounts)."""
-    if not bundle or b.kind == "docker" or not Path(bundle).is_file():
+# Where OpenSSL, and so pip (which trusts the system's store through truststore since pip 24.2: pip docs, "HTTPS
+# Certificates"), reads the CA bundle by default: Debian/Ubuntu /usr/lib/ssl/cert.pem -> this file; Amazon Linux
+# 2023 (OPENSSLDIR /etc/pki/tls) cert.pem and certs/ca-bundle.crt -> /etc/pki/ca-trust/extracted/pem/tls-ca-bundle.pem
+CA_FILES = ("/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/cert.pem", "/etc/pki/tls/certs/ca-bundle.crt")
+
+
+def _clean(commands: list[list[str]], folders: list[str]) -> None:
+    for cmd in commands:
+        subprocess.run(cmd, check=False, capture_output=True)
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def ca_mounts(b: Builder, bundle: Optional[str], image: str) -> list[Mount]:
+    """The build-time mounts of the CA file ``bundle`` over the CA bundle that the OpenSSL of ``image`` (the
+    build's FROM) reads by default (:data:`CA_FILES`, resolved inside the image: Debian's, Amazon Linux's), so
+    that pip in the RUN steps trusts a TLS-inspecting proxy without any setting in the image, and nothing of
+    it stays in a layer. None without ``bundle``, for docker (no build-time mounts) or FROM ``scratch``. Raises
+    CliError when ``image`` has none of those files, or cannot be run to look."""
+    if not bundle or b.kind == "docker" or image == "scratch":
         return []
-    return [Mount(str(Path(bundle).resolve()), "/etc/ssl/certs/ca-certificates.crt")]
+    targets = b.real_files(image, CA_FILES)
+    if not targets:
+        raise CliError(f"--ca-bundle: {image} has none of {', '.join(CA_FILES)} to mount it over")
+    return [Mount(str(Path(bundle).resolve()), target) for target in targets]
 
 
 def _first_arg(process) -> str:
@@ -303,16 +348,31 @@ def _engine_answers(binary: str) -> bool:
         return False
 
 
+def kind_of(binary: str) -> str:
+    """docker, podman or buildah: what ``binary --version`` says it is (``Docker version 28.2.2, build ...``,
+    ``podman version 5.4.2``, ``buildah version 1.28.2 (...)``), whatever its file name. Raises CliError (exit 2)
+    for a binary that does not answer so (``/bin/true`` prints nothing)."""
+    try:
+        said = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired) as e:
+        said = f"({type(e).__name__})"
+    match = re.match(r"(docker|podman|buildah) version \d", said, re.I)
+    if not match:
+        raise CliError(
+            f"--builder {binary}: not an OCI builder (`--version` printed {(said.splitlines() or [''])[0][:80]!r}); "
+            "expected a docker, podman or buildah binary"
+        )
+    return match.group(1).lower()
+
+
 def find(binary: Optional[str] = None) -> Builder:
-    """The builder to use: ``binary`` when given (its kind from its name; anything else is taken as docker),
-    else the first of docker (when its engine answers ``docker info``), podman, buildah on PATH.
-    Raises CliError with the install step when there is none."""
+    """The builder to use: ``binary`` when given (its kind from its ``--version``: :func:`kind_of`), else the
+    first of docker (when its engine answers ``docker info``), podman, buildah on PATH.
+    Raises CliError with the install step when there is none, or when ``binary`` is not a builder."""
     if binary:
         if not shutil.which(binary):
             raise CliError(f"--builder {binary}: not an executable; expected a docker, podman or buildah binary")
-        base = os.path.basename(binary)
-        kind = next((k for k in KINDS if base.startswith(k)), "docker")
-        return Builder(kind, binary)
+        return Builder(kind_of(binary), binary)
     for kind in KINDS:
         found = shutil.which(kind)
         if found and (kind != "docker" or _engine_answers(found)):

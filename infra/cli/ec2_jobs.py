@@ -26,39 +26,6 @@ _STEP = re.compile(r"^step=(\d+) ")
 _RESUME = re.compile(r"resuming from \S*ckpt-(\d+)")
 
 
-#: What ``status`` and ``stop`` read from a record (infra/job_record.py, "Record fields"), with its type.
-_FIELDS = {
-    "job": str,
-    "state": str,
-    "reason": str,
-    "recover": bool,
-    "attempts": list,
-    "recoveries": int,
-    "max_recoveries": int,
-    "prices": dict,
-}
-_ATTEMPT_FIELDS = ("instance_id", "type", "market", "start", "end", "ended_by")
-
-
-def record_problem(record: object) -> Optional[str]:
-    """What is wrong with a parsed record (a missing field, a field of the wrong type, an unknown state, an
-    attempt without its fields), or None when ``status`` and ``stop`` can read it."""
-    if not isinstance(record, dict):
-        return f"is a JSON {type(record).__name__}, not an object"
-    for key, kind in _FIELDS.items():
-        if key not in record:
-            return f"lacks field {key!r}"
-        if not isinstance(record[key], kind):
-            return f"field {key!r} is {record[key]!r}, expected a {kind.__name__}"
-    if record["state"] not in jr.STATES:
-        return f"field 'state' is {record['state']!r}, expected one of {', '.join(jr.STATES)}"
-    for n, a in enumerate(record["attempts"]):
-        missing = [k for k in _ATTEMPT_FIELDS if not isinstance(a, dict) or k not in a]
-        if missing:
-            return f"attempt {n} lacks {', '.join(missing)}"
-    return None
-
-
 def bad_record(aws: Aws, outputs: Outputs, job: str, what: str) -> CliError:
     """The error for a record that cannot be read (exit 2): its S3 key, what is wrong and what to do."""
     where = f"s3://{outputs.bucket}/{jr.record_key(job)}"
@@ -70,18 +37,14 @@ def bad_record(aws: Aws, outputs: Outputs, job: str, what: str) -> CliError:
 
 def load(aws: Aws, outputs: Outputs, job: str, s3=None) -> Optional[jr.Stored]:
     """The job's record, or None when ``job`` has none. Raises CliError when S3 refuses the read, or (exit 2,
-    :func:`bad_record`) when the record is not JSON or lacks what :func:`record_problem` checks."""
+    :func:`bad_record`) when the record is not JSON or lacks what ``job_record.check`` checks."""
     s3 = s3 or aws.client("s3")
     try:
-        stored = jr.load(s3, outputs.bucket, job)
+        return jr.load(s3, outputs.bucket, job)
     except ClientError as e:
         raise explain(e, f"reading the record of job {job}") from None
-    except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise bad_record(aws, outputs, job, f"is not JSON ({e})") from None
-    problem = stored and record_problem(stored.record)
-    if problem:
-        raise bad_record(aws, outputs, job, problem)
-    return stored
+    except jr.Corrupt as e:
+        raise bad_record(aws, outputs, job, str(e).split(": ", 1)[1]) from None
 
 
 def overview(aws: Aws, outputs: Outputs, s3=None, now: Optional[float] = None) -> list[dict]:

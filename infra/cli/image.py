@@ -18,6 +18,7 @@ import base64
 import hashlib
 import os
 import re
+import shlex
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -26,24 +27,77 @@ from typing import Optional
 from botocore.exceptions import ClientError
 
 from infra.cli import builder as oci
+from infra.cli import image_inputs
 from infra.cli.outputs import Outputs
 from infra.cli.session import Aws, CliError, explain
 
 DOCKERFILE = "images/training/Dockerfile"
 
 
-def git_tag(repo: Path) -> str:
-    """Image tag of ``repo``'s checkout: the short commit (12 hex), and for a tree with uncommitted changes
-    ``<commit>-dirty-<8 hex of the diff's SHA-256>``, so that other changes get another (immutable) tag and the
-    same changes the same one. push-image's default tag and launch/submit's default ``--image-tag``."""
+def parse_dockerfile(path: Path) -> tuple[str, list[tuple[str, str]], dict]:
+    """(WORKDIR, [(source, destination)] of every COPY in order, ENV assignments) of a Dockerfile.
+
+    Handles line continuations, ``COPY --flag=... SRC... DEST`` with several sources, and ``ENV K=V K=V``.
+    Raises ValueError for a COPY form this parser does not understand (JSON form, --from stages).
+    """
+    text = path.read_text().replace("\\\n", " ")
+    workdir, copies, env = "/", [], {}
+    for line in text.splitlines():
+        words = shlex.split(line, comments=True) if line.strip() else []
+        if not words:
+            continue
+        op, args = words[0].upper(), words[1:]
+        if op == "WORKDIR":
+            workdir = args[0]
+        elif op == "ENV":
+            env.update(a.split("=", 1) for a in args if "=" in a)
+        elif op == "COPY":
+            flags = [a for a in args if a.startswith("--")]
+            paths = [a for a in args if not a.startswith("--")]
+            if any(f.startswith("--from") for f in flags) or len(paths) < 2 or paths[0].startswith("["):
+                raise ValueError(f"{path}: COPY {args}: form not understood (multi-stage or JSON form)")
+            dest = paths[-1]
+            dest = dest if dest.startswith("/") else f"{workdir.rstrip('/')}/{dest}"
+            copies += [(src, dest) for src in paths[:-1]]
+    return workdir, copies, env
+
+
+def untracked_copied(repo: Path, dockerfile: str = DOCKERFILE) -> list[str]:
+    """The files under ``dockerfile``'s COPY sources (relative to ``repo``) that git does not track and does not
+    ignore: they go into the image although no commit holds them. Sorted paths relative to ``repo``."""
+    sources = sorted({src for src, _ in parse_dockerfile(repo / dockerfile)[1]})
+    out = subprocess.run(
+        ["git", "ls-files", "-z", "--others", "--exclude-standard", "--", *sources],
+        cwd=repo,
+        check=True,
+        capture_output=True,
+    ).stdout
+    return sorted(p for p in out.decode().split("\0") if p)
+
+
+def git_tag(repo: Path, dockerfile: str = DOCKERFILE) -> str:
+    """Image tag of ``repo``'s checkout: the short commit (12 hex), and for a tree whose image would hold
+    anything no commit holds ``<commit>-dirty-<8 hex>``: the SHA-256 of the uncommitted changes to tracked files
+    (``git diff HEAD``) followed by the path and content of each untracked, not ignored file under the
+    Dockerfile's COPY sources (:func:`untracked_copied`). Other changes get another (immutable) tag, the same
+    changes the same one, and a clean tree of that commit never finds a tag built from a dirty one.
+    push-image's default tag and launch/submit's default ``--image-tag``. Raises CliError when git cannot say."""
     try:
         sha = subprocess.run(
             ["git", "rev-parse", "--short=12", "HEAD"], cwd=repo, check=True, capture_output=True, text=True
         ).stdout.strip()
         diff = subprocess.run(["git", "diff", "HEAD", "--binary"], cwd=repo, check=True, capture_output=True).stdout
+        untracked = untracked_copied(repo, dockerfile)
     except (OSError, subprocess.CalledProcessError) as e:
         raise CliError(f"cannot read the git commit of {repo}: {e}", "pass --tag / --image-tag") from None
-    return sha + (f"-dirty-{hashlib.sha256(diff).hexdigest()[:8]}" if diff else "")
+    if not diff and not untracked:
+        return sha
+    digest = hashlib.sha256(diff)
+    for rel in untracked:
+        path = repo / rel
+        content = os.readlink(path).encode() if path.is_symlink() else path.read_bytes()
+        digest.update(b"\0untracked\0" + rel.encode() + b"\0" + content)
+    return f"{sha}-dirty-{digest.hexdigest()[:8]}"
 
 
 def registry_region(registry: str) -> str:
@@ -162,11 +216,14 @@ def push_image(
     ``tls_verify`` is False); the ECR API still answers the tag lookup and the login token. ``dockerfile``:
     relative to ``repo``. ``ca_bundle``: a CA file bind-mounted over the base's bundle for the build's RUN
     steps (podman/buildah; behind a TLS-inspecting proxy). ``archs``: the op's TORCH_CUDA_ARCH_LIST (default: the
-    Dockerfile's, what image-smoke tests). Raises CliError when no builder is found, the build or push fails, or ECR refuses
-    (with the next step).
+    Dockerfile's, what image-smoke tests). Raises CliError with exit 2 before anything is built for a bad tag or
+    ``archs``, a missing ``ca_bundle`` and a ``builder`` that is not one (infra/cli/image_inputs.py); CliError when
+    no builder is found, the build or push fails, or ECR refuses (with the next step).
     """
+    tag = image_inputs.check_tag(tag or git_tag(repo))
+    archs = image_inputs.check_archs(archs) if archs is not None else None
+    ca_bundle = image_inputs.check_ca_bundle(ca_bundle)
     ecr_in = ecr_in or (lambda region: aws.session.client("ecr", region_name=region))
-    tag = tag or git_tag(repo)
     if tagged_digest(ecr_in(aws.region), outputs.repository_name, tag):
         return f"{outputs.repository_uri}:{tag} (already pushed)"
     b = oci.find(builder)
@@ -180,7 +237,7 @@ def push_image(
     except ClientError as e:
         raise explain(e, "logging in to ECR") from None
     args = build_args(b, repo, base, archs) if dockerfile == DOCKERFILE else {"BASE_IMAGE": base}
-    b.build(repo, dockerfile, image, args, oci.ca_mounts(b, ca_bundle))
+    b.build(repo, dockerfile, image, args, oci.ca_mounts(b, ca_bundle, base))
     digest = b.push(image, tls_verify=tls_verify)
     return f"{image}@{digest}"
 

@@ -8,10 +8,11 @@ Steps (each prints one ``image-smoke:`` line; the first failure ends the run wit
    Containerfile). The stand-in is for offline builds only and is never pushed.
 2. The image: the Dockerfile with push-image's build arguments (infra/cli/image.py ``build_args``: the op compiled
    in the build for ``--archs``, default the Dockerfile's, and the OCI labels), tagged
-   ``trainstack-training:<git tag>`` (push-image's tag): the image push-image builds for that commit.
+   ``<--name>:<git tag>`` (default ``trainstack-training-smoke``; push-image's tag): the image push-image builds
+   for that commit.
 3. In the image, each command started as ``docker run IMAGE ...`` starts it (through the image's ENTRYPOINT):
    the base as the build left it (nvcc's version, ``pip check``, the base's packages, our ``train`` first on
-   PATH); ``python -m trainer.check_install``; the op; ``train`` on the embedded digits for a few steps with the
+   PATH; ``pip freeze`` against images/training/requirements-lock.txt); ``python -m trainer.check_install``; the op; ``train`` on the embedded digits for a few steps with the
    checkpoint in a mounted folder; SIGTERM during training -> exit 75, and a rerun that resumes and finishes;
    the SageMaker contract (``/opt/ml`` mounted: hyperparameters.json, checkpoints, model, and the failure file
    of a bad hyperparameter, exit 2); a 2-host SageMaker job (two containers as algo-1 and algo-2 on loopback,
@@ -24,8 +25,10 @@ Steps (each prints one ``image-smoke:`` line; the first failure ends the run wit
    JSON record under ``runs/image-smoke/`` (what docs/training-image.md tabulates). ``--build-only`` builds and
    says ``built ... (nothing checked)``.
 
-Build-time bind mounts: the host's CA bundle over the image's (``--ca-bundle``), so pip inside the build trusts
-a TLS-inspecting proxy; nothing of it stays in the image. Exit 2: a bad flag or a missing data folder.
+Build-time bind mounts: a CA bundle (``--ca-bundle``, default this machine's) over the file the base's OpenSSL
+reads (infra/cli/builder.py ``ca_mounts``), so pip inside the build trusts a TLS-inspecting proxy; nothing of it
+stays in the image. Exit 2, before anything is built: a bad flag, a missing data folder or CA file, an
+architecture the base cannot build, a builder that is not one, too little disk (infra/cli/image_inputs.py).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import json
 import os
 import platform
 import re
-import shutil
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -45,9 +48,11 @@ from pathlib import Path
 from typing import Optional
 
 from infra.cli import builder as oci
+from infra.cli import image_inputs
 from infra.cli.image import DOCKERFILE, build_args, default_archs, git_tag
 from infra.cli.registry import local_registry
 from infra.cli.session import CliError
+from infra.cli.smoke_checks import check_labels, check_lock
 from infra.cli.smoke_hosts import SmokeFailure, say, two_host_job
 
 REPO = Path(__file__).resolve().parents[2]
@@ -91,25 +96,24 @@ print("pip check: no broken requirements;", ", ".join(f"{n} {v}" for n, v in ver
 
 
 def check_disk(b: oci.Builder, min_free_gib: float) -> None:
-    """Refuses to start when the builder's store has less than ``min_free_gib`` GiB free (a cold smoke writes
-    the stand-in, 5.8 GB, the image, 6.6 GB, and the copies a build commits: 12 GB in buildah's store after one
-    cold run, 2026-11-27). With the stand-in already stored only the image's layers are new: half the need.
-    Raises CliError naming the folder, what is free and what is needed."""
+    """Refuses to start when the builder's store, the folder buildah/podman write a pushed image's compressed
+    layers to (``$TMPDIR``, else /var/tmp) or the smoke's own temporary folder (Python's ``$TMPDIR``, else /tmp:
+    the local registry receives the push there) has too little free space. The store needs ``min_free_gib``
+    GiB (a cold smoke writes the stand-in, 5.8 GB, the image, 6.6 GB, and the copies a build commits: 12 GB in
+    buildah's store after one cold run, 2026-11-27), half with the stand-in already stored; each temporary
+    folder a quarter of it (the pushed image is 3.3 GB compressed). Folders on one file system add up. Raises
+    CliError naming the folders, what is free and what is needed."""
     root = b.storage_root()
-    probe = Path(root)
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
     need = min_free_gib / 2 if b.exists(STANDIN) else min_free_gib
-    free = shutil.disk_usage(probe).free / 2**30
-    if free < need:
-        raise CliError(
-            f"{root}: {free:.1f} GiB free, the image smoke needs about {need:.0f} GiB",
-            "free disk space (buildah rmi --prune, old runs/) or pass --min-free-gib 0 to try anyway",
-        )
+    needs = {root: need}
+    for folder in (image_inputs.big_files_tmpdir(), image_inputs.smoke_tmpdir()):
+        needs[folder] = needs.get(folder, 0.0) + min_free_gib / 4
+    image_inputs.check_free_space(needs)
 
 
-def ensure_standin(b: oci.Builder, mounts: list[oci.Mount], work: Path) -> str:
-    """Builds the stand-in base unless it is in the builder's store (its OS layer too); returns its name.
+def ensure_standin(b: oci.Builder, ca_bundle: Optional[str], work: Path) -> str:
+    """Builds the stand-in base unless it is in the builder's store (its OS layer too), with ``ca_bundle``
+    mounted over its OS's CA file (:func:`infra.cli.builder.ca_mounts`); returns its name.
     Raises CliError when mmdebstrap is missing or a build fails."""
     if not b.exists(STANDIN_OS):
         tarball = work / "standin-rootfs.tar"
@@ -126,27 +130,9 @@ def ensure_standin(b: oci.Builder, mounts: list[oci.Mount], work: Path) -> str:
         b.import_rootfs(tarball, STANDIN_OS)
         tarball.unlink()
     say(f"stand-in base {STANDIN} (images/standin/Containerfile, layers cached)")
+    mounts = oci.ca_mounts(b, ca_bundle, STANDIN_OS)
     b.build(REPO / STANDIN_DIR, "Containerfile", STANDIN, {"OS_IMAGE": STANDIN_OS}, mounts)
     return STANDIN
-
-
-# OCI label -> the build argument that sets it (images/training/Dockerfile)
-LABELS = {
-    "org.opencontainers.image.revision": "VCS_REF",
-    "org.opencontainers.image.source": "SOURCE_URL",
-    "org.opencontainers.image.base.name": "BASE_IMAGE",
-    "org.opencontainers.image.base.digest": "BASE_DIGEST",
-}
-
-
-def check_labels(b: oci.Builder, image: str, build_args: dict) -> None:
-    """Raises SmokeFailure unless the built ``image`` carries the OCI labels of ``build_args`` (a builder's layer
-    cache once kept a previous commit's revision label)."""
-    labels = b.image_labels(image)
-    wrong = {k: labels.get(k) for k, arg in LABELS.items() if labels.get(k) != build_args[arg]}
-    if wrong:
-        raise SmokeFailure(f"{image}: labels {wrong} do not match the build arguments {build_args}")
-    say(f"labels: revision {labels['org.opencontainers.image.revision']}, base digest {build_args['BASE_DIGEST']}")
 
 
 class Smoke:
@@ -175,14 +161,17 @@ class Smoke:
         with open(log, "w") as out:
             c = self.b.start(self.image, argv, [*base, *mounts], env, stdout=subprocess.PIPE)
             signalled = False
-            for line in c.proc.stdout:
-                out.write(line)
-                if signal_after and not signalled and line.startswith(signal_after):
-                    c.signal()
-                    signalled = True
-                if time.monotonic() - start > timeout:
-                    c.signal(9)
-            rc = c.wait(timeout=60)
+            try:
+                for line in c.proc.stdout:
+                    out.write(line)
+                    if signal_after and not signalled and line.startswith(signal_after):
+                        c.signal()
+                        signalled = True
+                    if time.monotonic() - start > timeout:
+                        c.signal(9)
+                rc = c.wait(timeout=60)
+            finally:
+                c.stop()  # a run given up on (an error, Ctrl-C) leaves no container behind
         text = log.read_text()
         if rc != expect or (signal_after and not signalled):
             why = "never saw " + repr(signal_after) if signal_after and not signalled else f"exit {rc}"
@@ -207,6 +196,7 @@ class Smoke:
         nvcc = self.run("nvcc in the base", ["nvcc", "--version"])
         say(f"nvcc: {nvcc.strip().splitlines()[-2] if nvcc.strip() else '?'}")
         self.run("pip check and the base's packages", ["python3", "-c", BASE_CHECK])
+        check_lock(self.run("pip freeze", ["python3", "-m", "pip", "freeze"]))
         self.run("check_install", ["python3", "-m", "trainer.check_install"])
         self.run("op extension and custom operator", ["python3", "-c", OP_CHECK])
         digits = [
@@ -311,7 +301,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument(
         "--data", default=data, help="datasets, mounted read-only (default: TRAINSTACK_DATA, ../shared/data)"
     )
-    p.add_argument("--ca-bundle", default="/etc/ssl/certs/ca-certificates.crt", help="bind-mounted over the base's")
+    p.add_argument(
+        "--ca-bundle",
+        help="CA file mounted over the base's CA bundle for the build's RUN steps (podman/buildah; default: this "
+        "machine's OpenSSL bundle, when there is one)",
+    )
+    p.add_argument(
+        "--name",
+        default="trainstack-training-smoke",
+        help="local image name, tagged with the git tag (make image and image-cpu pass their own)",
+    )
     p.add_argument(
         "--min-free-gib", type=float, default=20.0, help="refuse to start below this free disk in the builder's store"
     )
@@ -329,25 +328,27 @@ def main(argv: Optional[list[str]] = None) -> int:
             )
             return 2
     try:
+        image_inputs.check_name(args.name)
+        image_inputs.check_archs(args.archs)
+        ca_bundle = image_inputs.check_ca_bundle(args.ca_bundle) if args.ca_bundle else host_ca_bundle()
         b = oci.find(args.builder)
         check_disk(b, args.min_free_gib)
+        image = f"{args.name}:{image_inputs.check_tag(git_tag(REPO))}"
     except CliError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        mounts = oci.ca_mounts(b, args.ca_bundle)  # docker: none, the machine must reach PyPI without them
-        tag = git_tag(REPO)
-        image = f"trainstack-training:{tag}"
         # a docker engine's containers write root-owned files into the mounted folder: never fail on its removal
         with tempfile.TemporaryDirectory(prefix="image-smoke-", ignore_cleanup_errors=True) as tmp:
             work = Path(tmp)
             started = time.monotonic()
-            base = args.base_image or ensure_standin(b, mounts, work)
+            base = args.base_image or ensure_standin(b, ca_bundle, work)
             base_s = time.monotonic() - started
             say(f"building {image} FROM {base} with {b.kind} (MSDA={args.msda}, TORCH_CUDA_ARCH_LIST={args.archs})")
             started = time.monotonic()
             bargs = build_args(b, REPO, base, args.archs, args.msda)
-            b.build(REPO, DOCKERFILE, image, bargs, mounts)
+            # docker: no mounts, the machine must reach PyPI without them
+            b.build(REPO, DOCKERFILE, image, bargs, oci.ca_mounts(b, ca_bundle, base))
             build_s = time.monotonic() - started
             check_labels(b, image, bargs)
             digest, size = b.image_digest(image), b.image_size(image)
@@ -391,6 +392,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"image-smoke: passed {image} {digest} (build {build_s:.0f} s, base {base_s:.0f} s, checks "
           f"{checks_s:.0f} s, push {push_s:.0f} s, {size / 2**30:.2f} GiB)")  # fmt: skip
     return 0
+
+
+def host_ca_bundle() -> Optional[str]:
+    """This machine's OpenSSL CA file (``ssl.get_default_verify_paths``: Debian's /usr/lib/ssl/cert.pem, Amazon
+    Linux's /etc/pki/tls/cert.pem), resolved, or None when it has none."""
+    cafile = ssl.get_default_verify_paths().openssl_cafile
+    return str(Path(cafile).resolve()) if cafile and Path(cafile).is_file() else None
 
 
 def _cpu_model() -> str:

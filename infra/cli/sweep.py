@@ -1,4 +1,4 @@
-"""``python -m infra sweep`` / ``sweep-status``: a hyperparameter sweep on SageMaker managed spot (issue 26 item 3).
+"""``python -m infra sweep`` / ``sweep-status``: a hyperparameter sweep on SageMaker managed spot.
 
 The sweep is validated and expanded into its trials without AWS by :mod:`infra.cli.sweep_plan` (the search space,
 trials, objective and results table are ``trainer.config.sweep``'s, shared with ``python -m trainer sweep``).

@@ -1,4 +1,4 @@
-"""The plan of ``python -m infra sweep``: a hyperparameter sweep on SageMaker managed spot (issue 26 item 3),
+"""The plan of ``python -m infra sweep``: a hyperparameter sweep on SageMaker managed spot,
 validated and expanded into its trials without any AWS call.
 
 The search space, its trials, the objective and the results table are ``trainer.config.sweep``'s, the same module

@@ -169,7 +169,7 @@ class DataStack(cdk.Stack):
         """FSx for Lustre in the instances' subnet, ``fsx_data_path`` linked to ``s3://bucket/datasets/`` (seed 002).
 
         SCRATCH_2 and PERSISTENT_2 alike link through a data repository association with automatic import and
-        export (NEW, CHANGED, DELETED), on Lustre 2.15. Decision (issue 25 item 6): DRAs "are supported on all
+        export (NEW, CHANGED, DELETED), on Lustre 2.15. Why DRAs (docs/architecture.md): they "are supported on all
         FSx for Lustre 2.12 and 2.15 file systems, excluding scratch_1" (FSx API reference,
         CreateDataRepositoryAssociation; FSx for Lustre user guide, "Linking your file system to an Amazon S3
         bucket"); the ImportPath/ExportPath link is the user guide's "Working with older deployment types" and

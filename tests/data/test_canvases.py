@@ -1,4 +1,4 @@
-"""Fixed detection canvases (issue 37 item 1): ``canvases: auto`` bounds the padded batch shapes of a facemask
+"""Fixed detection canvases: ``canvases: auto`` bounds the padded batch shapes of a facemask
 epoch to at most 4 in training and 2 in evaluation (the CPU proxy of the GPU's first-seen-shape cost, pinned as
 a count), every image still fits at the top-left with its padding mask, and bad settings are one-line errors."""
 

@@ -156,6 +156,8 @@ def test_sparse_category_ids_crowd_and_negatives(facemask, fm_train, tmp_path):
     assert back.labels.tolist() == split.labels.tolist() and back.crowd_labels.tolist() == split.crowd_labels.tolist()
     with pytest.raises(ValueError, match="label_space: got 'names'"):
         apply_label_space(split, "names")
+    with pytest.raises(ValueError, match=r"category id 90 \('c90'\).* <= max_category_id \(89\)"):
+        apply_label_space(split, "coco_ids", max_category_id=89)
     with pytest.raises(ValueError, match="coco_ids needs category ids >= 0"):
         LabelMap("coco_ids", (-1, 2), ("a", "b"))
 

@@ -102,6 +102,18 @@ def test_a_cache_hit_is_mapped_and_the_disk_is_still_checked(tmp_path):
         scan_coco(ann, tmp_path / "img", "train", 0.0, cache_dir=cache)
 
 
+def test_a_damaged_cache_entry_is_replaced_by_the_next_parse(tmp_path):
+    ann, cache = _write(tmp_path, _data(tmp_path)), tmp_path / "cache"
+    first = scan_coco(ann, tmp_path / "img", "train", 0.5, cache_dir=cache)
+    (folder,) = [p for p in cache.iterdir() if p.name.startswith("coco-")]
+    arrays = sorted(folder.glob("*.npy"))
+    arrays[0].write_bytes(arrays[0].read_bytes()[:20])  # truncated: the entry no longer loads
+    assert coco_cache.load(folder) is None
+    _same(scan_coco(ann, tmp_path / "img", "train", 0.5, cache_dir=cache), first)  # parsed again, same split
+    assert coco_cache.load(folder) is not None  # and the entry repaired for the next run
+    assert [p.name for p in cache.iterdir()] == [folder.name]  # nothing left beside it
+
+
 def test_an_unwritable_cache_dir_falls_back(tmp_path):
     ann = _write(tmp_path, _data(tmp_path))
     blocker = tmp_path / "a-file"

@@ -1,4 +1,4 @@
-"""FFCV path (issue 8): write-ffcv on the real hymenoptera and imagenette subsets, a 2-rank torchrun run from
+"""FFCV path: write-ffcv on the real hymenoptera and imagenette subsets, a 2-rank torchrun run from
 the .ffcv files with progressive resizing, a bit-exact mid-epoch resume, and the errors raised before training
 (missing extra, missing file, truncated file, corrupt header). Needs the ffcv extra (``make ffcv``)."""
 

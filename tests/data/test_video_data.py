@@ -236,7 +236,7 @@ def test_missing_array_files_and_keys_are_named(tmp_path):
     np.savez(tmp_path / "val.npz", labels=np.zeros(2, dtype=np.int64))
     with pytest.raises(DataError, match=r"val.npz: no key 'clips' \(keys: labels\)"):
         ArraySource(tmp_path / "val.npz", "val", 16)
-    np.savez(tmp_path / "train.npz", clips=np.zeros((2, 4, 8, 8, 3), dtype=np.uint8))  # issue 25: was a KeyError
+    np.savez(tmp_path / "train.npz", clips=np.zeros((2, 4, 8, 8, 3), dtype=np.uint8))  # was a KeyError
     with pytest.raises(DataError, match=r"train.npz: no key 'labels' \(keys: clips\)"):
         ArraySource(tmp_path / "train.npz", "train", 16)
 

@@ -1,4 +1,4 @@
-"""The checkpoint writer process (issue 24 item 1): byte-identical files to the writer thread, a new shared buffer
+"""The checkpoint writer process: byte-identical files to the writer thread, a new shared buffer
 only when the layout changes, the OS error of a failed write, a dead writer replaced, Ctrl-C/SIGTERM ignored, and
 ``auto`` choosing by state size. End to end: tests/engine/test_loop.py (bit-exact resume from process-written
 checkpoints) and tests/engine/test_interruption.py (Ctrl-C to the process group)."""
@@ -160,3 +160,39 @@ def test_auto_chooses_by_state_size(tmp_path, monkeypatch):
     big.close()
     with pytest.raises(ValueError, match="writer: got 'fast'"):
         CheckpointManager(tmp_path / "c", writer="fast")
+
+
+def test_writer_process_whose_trainer_is_gone_mid_write_ends_quietly(tmp_path):
+    """The trainer goes (its socket closes) while the writer process writes: the writer finishes, finds nobody to
+    answer and exits 0 without a traceback. Before, it printed a BrokenPipeError traceback into the run's log."""
+    import socket
+    import subprocess
+    import sys
+    from multiprocessing.connection import Connection
+    from pathlib import Path
+
+    from trainer.engine.checkpoint_writer import shared_buffer, skeleton
+
+    ours, theirs = socket.socketpair()
+    root = str(Path(ckpt.__file__).resolve().parents[2])
+    code = f"from trainer.engine.checkpoint_writer import _serve; _serve({theirs.fileno()})"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        pass_fds=[theirs.fileno()],
+        env={**os.environ, "PYTHONPATH": root},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    theirs.close()
+    flat, fd = shared_buffer(4096)
+    tree = {"w": flat[:1024].view(torch.float32)}
+    conn = Connection(os.dup(ours.fileno()))
+    conn.send(("buffer", flat.numel()))
+    socket.send_fds(ours, [b"F"], [fd])
+    conn.send(("save", skeleton(tree, flat.data_ptr()), str(tmp_path / "state.pt")))
+    conn.close()
+    ours.close()  # the trainer is gone before the answer
+    _, err = proc.communicate(timeout=60)
+    os.close(fd)
+    assert proc.returncode == 0 and "Traceback" not in err, err
+    assert (tmp_path / "state.pt").is_file()

@@ -1,5 +1,5 @@
 """The EMA's update (trainer/engine/ema.py): the same values as torch's ``AveragedModel`` bit for bit, frozen
-parameters left out, resume through ``state_dict``, and no host sync per step (issue 24)."""
+parameters left out, resume through ``state_dict``, and no host sync per step."""
 
 from __future__ import annotations
 

@@ -75,6 +75,8 @@ def test_lower_is_better_target_stops_early_and_an_unknown_target_metric_is_refu
 
 def test_better_and_reached_follow_the_direction():
     assert better(2.0, 1.0, "max") and not better(2.0, 1.0, "min") and better(0.5, None, "min")
+    nan = float("nan")  # an undefined metric (COCO's AP without ground truth) is never best, never blocks one
+    assert not better(nan, None, "max") and not better(nan, 1.0, "max") and better(1.0, nan, "max")
     assert reached(0.1, 0.2, "min") and not reached(0.1, 0.2, "max") and reached(0.2, 0.2, "max")
 
 
@@ -146,7 +148,7 @@ def test_a_field_added_after_a_checkpoint_is_no_change_while_it_keeps_its_defaul
 
 
 def test_a_field_with_a_legacy_value_reads_as_what_the_older_trainer_used():
-    """pad_value arrived with issue 51 (default mean); detection checkpoints written before it padded black, so
+    """pad_value arrived on 2026-11-28 (default mean); detection checkpoints written before it padded black, so
     resuming one with the new default is a config change (refused without --force-resume), and keeping black is
     not. Other tasks' checkpoints never read the detection field."""
     from trainer.config import TrainConfig, saved_config

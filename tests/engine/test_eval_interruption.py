@@ -1,4 +1,4 @@
-"""Spot-safe evaluation (issue 25): an epoch's training is durable before it is evaluated (``ckpt-<step>-m``,
+"""Spot-safe evaluation: an epoch's training is durable before it is evaluated (``ckpt-<step>-m``,
 evaluation pending), a stop request during the evaluation is agreed between evaluation batches (exit 75 within
 seconds, not after the whole evaluation), a SIGKILL during it loses no training, the resumed run evaluates the
 epoch without training it again and ends bit-identical to an uninterrupted run, and the pre-evaluation

@@ -187,7 +187,7 @@ def test_time_based_periodic_checkpoints(tiny_digits, tmp_path):
 
 def test_staging_buffers_are_reused_copies(tmp_path):
     """A periodic checkpoint stages the state into host buffers kept across checkpoints (no allocation after the
-    first: issue 24's stall), and what it writes is the value at save time even though training goes on changing
+    first: the stall it replaced), and what it writes is the value at save time even though training goes on changing
     the tensors before the writer thread gets to them."""
     from trainer.engine.checkpoint import CheckpointManager
     from trainer.engine.staging import StagingBuffers

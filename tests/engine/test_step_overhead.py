@@ -1,9 +1,9 @@
-"""Issue 24's CPU proxy of the trainer's cost over a bare PyTorch loop (``benchmarks/overhead.py --profile``):
+"""The CPU proxy of the trainer's cost over a bare PyTorch loop (``benchmarks/overhead.py --profile``):
 per optimizer step, the trainer must not wait for the device (no ``.item()``, boolean indexing or host copy, no
 tensor built from Python data on the training device, which on CUDA is a blocking copy) and may add only a
 pinned number of ATen calls (a proxy for kernel launches) to what the bare loop makes. Counts, not times:
 marginal per-step counts (a pass over 4 batches minus a pass over 2), so they do not depend on the machine or
-the thread count. Before issue 24 the trainer made 3 host syncs and 1 device tensor from host data per step
+the thread count. The trainer used to make 3 host syncs and 1 device tensor from host data per step
 (docs/benchmarks.md), and the EMA 2 more on CUDA."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Experiment tracking (issue 26 item 1) with the real libraries, offline: MLflow's file store under tmp_path, W&B in
+"""Experiment tracking with the real libraries, offline: MLflow's file store under tmp_path, W&B in
 offline mode. After a short digits run the tracked metrics equal the JSONL rows (``<kind>/<key>`` at the row's step),
 a resumed run appends to the same tracked run (its id lives in the checkpoint), and an unreachable tracker or a
 missing package is a warning line, never a lost run."""
@@ -322,7 +322,7 @@ def test_failed_runs_are_marked_failed_in_mlflow_and_wandb(tiny_digits, tmp_path
 
 
 def test_a_server_that_never_answers_costs_seconds_and_the_warning_keeps_the_cause(monkeypatch, tmp_path):
-    """Issue 53 (N6, N7): an MLflow or W&B server that accepts the connection and never answers fails the start
+    """An MLflow or W&B server that accepts the connection and never answers fails the start
     after CONNECT_TIMEOUT_S (here 0.5 s), not after the library's own retries (~70 s, ~90 s); the WARNING line keeps
     the innermost cause of a long wrapped error (it was cut before it)."""
     import socket

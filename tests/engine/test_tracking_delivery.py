@@ -97,7 +97,7 @@ def test_a_failing_sink_is_dropped_with_one_warning_and_the_others_get_everythin
 @pytest.mark.parametrize("timeout_s", [None, 0.2])
 def test_finish_gives_up_on_the_rows_of_a_hung_tracker_but_still_ends_its_run(timeout_s):
     """The rows still queued after the flush timeout (the sinks' own, or finish's ``timeout_s``, as after a
-    second Ctrl-C) are given up with one WARNING; the run is still ended, from the caller (issue 53: a run left
+    second Ctrl-C) are given up with one WARNING; the run is still ended, from the caller (it was left
     RUNNING for ever)."""
     gate = threading.Event()  # never set: the tracker's row delivery hangs
     rec = Recorder(gate=gate)
@@ -169,7 +169,7 @@ def test_mlflow_logs_a_batch_of_rows_in_log_batch_calls_of_at_most_1000_metrics(
 
 
 def test_a_stop_after_an_epochs_last_step_leaves_that_step_to_the_resumed_run(tmp_path):
-    """Issue 53 (N4): the row of an epoch's last step reaches the trackers only with the epoch's row. A run stopped
+    """The row of an epoch's last step reaches the trackers only with the epoch's row. A run stopped
     between that step and the evaluation (KILLED) has not used the step in the trackers; the resumed run, which
     evaluates the epoch, sends the step row (kept in metrics.jsonl) and the validation row at it: no step is used
     by both segments, and each row reaches the trackers once."""
@@ -212,7 +212,7 @@ def test_without_a_stop_the_held_row_goes_with_the_epoch_row(tmp_path):
     ("status", "preempting", "code"), [("KILLED", True, 1), ("FAILED", False, 1), ("FINISHED", False, 0)]
 )
 def test_a_resumable_wandb_stop_is_marked_preempting_not_failed(tmp_path, status, preempting, code):
-    """Issue 53 (N16): a run stopped with a checkpoint (KILLED, exit 75 or 130) is ``mark_preempting()``-ed before
+    """A run stopped with a checkpoint (KILLED, exit 75 or 130) is ``mark_preempting()``-ed before
     it finishes, so W&B shows it resumable; FAILED and FINISHED are not. (The W&B run is a recording double.)"""
     from trainer.engine.tracking import WandbTracker
 

@@ -1,4 +1,4 @@
-"""One writer per run (issue 53): ``train`` holds an exclusive ``flock`` on its checkpoint folder
+"""One writer per run: ``train`` holds an exclusive ``flock`` on its checkpoint folder
 (:class:`trainer.engine.durable.WriterLock`); a second writer exits 2 naming the first's pid, host and start time
 while the first trains on; the kernel frees the lock of a process that dies; a second Ctrl-C (exit 130) leaves the
 MLflow run KILLED, not RUNNING."""
@@ -119,7 +119,7 @@ def _start(tmp: Path, env: dict, *args: str, **extra) -> tuple[subprocess.Popen,
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_second_train_on_the_same_checkpoint_dir_exits_2_naming_the_first_which_trains_on(tmp_path: Path):
-    """Must show (issue 53): while one ``train`` runs, a second one on its checkpoint_dir exits 2 with one line
+    """While one ``train`` runs, a second one on its checkpoint_dir exits 2 with one line
     naming the first's pid; the first keeps training and ends as usual (SIGTERM: exit 75)."""
     tiny_data(tmp_path / "data", train=40)
     first, out = _start(tmp_path, _env(), "-m", "trainer", epochs=1000, max_steps_per_epoch=5)
@@ -152,7 +152,7 @@ def test_a_second_train_on_the_same_checkpoint_dir_exits_2_naming_the_first_whic
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_second_ctrl_c_leaves_the_mlflow_run_killed(tmp_path: Path, monkeypatch):
-    """Must show (issue 53, N3): Ctrl-C, then Ctrl-C again while the stop checkpoint is being written: exit 130
+    """Ctrl-C, then Ctrl-C again while the stop checkpoint is being written: exit 130
     and the (local file-store) MLflow run ends KILLED, not RUNNING for ever."""
     pytest.importorskip("mlflow")
     tiny_data(tmp_path / "data", train=40)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
-import shlex
 import shutil
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import pytest
 from conftest import REPO, tiny_overrides
 from test_entrypoint import make_root
 
+from infra.cli import image
 from tests import forkserver
 
 DOCKERFILE = REPO / "images" / "training" / "Dockerfile"
@@ -47,31 +47,9 @@ def excluded(rel: str, patterns: list[str]) -> bool:
 
 
 def parse_dockerfile(path: Path = DOCKERFILE) -> tuple[str, list[tuple[str, str]], dict]:
-    """(WORKDIR, [(source, destination)] of every COPY in order, ENV assignments) of a Dockerfile.
-
-    Handles line continuations, ``COPY --flag=... SRC... DEST`` with several sources, and ``ENV K=V K=V``.
-    Raises AssertionError for a COPY form this parser does not understand (JSON form, --from stages).
-    """
-    text = path.read_text().replace("\\\n", " ")
-    workdir, copies, env = "/", [], {}
-    for line in text.splitlines():
-        words = shlex.split(line, comments=True) if line.strip() else []
-        if not words:
-            continue
-        op, args = words[0].upper(), words[1:]
-        if op == "WORKDIR":
-            workdir = args[0]
-        elif op == "ENV":
-            env.update(a.split("=", 1) for a in args if "=" in a)
-        elif op == "COPY":
-            flags = [a for a in args if a.startswith("--")]
-            assert not any(f.startswith("--from") for f in flags), f"COPY {args}: multi-stage copy not modelled"
-            paths = [a for a in args if not a.startswith("--")]
-            assert len(paths) >= 2 and not paths[0].startswith("["), f"COPY {args}: form not understood"
-            dest = paths[-1]
-            dest = dest if dest.startswith("/") else f"{workdir.rstrip('/')}/{dest}"
-            copies += [(src, dest) for src in paths[:-1]]
-    return workdir, copies, env
+    """(WORKDIR, [(source, destination)] of every COPY, ENV) of the training Dockerfile: push-image's parser, the
+    one that decides which folders make the image tag dirty."""
+    return image.parse_dockerfile(path)
 
 
 def build_layout(root: Path) -> Path:

@@ -5,15 +5,18 @@ line naming the flag and what was expected. The smoke itself builds a 6 GiB imag
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+
+import pytest
 
 from tests.infra_helpers import REPO
 
 
-def _smoke(*args: str) -> subprocess.CompletedProcess:
+def _smoke(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "infra.cli.smoke", *args]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})
 
 
 def test_a_data_folder_without_the_shared_datasets_is_named(tmp_path):
@@ -33,19 +36,71 @@ def test_an_unknown_msda_value_is_refused_by_the_parser():
     assert res.returncode == 2 and "--msda" in res.stderr and "'cuda', 'reference'" in res.stderr
 
 
-def test_too_little_disk_in_the_builders_store_is_refused_before_any_build(tmp_path):
-    store, calls = tmp_path / "store", tmp_path / "calls.log"
-    store.mkdir()
+def _fake_buildah(tmp_path, store):
+    calls = tmp_path / "calls.log"
     fake = tmp_path / "buildah"
-    fake.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n[ "$1" = info ] && echo {store} && exit 0\nexit 1\n')
+    fake.write_text(
+        f'#!/bin/sh\necho "$@" >> {calls}\n[ "$1" = --version ] && echo "buildah version 1.28.2 (fake)" && exit 0\n'
+        f'[ "$1" = info ] && echo {store} && exit 0\nexit 1\n'
+    )
     fake.chmod(0o755)
+    return fake, calls
+
+
+def test_too_little_disk_in_the_builders_store_is_refused_before_any_build(tmp_path):
+    store = tmp_path / "store"
+    store.mkdir()
+    fake, calls = _fake_buildah(tmp_path, store)
     res = _smoke("--builder", str(fake), "--build-only", "--min-free-gib", "1e9")
     assert res.returncode == 2 and res.stdout == ""
-    assert (
-        res.stderr.count("\n") == 1 and f"error: {store}: " in res.stderr and "needs about 1000000000 GiB" in res.stderr
-    )
+    assert res.stderr.count("\n") == 1 and f"error: {store}" in res.stderr and "need about 1" in res.stderr
     assert "--min-free-gib 0" in res.stderr
     assert not any(line.split()[0] in ("bud", "build") for line in calls.read_text().splitlines())
+
+
+def test_too_little_space_in_tmpdir_is_refused_before_any_build(tmp_path):
+    """TMPDIR (where buildah writes the pushed layers and the smoke its local registry) is checked with the store:
+    on one file system their needs add up, and the line names both."""
+    store = tmp_path / "store"
+    store.mkdir()
+    fake, calls = _fake_buildah(tmp_path, store)
+    res = _smoke("--builder", str(fake), "--build-only", "--min-free-gib", "1e9", env={"TMPDIR": str(tmp_path)})
+    assert res.returncode == 2 and res.stderr.count("\n") == 1
+    assert f"error: {store} and {tmp_path}: " in res.stderr and "TMPDIR" in res.stderr
+    assert not any(line.split()[0] in ("bud", "build") for line in calls.read_text().splitlines())
+
+
+@pytest.mark.parametrize(
+    "args,says",
+    [
+        (["--builder", "/bin/true"], "--builder /bin/true: not an OCI builder"),
+        (["--ca-bundle", "/nonexistent/ca.pem"], "--ca-bundle /nonexistent/ca.pem: no such readable file"),
+        (["--archs", "7.0"], "--archs '7.0': '7.0' is not an architecture the base's nvcc 13.3 and torch build"),
+        (["--name", "Trainstack:x"], "--name 'Trainstack:x': not an image name"),
+    ],
+    ids=["builder", "ca-bundle", "archs", "name"],
+)
+def test_bad_inputs_are_refused_before_building_with_one_line(args, says, tmp_path):
+    """Given a fake buildah (a real one would build if the refusal went missing: it did, with a missing
+    --ca-bundle, an unsupported arch and /bin/true taken for docker)."""
+    store = tmp_path / "store"
+    store.mkdir()
+    fake, calls = _fake_buildah(tmp_path, store)
+    builder = [] if "--builder" in args else ["--builder", str(fake)]
+    res = _smoke(*args, *builder, "--build-only", "--min-free-gib", "0", "--base-image", "scratch")
+    assert res.returncode == 2 and res.stdout == "" and res.stderr.count("\n") == 1, res.stderr
+    assert res.stderr.startswith(f"error: {says}"), res.stderr
+    assert not calls.exists() or not any(ln.split()[0] in ("bud", "from") for ln in calls.read_text().splitlines())
+
+
+def test_the_make_targets_build_distinct_local_names():
+    """make image, image-cpu and image-smoke tagged one name, so each replaced the others' image."""
+    names = {}
+    for target in ("image", "image-cpu", "image-smoke"):
+        out = subprocess.run(["make", "-n", target], cwd=REPO, capture_output=True, text=True).stdout
+        line = next(ln for ln in out.splitlines() if "infra.cli.smoke" in ln)
+        names[target] = line.split("--name ")[1].split()[0] if "--name " in line else "trainstack-training-smoke"
+    assert len(set(names.values())) == 3, names
 
 
 def test_buildah_containers_start_through_the_images_entrypoint(tmp_path):

@@ -398,6 +398,7 @@ def _fake_docker(tmp_path):
         f"#!{sys.executable}\nimport json, sys\nstdin = sys.stdin.read() if 'login' in sys.argv else ''\n"
         f"open({str(calls)!r}, 'a').write(json.dumps([sys.argv[1:], stdin]) + '\\n')\n"
         f"if sys.argv[1] == 'push': print('c0ffee: digest: sha256:{FAKE_DIGEST} size: 529')\n"
+        "if sys.argv[1] == '--version': print('Docker version 28.2.2, build fake')\n"
     )
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     return fake, calls

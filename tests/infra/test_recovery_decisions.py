@@ -1,4 +1,4 @@
-"""Issue 49: recovery brings back only what AWS took, and says so loudly when it cannot (D1-D9), in moto.
+"""Recovery brings back only what AWS took, and says so loudly when it cannot, in moto.
 
 Events are full EventBridge envelopes (tests/infra/test_recovery.py). StateReason is what EC2 reports (EC2 API
 reference, "StateReason"): moto's TerminateInstances records ``Client.UserInitiatedShutdown: User initiated

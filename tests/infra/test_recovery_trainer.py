@@ -1,4 +1,4 @@
-"""EC2 job recovery with the trainer (issue 36 item 3, last bullet): a CPU job SIGTERMed as the spot notice would,
+"""EC2 job recovery with the trainer: a CPU job SIGTERMed as the spot notice would,
 relaunched by the recovery controller's decision, ends bit-identical to an uninterrupted run.
 
 The stacks are deployed into moto (in-process, as tests/infra/test_recovery.py does) and the job is launched

@@ -372,7 +372,7 @@ def test_backbone_loads_a_local_torchvision_state_dict(tmp_path):
 
 @pytest.mark.parametrize("kind", ["text", "list", "resnet50", "dino_state", "wrapped"])
 def test_backbone_file_that_is_not_this_resnet_is_one_config_error(kind, tmp_path):
-    """issue 25: these files raised IndexError / RuntimeError / TypeError from deep inside torch; now one
+    """These files raised IndexError / RuntimeError / TypeError from deep inside torch; now one
     ConfigError naming ``pretrained_backbone`` and the file (the CLI prints it as one line, exit 2). A
     ``{"model": state_dict}`` wrapper of the right ResNet loads."""
     import torchvision

@@ -1,4 +1,4 @@
-"""``cuda_graphs`` (issue 37 item 3): DINO's dense part (backbone to heads) replayed from CUDA graphs, one per
+"""``cuda_graphs``: DINO's dense part (backbone to heads) replayed from CUDA graphs, one per
 canvas. On the CPU: every configuration that cannot be captured is refused in one line, and the dense part is
 capture-safe (no host read, no tensor made from host data, after the first call of a shape); the capture itself
 and its equality with the eager step run on CUDA only (skipped here)."""

@@ -1,4 +1,4 @@
-"""The matcher's batched solver (``matcher: batched``, issue 37 item 4): torch-linear-assignment solves every
+"""The matcher's batched solver (``matcher: batched``): torch-linear-assignment solves every
 (prediction set, image) of a step at once on the cost's device, SciPy per (set, image) is the reference. Compared on
 random, tied and real (a DINO forward on facemask's most crowded images) cost matrices: the same targets matched,
 one query each, the same optimal total cost (with ties the queries may differ). On the CPU the package solves each

@@ -1,4 +1,4 @@
-"""Static-size denoising part (``dn_max_boxes``, issue 37 item 2): one decoder input shape whatever the batch's
+"""Static-size denoising part (``dn_max_boxes``): one decoder input shape whatever the batch's
 box counts, and the same training signal as upstream's per-batch sizing."""
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def test_boxes_past_the_cap_get_no_denoising_query_but_are_still_matched():
 
 
 def test_compiled_layers_see_one_shape_whatever_the_box_counts():
-    """Issue 37 item 5's CPU proxy, counted: with the static-size part, training steps whose images hold 1, 3 and
+    """The CPU proxy of recompilation, counted: with the static-size part, training steps whose images hold 1, 3 and
     6 boxes compile the encoder and decoder layers once (dynamo's backend "eager": the graphs and guards of
     ``compile: true`` without Inductor's code generation); with upstream's per-batch sizing a new largest box
     count recompiles the decoder layer."""
@@ -129,7 +129,7 @@ def test_compiled_layers_see_one_shape_whatever_the_box_counts():
 
 
 def test_compiled_layers_compile_once_per_canvas():
-    """Issue 37 items 3 and 5 (``compile: true`` with canvases): over 4 canvases, each seen with two box counts
+    """``compile: true`` with canvases: over 4 canvases, each seen with two box counts
     and then seen again, the encoder and decoder layers compile once per canvas (the level shapes are Python ints
     the layers specialise on), at most 4 graphs each, never for a new box count or a canvas seen before
     (dynamo's backend "eager", as above)."""

@@ -72,7 +72,7 @@ def test_upstream_src_is_checked_before_anything_runs(shared_data, tmp_path):
 
 
 def test_gpu_script_parses_and_refuses_missing_data_before_touching_the_gpu(tmp_path):
-    """benchmarks/gpu_dino.sh (issue 23's GPU figures in one command) is valid bash and checks DATA first."""
+    """benchmarks/gpu_dino.sh (DINO's GPU figures in one command) is valid bash and checks DATA first."""
     script = REPO / "benchmarks" / "gpu_dino.sh"
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     res = subprocess.run(

@@ -2,7 +2,7 @@
 
 Skips with the command to run only when nothing was built; otherwise checks that the library loads on this
 GPU-less machine, that its argument checks answer clearly, and that the script is idempotent. Without a build:
-which CUDA library headers a compiler-only toolkit gets from the torch wheel (issue 48) and where ninja is found;
+which CUDA library headers a compiler-only toolkit gets from the torch wheel and where ninja is found;
 under `make test-image-torch`, that the op was built by the image's nvcc 13.3 against torch's CUDA 13.0.
 """
 
@@ -73,7 +73,7 @@ def _fake_include(root, files=(), folders=()):
 
 
 def test_library_header_shim_links_only_what_the_toolkit_lacks_after_its_include(tmp_path):
-    """Issue 48: a compiler-only toolkit (runtime headers, crt, CCCL; no cuBLAS/cuSPARSE/cuSOLVER) and the torch
+    """A compiler-only toolkit (runtime headers, crt, CCCL; no cuBLAS/cuSPARSE/cuSOLVER) and the torch
     wheel's include folder of another CUDA minor: the shim links exactly the library headers the toolkit lacks
     (files and top-level folders), never a runtime header, and the compiler searches it after the toolkit, also for
     the runtime headers a linked library header includes by quoted name."""
@@ -151,7 +151,7 @@ def test_ninja_is_found_next_to_the_interpreter(tmp_path, monkeypatch):
 def test_built_by_the_image_toolkit_whose_cuda_minor_differs_from_torch():
     """`make test-image-torch` builds the op with the image base's compiler-only toolkit (nvcc 13.3, no cuBLAS
     headers, build/cuda-13.3) under the image's torch (CUDA 13.0 wheels) and sets TRAINSTACK_MSDA_EXPECT_CUDA=13.3:
-    the build stamp records that nvcc, the toolkit has no cublas_v2.h, and the extension loads (issue 48)."""
+    the build stamp records that nvcc, the toolkit has no cublas_v2.h, and the extension loads."""
     want = os.environ.get("TRAINSTACK_MSDA_EXPECT_CUDA")
     if not want:
         pytest.skip("TRAINSTACK_MSDA_EXPECT_CUDA unset: `make test-image-torch` sets it (13.3, the image's nvcc)")

@@ -17,9 +17,11 @@ rtol (the kernels accumulate in fp32; only the final rounding to the output dtyp
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
-from msda_cases import DINO_LEVELS, make_inputs
+from msda_cases import DINO_LEVELS, loaded_libraries, make_inputs
 
 from trainer.ops import msda
 
@@ -137,3 +139,17 @@ def test_cuda_errors_are_clear():
         msda.MSDeformAttnFunction.apply(value, shapes, starts, loc.transpose(0, 1), attn, 64)
     with pytest.raises(RuntimeError, match="must share one dtype"):
         msda.MSDeformAttnFunction.apply(value, shapes, starts, loc.half(), attn, 64)
+
+
+def test_the_op_runs_on_torchs_cuda_runtime():
+    """The op is compiled by the base's nvcc 13.3 but links libcudart.so.13 by name; torch loaded its own CUDA 13.0
+    runtime first (libtorch_cuda.so's DT_RPATH, searched before LD_LIBRARY_PATH's /usr/local/cuda/lib64), so the
+    process holds one libcudart, torch's. Prints it (pytest -s)."""
+    value, shapes, starts, loc, attn = make_inputs(n=1, lq=4, device="cuda", dtype=torch.float32)
+    msda.ms_deform_attn(value, shapes, starts, loc, attn)
+    torch.cuda.synchronize()
+    with open("/proc/self/maps") as f:
+        loaded = loaded_libraries(f.read(), "libcudart")
+    print("libcudart loaded:", loaded, "LD_LIBRARY_PATH:", os.environ.get("LD_LIBRARY_PATH", ""))
+    torch_nvidia = os.path.realpath(os.path.join(os.path.dirname(torch.__file__), "..", "nvidia"))
+    assert len(loaded) == 1 and os.path.realpath(loaded[0]).startswith(torch_nvidia + os.sep), loaded

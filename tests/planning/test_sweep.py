@@ -31,7 +31,7 @@ from trainer.config.sweep import (
     search_space,
     trial_name,
 )
-from trainer.engine.durable import WriterLock, lock_holder
+from trainer.engine.durable import LOCK_FILE, WriterLock, lock_holder
 from trainer.errors import ConfigError
 from trainer.planning.local import max_local_jobs
 from trainer.planning.sweep import parallel_for_space, resource_overrides, trial_result, worst_overrides
@@ -281,7 +281,7 @@ def test_a_swept_model_is_checked_per_model_and_the_tightest_sets_k(shared_data,
         parallel_for_space(BASE, fixed, trials, 4, 2, None, out)
 
 
-# ------------------------------------------------------------------------------- one writer per trial (issue 53)
+# -------------------------------------------------------------------------------------------- one writer per trial
 def _popen_sweep(args: list[str]) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "trainer", "sweep", "--config", str(BASE), *args]
@@ -362,3 +362,52 @@ def test_a_trial_whose_lock_is_held_is_not_started_and_trials_share_one_tracking
     runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
     assert [(r.info.run_name, r.data.tags.get("trial"), r.info.status) for r in runs] == [("t001", "t001", "FINISHED")]
     assert runs[0].data.tags["sweep"] == str(new)
+
+
+# ------------------------------------------------------------------- signals during the probe, one sweep per --out
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_sweep_signalled_during_its_probe_stops_the_probe_and_says_so(shared_data, tmp_path):
+    """SIGHUP while the sweep probes (before any trial): the probe is stopped and the sweep says so, exit 75.
+    Before, the sweep died of the signal without a word and the probe ran on as an orphan."""
+    import psutil
+
+    out = tmp_path / "o"
+    proc = _popen_sweep(["--data", str(shared_data / "hymenoptera"), *TINY, *GRID, "--out", str(out)])
+    probes: list = []
+
+    def probing() -> bool:
+        probes[:] = [c for c in psutil.Process(proc.pid).children() if "probe" in c.cmdline()]
+        return bool(probes)
+
+    try:
+        _wait(probing, "the probe never started", timeout=120)
+        proc.send_signal(signal.SIGHUP)
+        text, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 75, text[-3000:]
+        assert f"sweep: SIGHUP during the probe: the probe (pid {probes[0].pid}) was stopped" in text, text[-3000:]
+        _wait(lambda: not probes[0].is_running() or probes[0].status() == psutil.STATUS_ZOMBIE, "probe alive", 5)
+        assert not (out / "sweep.json").exists()
+    finally:
+        for p in [proc, *probes]:
+            if p.poll() is None if isinstance(p, subprocess.Popen) else p.is_running():
+                p.kill()
+
+
+@pytest.mark.slow
+def test_a_second_sweep_on_the_same_out_is_refused_naming_the_first(shared_data, tmp_path):
+    """A second sweep on an ``--out`` that a running sweep holds exits 2 with one line naming that sweep's pid, and
+    starts nothing there. Before, both ran, so two trials trained at once where K = 1."""
+    out = tmp_path / "o"
+    out.mkdir()
+    first = WriterLock(out)  # what a running sweep holds on its --out
+    assert first.acquire() is None
+    try:
+        proc = _sweep("--data", str(shared_data / "hymenoptera"), *TINY, *GRID, "--out", str(out), timeout=120)
+    finally:
+        first.release()
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    err = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(err) == 1 and f"another sweep is running on this folder: pid {os.getpid()} on host " in err[0], err
+    check_error_line(err[0])
+    assert [p.name for p in out.iterdir() if p.name != LOCK_FILE] == []  # no probe, no trial

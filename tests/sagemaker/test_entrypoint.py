@@ -279,7 +279,7 @@ def fake_torchrun(monkeypatch, rc: int = 0, records=()) -> list[bool]:
 
 @pytest.mark.parametrize("hosts,current", [(("algo-1",), "algo-1"), (("algo-1", "algo-2"), "algo-2")])
 def test_good_rerun_removes_an_earlier_failure_file(tmp_path, monkeypatch, hosts, current):
-    """Issue 48: a bad-hyperparameter run, then a good one in the same root (spot restart, rerun): every host
+    """A bad-hyperparameter run, then a good one in the same root (spot restart, rerun): every host
     (each writes its own failure file) removes the earlier one before torchrun starts."""
     root = make_root(tmp_path, hosts=hosts, current=current, hps={"learning_rate": "1e-4"})
     monkeypatch.setenv("TRAINSTACK_SM_ROOT", str(root))

@@ -1,4 +1,4 @@
-"""compile: true for detection (issue 23): DINO's encoder and decoder layers are compiled with torch.compile
+"""compile: true for detection: DINO's encoder and decoder layers are compiled with torch.compile
 (Inductor, on the CPU here), the deformable-attention op is one node of their graphs (no graph break), the loss
 of a compiled step equals the eager one, and a machine where Inductor cannot run gets one clear line."""
 

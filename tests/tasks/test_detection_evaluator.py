@@ -129,3 +129,32 @@ def test_a_ground_truth_annotation_id_0_is_matched_like_any_other(tmp_path):
     )
     m = ev.compute()
     assert m["map"] == pytest.approx(100.0) and m["ap_thing"] == pytest.approx(100.0)
+
+
+def test_dropped_images_stay_as_missed_detections_and_undefined_aps_print_as_a_dash(tmp_path):
+    """An image the reader dropped (a zero-area box, a missing file) keeps its ground truth in COCOeval's image set
+    (before, dropping it raised mAP); an area range without ground truth is undefined: NaN, printed ``-``."""
+    from trainer.engine.logging import format_kv
+
+    images = [{"id": i, "file_name": f"{i}.jpg", "width": 200, "height": 200} for i in (1, 2)]
+    anns = [{"id": i, "image_id": i, "category_id": 1, "bbox": [10, 10, 120, 120]} for i in (1, 2)]  # large only
+    path = tmp_path / "gt.json"
+    path.write_text(json.dumps({"images": images, "annotations": anns, "categories": [{"id": 1, "name": "a"}]}))
+    found = {
+        "boxes": torch.tensor([[10.0, 10, 130, 130]]),
+        "scores": torch.tensor([0.9]),
+        "labels": torch.zeros(1, dtype=torch.int64),
+    }
+
+    def score(left_out):
+        ev = CocoEvaluator(path, (1,), ("a",), left_out)
+        ev.reset()
+        ev.update([found], {"image_ids": [1]})  # image 2 was dropped by the reader
+        return ev.compute()
+
+    alone, with_dropped = score(()), score((2,))
+    assert alone["map"] == pytest.approx(100.0) and alone["images_dropped"] == 0
+    assert with_dropped["map"] < 60 and with_dropped["mar_100"] == pytest.approx(50.0)
+    assert with_dropped["images"] == 1 and with_dropped["images_dropped"] == 1
+    assert np.isnan(with_dropped["map_small"]) and np.isnan(with_dropped["map_medium"])
+    assert "map_small=- map_medium=-" in format_kv(with_dropped)

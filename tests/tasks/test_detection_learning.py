@@ -1,4 +1,4 @@
-"""End-to-end learning proof for ``task: detection`` (issue 14): DINO-4scale overfits a few facemask images.
+"""End-to-end learning proof for ``task: detection``: DINO-4scale overfits a few facemask images.
 
 Matching, losses, denoising, post-processing and the COCO evaluator only agree if a model trained on a few images
 finds them again: mAP@0.5 on the training images themselves must clear a threshold. The images are chosen from

@@ -1,4 +1,4 @@
-"""DINO for users coming from IDEA-Research/DINO (issue 51), on facemask images re-labelled with COCO-style ids
+"""DINO for users coming from IDEA-Research/DINO, on facemask images re-labelled with COCO-style ids
 (1, 44, 90 out of 1..90; ../shared/data/facemask-coco) and a tiny DINO checkpoint written in upstream's layout
 (``{"model", "optimizer", "lr_scheduler", "epoch", "args"}``, 91 classes as upstream's ``num_classes``):
 
@@ -84,6 +84,20 @@ def upstream_ckpt(coco90, tmp_path_factory) -> str:
     args = argparse.Namespace(modelname="dino", num_classes=91, dn_labelbook_size=91, lr=1e-4)
     torch.save({"model": model.state_dict(), "optimizer": {}, "lr_scheduler": {}, "epoch": 11, "args": args}, path)
     return str(path)
+
+
+def test_coco_ids_refuse_a_category_id_above_max_category_id(coco90):
+    """coco_ids builds max id + 1 outputs per head: one stray large id would build a huge head (10**6 was killed
+    for memory at 23.5 GB); above ``max_category_id`` the data is refused in one line naming the id and file."""
+    from trainer.errors import DataError
+
+    task = build_task(load_config(None, {**coco90, "max_category_id": 89}), CPU)
+    with pytest.raises(DataError) as e:
+        task.build_data()
+    msg = str(e.value)
+    assert "\n" not in msg and "instances_train.json" in msg and "category id 90" in msg
+    assert "max_category_id (89)" in msg
+    assert build_task(load_config(None, {**coco90, "max_category_id": 90}), CPU).build_data().num_outputs == 91
 
 
 def test_coco_ids_keep_the_category_ids_and_load_upstreams_heads(coco90, upstream_ckpt, tmp_path, capsys):
@@ -210,6 +224,19 @@ def test_predict_batch_1_and_8_agree_and_carry_coco_ids(coco90, upstream_ckpt, t
         assert abs(r1["score"] - r8["score"]) <= SCORE_TOL
         assert max(abs(x - y) for x, y in zip(r1["bbox"], r8["bbox"])) <= BOX_TOL_PX
         assert 0 <= r1["category_id"] <= 90 and r1["category"] == names.get(r1["category_id"], str(r1["category_id"]))
+
+
+def test_evaluate_refuses_an_upstream_checkpoint_whose_class_heads_would_be_random(
+    coco90, upstream_ckpt, tmp_path, capsys
+):
+    """contiguous labels (3 classes) against the file's 91-column heads: 27 tensors re-initialised; evaluating
+    them printed mAP 0.00 and exited 0. Now exit 2, one line naming the tensors and the label-space fix."""
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({**coco90, "label_space": "contiguous"}))
+    assert main(["evaluate", "--config", str(config), "--init-from", upstream_ckpt]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("error: --init-from: checkpoint0011_4scale.pth leaves ")
+    assert "label_space: coco_ids" in err and "91 columns" in err
 
 
 def test_evaluate_prints_box_map_for_an_upstream_checkpoint(coco90, upstream_ckpt, tmp_path, capsys):

@@ -1,7 +1,7 @@
-"""Issue 23's CPU proxy of DINO's GPU step (benchmarks/dino_step.py): host syncs and ATen operator calls per
+"""The CPU proxy of DINO's GPU step (benchmarks/dino_step.py): host syncs and ATen operator calls per
 training step, counted with torch.profiler on the CPU. Counts, not times: they do not depend on the machine, the
 thread count or the layer widths, so the DINO-4scale architecture (6 + 6 layers, 4 levels, 900 queries, dn 100)
-runs here at width 64 and 192 px to stay quick. Before issue 23 the same step made 451 host syncs and about
+runs here at width 64 and 192 px to stay quick. The same step used to make 451 host syncs and about
 41,000 ATen calls (docs/benchmarks.md)."""
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def test_the_counting_rule_counts_a_multi_tensor_op_once():
 
 
 def test_the_batched_matcher_reads_nothing_back(monkeypatch):
-    """``--matcher batched`` (issue 37 item 4): the matcher's own code makes no host read, so with the solver
+    """``--matcher batched``: the matcher's own code makes no host read, so with the solver
     standing in on the device (on CUDA torch-linear-assignment's Triton kernel, which reads nothing back with its
     validation off; on the CPU the package would loop over SciPy) a step has no host copy and no sync at all."""
     from trainer.models.dino import matcher
@@ -97,7 +97,7 @@ MAX_EAGER_ATEN_CALLS_WITH_GRAPHS = 2_800
 
 
 def test_cuda_graphs_leave_a_fifth_of_the_step_to_the_host():
-    """``--cuda-graphs`` (issue 37 item 3) with ``profiling.graph_stand_in`` marking on the CPU what one graph
+    """``--cuda-graphs`` with ``profiling.graph_stand_in`` marking on the CPU what one graph
     replay launches on CUDA: the dense part's forward and backward are more than 80 % of the step's ATen calls,
     what stays eager is under the ceiling, and the only host reads are outside the graphs (the matcher's copy)."""
     args = dino_step.parser().parse_args(

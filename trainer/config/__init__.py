@@ -57,6 +57,7 @@ from trainer.config.schema import (  # noqa: F401
     flag_of,
     is_task_section,
     section_of,
+    section_title,
     task_names,
 )
 from trainer.errors import ConfigError  # noqa: F401 - re-exported
@@ -86,6 +87,7 @@ __all__ = [
     "is_task_section",
     "load_config",
     "section_of",
+    "section_title",
     "task_names",
     "yaml_fields",
 ]

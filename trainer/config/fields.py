@@ -228,6 +228,12 @@ class TrainConfig:
     tracking_run_name: Optional[str] = _log(None, "Name of the tracked run (default: the tracker's generated name).")
 
     # --- classification (task section: only with task: classification) ------------------------------
+    weights: Optional[str] = _cls(
+        None,
+        "Start from pretrained weights: a torchvision weights name of model (IMAGENET1K_V2, DEFAULT; from torch.hub's "
+        "cache, downloaded once when online) or a local .pth/.safetensors state_dict or timm/torchvision checkpoint; "
+        "the classifier head is replaced when its classes differ from the data's (docs/classification.md).",
+    )
     label_smoothing: float = _cls(0.0, "Label smoothing for the cross-entropy loss, in [0, 1).")
     mixup_alpha: float = _cls(0.0, "MixUp Beta(alpha, alpha) parameter (0 = MixUp off).")
     cutmix_alpha: float = _cls(1.0, "CutMix Beta(alpha, alpha) parameter (0 = CutMix off).")
@@ -261,10 +267,15 @@ class TrainConfig:
         "heads load as they are (docs/detection.md).",
         choices=("contiguous", "coco_ids"),
     )
+    max_category_id: int = _det(
+        10_000,
+        "label_space: coco_ids builds max id + 1 outputs per class head: a category id above this refuses the data "
+        "(one stray id 10**6 would build a million-class head). COCO 2017's largest is 90; LVIS's 1203.",
+    )
     pad_value: str = _det(
         "mean",
         "Padding of batches and canvases: mean = the mean colour, 0 after normalisation (upstream DINO's "
-        "nested_tensor_from_tensor_list); black = pixel value 0 before normalisation (this trainer before issue 51).",
+        "nested_tensor_from_tensor_list); black = pixel value 0 before normalisation (the padding before 2026-11-28).",
         choices=("mean", "black"),
         legacy="black",
     )
@@ -528,7 +539,7 @@ FIELDS_BY_SECTION: dict[str, tuple[str, ...]] = {
 def saved_config(saved: dict) -> dict:
     """A checkpoint's stored config (``state["config"]``, a plain dict) with every field it lacks that has a
     ``legacy`` value (:func:`trainer.config.schema.config_field`) filled with that value: the setting the older
-    trainer that wrote it actually used (e.g. ``pad_value: black`` for detection checkpoints from before issue 51).
+    trainer that wrote it actually used (e.g. ``pad_value: black`` for detection checkpoints older than the field).
     Only the fields of shared sections and of the checkpoint's own task (``saved["task"]``) are filled; fields
     without a legacy value stay absent (their default reproduces the older trainer). Returns a new dict."""
     out = dict(saved)

@@ -62,6 +62,30 @@ SECTIONS: dict[str, str] = {
     "Transformer over time, cached features.",
 }
 
+#: Section name -> the title of its ``--help`` group: what a user does there (the section name, its YAML key, follows
+#: where it differs). Same keys as :data:`SECTIONS`.
+SECTION_TITLES: dict[str, str] = {
+    "run": "model and run length",
+    "data": "data",
+    "loader": "batches and loading",
+    "optim": "schedule and optimizer",
+    "speed": "speed",
+    "checkpoint": "checkpointing and resuming",
+    "logging": "logging and tracking",
+    "classification": "classification",
+    "detection": "detection",
+    "segmentation": "segmentation",
+    "video": "video",
+}
+
+
+def section_title(section: str) -> str:
+    """``--help``'s group title of ``section``: ``schedule and optimizer (YAML section optim)``, or the name alone
+    where the title is the name or none is written (a new task's section)."""
+    title = SECTION_TITLES.get(section, section)
+    return title if title == section else f"{title} (YAML section {section})"
+
+
 #: Allowed values of a field: a tuple, or a function returning one (evaluated when used, e.g. the task registry).
 Choices = Union[tuple, Callable[[], tuple]]
 
@@ -98,7 +122,7 @@ def config_field(
         choices: allowed values (a tuple, or a function returning one).
         aliases: other accepted YAML keys and (hidden) flag names, e.g. seed 002's ``compile_model``.
         legacy: the value a checkpoint written before the field existed was trained with, when that is not
-            ``default`` (e.g. ``pad_value``: ``black`` before issue 51); None: such checkpoints behaved as the
+            ``default`` (e.g. ``pad_value``: ``black`` before the field existed); None: such checkpoints behaved as the
             default does. Read by :func:`trainer.config.fields.saved_config`.
 
     Raises:

@@ -75,6 +75,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         "progressive_stages",
         "progressive_min_size",
         "step_size_epochs",
+        "max_category_id",
     )
     for name in _positive:
         if getattr(cfg, name) < 1:

@@ -13,12 +13,22 @@ process has threads (gloo's, the checkpoint writer, other loaders' queue feeders
 leave a child forked from a threaded process deadlocked in its after-fork clean-up (docs/benchmarks.md, "The
 fork deadlock"). ``python -m trainer train`` makes that server a fork of itself taken at its start, while it has
 no other thread (:func:`fork_worker_server`); elsewhere the server is a fresh interpreter.
+
+None of them outlives the training process, whatever ends it (SIGKILL and the OOM killer included): the server
+gets SIGKILL when the training process dies, and each worker when the server dies (Linux ``PR_SET_PDEATHSIG``,
+:mod:`trainer.parent_death`). Without that, SIGKILL of the training process left the server, its workers and
+``multiprocessing``'s resource tracker alive for good: each worker holds the server's liveness pipe (so the
+server never sees its last client go) and watches only its own parent, the server; the tracker ends when the
+last holder of its pipe, a worker, has. The server is armed only when started from the main thread (the signal
+follows the thread that started it: :func:`start_worker_server`); the tracker is not armed (when its pipe
+closes it unlinks what the dead processes left, which a death signal would skip).
 """
 
 from __future__ import annotations
 
 import atexit
 import multiprocessing
+import os
 import signal
 import sys
 import weakref
@@ -29,6 +39,7 @@ from typing import Optional
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
 
+from trainer import parent_death
 from trainer.data.sampler import EpochSampler
 
 _LIVE = weakref.WeakSet()
@@ -37,6 +48,9 @@ _LIVE = weakref.WeakSet()
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _PRELOAD = {"__main__", "torch", "torchvision", __name__}
 _FORKED: set = set()  # pids of worker servers started by fork_worker_server
+#: Environment variable that hands a fresh worker server the pid of the process (main thread) that started it.
+_PARENT_ENV = "TRAINSTACK_WORKER_SERVER_PARENT"
+_SERVER_PID: Optional[int] = None  # in the worker server and its workers: the server's pid
 
 
 def ignore_stop_signals(worker_id: int) -> None:
@@ -44,7 +58,11 @@ def ignore_stop_signals(worker_id: int) -> None:
 
     A worker starts with both blocked (inherited from the fork server, :func:`worker_context`), because torch's
     worker loop installs a SIGTERM handler that kills the worker before this function runs; a signal that came
-    in between is held pending and discarded here."""
+    in between is held pending and discarded here.
+
+    The worker also gets SIGKILL when the server, its parent, dies (module doc)."""
+    if _SERVER_PID is not None:
+        parent_death.die_with_parent(signal.SIGKILL, _SERVER_PID)
     for s in _STOP_SIGNALS:
         signal.signal(s, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
@@ -79,10 +97,15 @@ def worker_context(*objects) -> multiprocessing.context.BaseContext:
 def start_worker_server() -> None:
     """Start the fork server of :func:`worker_context` now (it imports torch and the preloaded modules, ~3.5 s
     of one core), so that this overlaps the caller's own set-up instead of delaying the first batch. Returns
-    at once; a no-op when it runs already."""
+    at once; a no-op when it runs already. Called from the main thread, the server dies with this process
+    (module doc); from another thread it is not armed (the thread's exit would kill it)."""
     import multiprocessing.forkserver
 
-    multiprocessing.forkserver.ensure_running()
+    os.environ[_PARENT_ENV] = str(os.getpid()) if parent_death.started_from_main_thread() else ""
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        os.environ.pop(_PARENT_ENV, None)
 
 
 def fork_worker_server() -> bool:
@@ -129,12 +152,12 @@ def _fork_passfds(path: str, args: list[str], passfds) -> int:
     server. The child never returns: ``os._exit`` with the code's exit status (its parent's ``atexit`` handlers
     are not its own)."""
     import gc
-    import os
 
     code = args[args.index("-c") + 1]
     keep = {0, 1, 2, *passfds}
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
+    parent = os.getpid()
     pid = os.fork()
     if pid:
         return pid
@@ -146,8 +169,9 @@ def _fork_passfds(path: str, args: list[str], passfds) -> int:
                 os.close(fd)
             except OSError:
                 pass
-        if "multiprocessing.forkserver" in code:
+        if "multiprocessing.forkserver" in code:  # the server, not the resource tracker
             _serve_stop_signals_blocked()
+            parent_death.die_with_parent(signal.SIGKILL, parent)
         exec(compile(code, "<multiprocessing server>", "exec"), {"__name__": "__mp_server__"})
         status = 0
     except SystemExit as e:
@@ -188,7 +212,9 @@ def build_loader(
     The loader gets a private ``torch.Generator``: otherwise every ``iter(loader)`` draws its base seed from
     torch's global generator, which would shift the MixUp/CutMix stream of a resumed run (data order and
     augmentation come from the sampler keys, never from the loader's seed). Workers start from
-    :func:`worker_context`; ``dataset`` and ``collate`` must therefore pickle when ``num_workers > 0``.
+    :func:`worker_context`; ``dataset`` and ``collate`` must therefore pickle when ``num_workers > 0``. Call
+    :func:`start_worker_server` once the loaders are built: a server that the first iteration starts is not
+    armed to die with this process (that may be another thread than the main one).
     """
     return DataLoader(
         dataset,
@@ -285,11 +311,30 @@ def _in_worker_server() -> bool:
 
 
 def _serve_stop_signals_blocked() -> None:
-    """The worker server's signal set-up (:func:`worker_context`): SIGTERM and SIGINT blocked and ignored."""
+    """The worker server's signal set-up (:func:`worker_context`): SIGTERM and SIGINT blocked and ignored; its
+    pid kept for its workers (:func:`ignore_stop_signals`)."""
+    global _SERVER_PID
     signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
     for s in _STOP_SIGNALS:
         signal.signal(s, signal.SIG_IGN)
+    _SERVER_PID = os.getpid()
+
+
+def _is_fresh_server() -> bool:
+    """True in the fresh-interpreter server itself, False in a worker forked from it (a worker holds the server's
+    liveness descriptor, set before it unpickles anything that could import this module)."""
+    import multiprocessing.forkserver
+
+    return multiprocessing.forkserver._forkserver._forkserver_alive_fd is None
 
 
 if _in_worker_server():
-    _serve_stop_signals_blocked()
+    if _is_fresh_server():
+        _serve_stop_signals_blocked()
+        _parent = os.environ.pop(_PARENT_ENV, "")
+        if _parent.isdigit():  # started from its parent's main thread (start_worker_server)
+            parent_death.die_with_parent(signal.SIGKILL, int(_parent))
+    else:  # a worker importing this module for the first time: set up like the server's workers
+        signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+        for _s in _STOP_SIGNALS:
+            signal.signal(_s, signal.SIG_IGN)

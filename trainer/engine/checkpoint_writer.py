@@ -9,13 +9,18 @@ checkpoint the pipe carries only the tree's skeleton: every tensor replaced by `
 The writer clones each slot into its own tensor (so ``state.pt`` has one storage per tensor, byte for byte the
 format the thread writer produces) and calls the same :func:`~trainer.engine.durable.atomic_torch_save`.
 
-This is the "writer process on shared memory" alternative of issue 24 item 1. ``torch.distributed.checkpoint``'s
+Why a process of our own (docs/architecture.md, "Dated decisions"): ``torch.distributed.checkpoint``'s
 ``async_save`` with process-based staging is the library way, but it writes DCP's sharded ``.distcp`` format, not
 this repo's ``state.pt`` + manifest, which every resume, ``validate`` and ``export`` reads.
 
 The process ignores SIGINT and SIGTERM (a Ctrl-C to the process group or a spot interruption notice must not kill
-a write half-way: the trainer decides when to stop) and exits when its pipe closes. It is started with the
-fresh interpreter (:class:`WriterProcess`).
+a write half-way: the trainer decides when to stop) and exits when its pipe closes. Started by the training
+process's main thread, it also gets SIGKILL the moment that process dies (Linux ``PR_SET_PDEATHSIG``,
+:mod:`trainer.parent_death`): a checkpoint that the dead trainer can no longer complete is not worth finishing,
+and a write left half-done stays in a ``.tmp-ckpt-*`` folder that the next run removes. Started by another thread
+(a restart after the process died, from the trainer's writer thread, which ends after each checkpoint) it is not
+armed and ends with its pipe. Either way a trainer gone mid-write ends it quietly, without a traceback in the log.
+It is started with the fresh interpreter (:class:`WriterProcess`).
 """
 
 from __future__ import annotations
@@ -77,12 +82,18 @@ def shared_buffer(nbytes: int) -> tuple[torch.Tensor, int]:
     return flat, fd
 
 
-def _serve(sock_fd: int) -> None:
+def _serve(sock_fd: int, parent_pid: Optional[int] = None) -> None:
     """The writer process's loop on socket ``sock_fd``: ``("buffer", nbytes)`` + a descriptor maps a new shared
     buffer; ``("save", skeleton, path)`` writes it and answers ``("ok", {"bytes", "sha256"})``,
-    ``("oserror", errno, strerror, filename)`` or ``("error", text)``; end of the socket ends the process."""
+    ``("oserror", errno, strerror, filename)`` or ``("error", text)``; end of the socket, or a trainer gone
+    before the answer, ends the process quietly. ``parent_pid``: the trainer's pid when it started this process
+    from its main thread: SIGKILL when it dies (module doc)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if parent_pid is not None:
+        from trainer.parent_death import die_with_parent
+
+        die_with_parent(signal.SIGKILL, parent_pid)
     torch.set_num_threads(1)
     from trainer.engine.durable import atomic_torch_save
 
@@ -95,17 +106,25 @@ def _serve(sock_fd: int) -> None:
         except (EOFError, OSError):
             return
         if msg[0] == "buffer":
-            _, fds, _, _ = socket.recv_fds(sock, 1, 1)
+            try:
+                _, fds, _, _ = socket.recv_fds(sock, 1, 1)
+            except OSError:
+                return
+            if not fds:  # the trainer is gone
+                return
             flat = torch.from_file(f"/proc/self/fd/{fds[0]}", shared=True, size=msg[1], dtype=torch.uint8)
             os.close(fds[0])
             continue
         try:
-            meta = atomic_torch_save(rebuild(msg[1], flat), Path(msg[2]))
-            conn.send(("ok", meta))
+            reply = ("ok", atomic_torch_save(rebuild(msg[1], flat), Path(msg[2])))
         except OSError as e:
-            conn.send(("oserror", e.errno, e.strerror or str(e), e.filename))
+            reply = ("oserror", e.errno, e.strerror or str(e), e.filename)
         except BaseException as e:  # noqa: BLE001 - reported to the trainer, which raises it
-            conn.send(("error", f"{type(e).__name__}: {e}"))
+            reply = ("error", f"{type(e).__name__}: {e}")
+        try:
+            conn.send(reply)
+        except OSError:  # BrokenPipeError, ConnectionResetError: the trainer is gone, nobody to tell
+            return
 
 
 class WriterProcess:
@@ -140,7 +159,10 @@ class WriterProcess:
         ours, theirs = socket.socketpair()
         root = str(Path(__file__).resolve().parents[2])  # the folder holding the trainer package
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-        code = f"from trainer.engine.checkpoint_writer import _serve; _serve({theirs.fileno()})"
+        from trainer.parent_death import started_from_main_thread
+
+        parent = os.getpid() if started_from_main_thread() else None  # the module doc: which thread starts it
+        code = f"from trainer.engine.checkpoint_writer import _serve; _serve({theirs.fileno()}, {parent})"
         self._proc = subprocess.Popen(
             [sys.executable, "-c", code], pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL
         )

@@ -35,8 +35,11 @@ def metric_key(name: str) -> str:
 
 
 def better(a: float, b: Optional[float], direction: str) -> bool:
-    """True when metric value ``a`` is better than ``b`` (``b`` None: always) in ``direction`` ("max"/"min")."""
-    if b is None:
+    """True when metric value ``a`` is better than ``b`` (``b`` None or NaN: always) in ``direction``
+    ("max"/"min"); an undefined (NaN) ``a`` never is."""
+    if a != a:
+        return False
+    if b is None or b != b:
         return True
     return a > b if direction == "max" else a < b
 

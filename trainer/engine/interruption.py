@@ -1,9 +1,16 @@
-"""Stop requests: SIGTERM/SIGINT and the EC2 spot interruption notice, turned into one flag.
+"""Stop requests: SIGTERM/SIGINT/SIGHUP and the EC2 spot interruption notice, turned into one flag.
 
 Sources (any of them sets :class:`StopFlag`; nothing else happens in a signal handler or the poller):
 
 * ``SIGTERM`` — SageMaker stop and managed-spot reclaim, EC2 shutdown (systemd sends it to every process of
   the unit), ``docker stop``. Repeats are ignored.
+* ``SIGHUP`` — the terminal or SSH session closed (the kernel sends it to the session's foreground process
+  group). Stops like SIGTERM (durable checkpoint, exit 75, the tracked runs end KILLED), and first points the
+  standard output and error that are terminals at ``/dev/null`` (``nohup`` does the same). A write to the terminal
+  of a closed SSH session fails with EIO, which would crash the stop checkpoint's log lines; since the terminal
+  can go before the signal arrives, ``sys.stdout``/``sys.stderr`` on a terminal are wrapped while the handlers
+  are installed so that EIO does the same instead of raising (:class:`TerminalStream`). Output going to a file
+  or pipe is left as it is.
 * ``SIGINT`` — Ctrl-C. The first one prints (global rank 0) "SIGINT: stopping at the next step; Ctrl-C again to
   abort without saving" on stderr and stops like SIGTERM (durable checkpoint, exit 75). The second raises
   ``KeyboardInterrupt`` in the main thread and ignores any further SIGINT: the trainer abandons the checkpoint
@@ -25,9 +32,11 @@ the rest of it (the resumed run evaluates the epoch again).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
+import sys
 import threading
 import time
 import urllib.error
@@ -64,7 +73,7 @@ FIRST_SIGINT_MESSAGE = "SIGINT: stopping at the next step; Ctrl-C again to abort
 
 
 class SignalHandlers:
-    """Install SIGTERM/SIGINT handlers that set ``flag``; :meth:`restore` puts the old ones back.
+    """Install SIGTERM/SIGINT/SIGHUP handlers that set ``flag``; :meth:`restore` puts the old ones back.
 
     The first SIGINT also prints :data:`FIRST_SIGINT_MESSAGE` when ``announce`` (default: global rank 0, from
     torchrun's ``RANK``); the second raises ``KeyboardInterrupt`` and SIGINT is ignored from then on, so the
@@ -72,13 +81,15 @@ class SignalHandlers:
     for ``signal.signal``).
     """
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
     def __init__(self, flag: StopFlag, announce: Optional[bool] = None):
         self.flag = flag
         self.announce = announce if announce is not None else os.environ.get("RANK", "0") in ("", "0")
         self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
         self._sigints = 0
+        self._streams = (sys.stdout, sys.stderr)
+        sys.stdout, sys.stderr = (TerminalStream.wrap(s) for s in self._streams)
 
     def _handle(self, signum, frame) -> None:
         if signum == signal.SIGINT:
@@ -93,12 +104,72 @@ class SignalHandlers:
                     os.write(2, (FIRST_SIGINT_MESSAGE + "\n").encode())
                 except OSError:
                     pass
+        elif signum == signal.SIGHUP:
+            detach_from_terminal()
         self.flag.request(signal.Signals(signum).name)
 
     def restore(self) -> None:
         """Reinstall the handlers that were active before."""
         for s, h in self._previous.items():
             signal.signal(s, h)
+        for name, stream in zip(("stdout", "stderr"), self._streams):
+            if isinstance(getattr(sys, name), TerminalStream):  # ours, not replaced since
+                setattr(sys, name, stream)
+
+
+def detach_from_terminal() -> None:
+    """Point file descriptors 1 and 2 at ``/dev/null`` where they are terminals (after SIGHUP: the terminal may
+    be gone, and writing to it fails with EIO); files and pipes are kept."""
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+    except OSError:
+        return
+    try:
+        for fd in (1, 2):
+            if os.isatty(fd):
+                os.dup2(null, fd)
+    finally:
+        os.close(null)
+
+
+class TerminalStream:
+    """A text stream on a terminal whose writes survive the terminal's loss: a write or flush that fails with EIO
+    (the SSH session or terminal closed) points descriptors 1 and 2 at ``/dev/null`` (:func:`detach_from_terminal`)
+    and drops the text instead of raising. Every other attribute is the wrapped stream's."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    @classmethod
+    def wrap(cls, stream):
+        """``stream`` wrapped when it is a terminal, else ``stream`` itself."""
+        try:
+            tty = stream is not None and stream.isatty()
+        except (AttributeError, ValueError, OSError):
+            tty = False
+        return cls(stream) if tty and not isinstance(stream, cls) else stream
+
+    def write(self, text: str) -> int:
+        """Write ``text``; returns its length also when the terminal is gone."""
+        try:
+            return self._stream.write(text)
+        except OSError as e:
+            if e.errno != errno.EIO:
+                raise
+            detach_from_terminal()
+            return len(text)
+
+    def flush(self) -> None:
+        """Flush the wrapped stream (into ``/dev/null`` once the terminal is gone)."""
+        try:
+            self._stream.flush()
+        except OSError as e:
+            if e.errno != errno.EIO:
+                raise
+            detach_from_terminal()
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
 
 
 class SpotNoticePoller:

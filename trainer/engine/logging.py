@@ -7,7 +7,7 @@ Epoch line format (one line per epoch, parsed by SageMaker metric definitions)::
     epoch=3 step=150 lr=0.0400 train_loss=0.8123 train_top1=71.20 val_loss=0.6012 val_top1=80.40
     val_top5=98.10 ema_val_top1=79.90 images_per_s=812.3 epoch_time_s=12.41 bad_files=0 image_size=160
 
-SageMaker ``MetricDefinitions`` regexes (documented in README.md): ``val_top1=([0-9.]+)``,
+SageMaker ``MetricDefinitions`` regexes (documented in docs/training.md): ``val_top1=([0-9.]+)``,
 ``train_loss=([0-9.eE+-]+)``, ``images_per_s=([0-9.]+)`` and so on: every key is ``key=([0-9.eE+-]+)``.
 """
 
@@ -26,10 +26,13 @@ from trainer.errors import ConfigError
 
 def format_kv(values: dict) -> str:
     """``key=value`` pairs separated by spaces; floats with 4 decimals, or 6 significant digits when that would
-    hide them (below 1e-3, e.g. lr=0.0001 or 1e-05, or from 1e4 up); ints as ints."""
+    hide them (below 1e-3, e.g. lr=0.0001 or 1e-05, or from 1e4 up); NaN (an undefined metric, e.g. COCO's AP of
+    an area range without ground truth) as ``-``; ints as ints."""
     parts = []
     for k, v in values.items():
-        if isinstance(v, float):
+        if isinstance(v, float) and v != v:
+            parts.append(f"{k}=-")
+        elif isinstance(v, float):
             plain = v != v or v == 0 or 1e-3 <= abs(v) < 1e4
             parts.append(f"{k}={v:.4f}" if plain else f"{k}={v:.6g}")
         else:
@@ -159,7 +162,7 @@ class MetricsLogger:
         step), so that a run stopped between that step and the evaluation leaves the step unused in the trackers:
         the resumed run (:meth:`resume_at` with ``evaluated=False``) sends both then. Otherwise the earlier segment
         had used the step and the resumed one logged the validation row at it again (W&B drops a row below its
-        current step: issue 53, N4)."""
+        current step)."""
         if not self.enabled:
             return
         if self._bar is not None:
@@ -188,6 +191,7 @@ class MetricsLogger:
 
     def _record(self, kind: str, global_step: int, values: dict, hold: bool = False) -> None:
         row = {"kind": kind, "step": global_step, "time": time.time(), **values}
+        row = {k: None if isinstance(v, float) and v != v else v for k, v in row.items()}  # NaN: JSON null
         self._jsonl.write(json.dumps(row) + "\n")
         for k, v in values.items():
             if isinstance(v, (int, float)) and k != "epoch" and math.isfinite(v):

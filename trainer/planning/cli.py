@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from trainer.argtypes import with_default
 from trainer.errors import EXIT_OK, EXIT_USAGE
 
 _HELP = {
@@ -26,15 +27,18 @@ _HELP = {
     "memory_limit_gib": "Device memory limit in GiB (CUDA: enforced with set_per_process_memory_fraction; CPU: "
     "a step whose measured peak exceeds it counts as OOM).",
     "steps": "Timed optimizer steps per batch size (after one warm-up step).",
-    "workers": "Loader num_workers values to measure, comma-separated (default 0,2,4 and the config's).",
+    "workers": "Loader num_workers values to measure, comma-separated (default: 0,2,4 and the config's "
+    "num_workers, at most this machine's CPU count).",
     "prefetch": "Loader prefetch_factor values to measure, comma-separated.",
     "loader_batches": "Batches read per loader setting.",
     "probe_report": "probe.json of this config (measured memory and images/s).",
-    "prices": 'JSON file of price overrides {"g5.2xlarge": {"spot": 0.45}} (USD/hour).',
-    "platform": "Only ec2 or only sagemaker (ml.*) types.",
-    "instances": "Only these instance types, comma-separated.",
-    "nproc_per_node": "Processes per host you intend to start; checked against each type's GPU count.",
-    "dataset_size": "Training images per epoch (default: count data_dir's train split).",
+    "prices": 'JSON file of price overrides {"g5.2xlarge": {"spot": 0.45}} (USD/hour; default: the catalog\'s '
+    "prices, catalog/__init__.py).",
+    "platform": "Only ec2 or only sagemaker (ml.*) types (default: both).",
+    "instances": "Only these instance types, comma-separated (default: every type of the catalog).",
+    "nproc_per_node": "Processes per host you intend to start; checked against each type's GPU count (default: "
+    "not checked).",
+    "dataset_size": "Training images per epoch (default: counted in data_dir's train split).",
     "num_classes": "Classes of the model head (default: from data_dir, or 1000 with --dataset-size).",
     "model_memory_gib": "Peak memory per GPU in GiB for a model the trainer cannot build (e.g. DINO); skips "
     "the prediction.",
@@ -56,8 +60,17 @@ def _parser_for(f: dataclasses.Field) -> Callable:
     return float if "float" in t else int if "int" in t else str
 
 
-def _add_options(p: argparse.ArgumentParser, cls) -> None:
-    group = p.add_argument_group(f"{cls.__name__} (not training fields)")
+#: The ``--help`` group of each command's own options, named by what a user does there.
+_TITLES = {
+    "probe": "probing: the batch search and the loader settings measured (not training fields)",
+    "plan": "planning: instance types, prices and throughput (not training fields)",
+}
+
+
+def _add_options(p: argparse.ArgumentParser, cls, command: str) -> None:
+    """Add a flag per field of ``cls`` (:class:`ProbeOptions` / :class:`PlanOptions`) to ``p``, in one group titled
+    :data:`_TITLES` [``command``]; each help ends with its default unless :data:`_HELP` already says it."""
+    group = p.add_argument_group(_TITLES[command])
     for f in dataclasses.fields(cls):
         group.add_argument(
             "--" + f.name.replace("_", "-"),
@@ -65,7 +78,7 @@ def _add_options(p: argparse.ArgumentParser, cls) -> None:
             type=_parser_for(f),
             default=argparse.SUPPRESS,
             metavar=f.name.upper(),
-            help=_HELP.get(f.name, "") + f" (default: {f.default})",
+            help=with_default(_HELP.get(f.name, ""), f.name, f.default).replace("%", "%%"),
         )
 
 
@@ -81,7 +94,7 @@ def add_planning_command(sub, command: str, add_train_flags: Callable[[argparse.
             "throughput and RAM; writes probe.json/.md/.png.",
         )
         add_train_flags(p)
-        _add_options(p, ProbeOptions)
+        _add_options(p, ProbeOptions, "probe")
         return
     from trainer.planning.plan import PlanOptions
 
@@ -91,7 +104,7 @@ def add_planning_command(sub, command: str, add_train_flags: Callable[[argparse.
         description="Rank the catalog's instance types for --config and --epochs.",
     )
     add_train_flags(p)
-    _add_options(p, PlanOptions)
+    _add_options(p, PlanOptions, "plan")
 
 
 def _options(args: argparse.Namespace, cls):

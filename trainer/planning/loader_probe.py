@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from trainer.config import TrainConfig
-from trainer.data.loading import build_loader, iterate, shutdown_all, worker_server_pid
+from trainer.data.loading import build_loader, iterate, shutdown_all, start_worker_server, worker_server_pid
 from trainer.data.sampler import EpochSampler
 
 
@@ -97,6 +97,8 @@ def measure_loader(
                 torch.cuda.synchronize()
 
     t0 = time.perf_counter()
+    if workers > 0:
+        start_worker_server()  # from this thread, so that the server dies with this process
     it = iterate(loader)
     first = next(it)
     finish(first)

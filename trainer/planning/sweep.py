@@ -33,7 +33,12 @@ Usage::
   (delete a trial's ``status.json`` to run it again), interrupted and pending ones run (the trainer resumes from
   their checkpoints). Another space, metric or base config against an existing ``OUT`` is exit 2.
 * SIGTERM / SIGINT / SIGHUP (a closed terminal or SSH session): forwarded once as SIGTERM to the running trials,
-  which checkpoint and exit 75; the sweep waits for them, writes the partial results and exits 75.
+  which checkpoint and exit 75; the sweep waits for them, writes the partial results and exits 75. During the
+  probe (before any trial): the probe is stopped, one line says so, exit 75. The probe and the trials are
+  started by :mod:`trainer.planning.sweep_processes`.
+* One sweep per ``OUT``: once the inputs are checked the sweep holds ``OUT/writer.lock``
+  (:class:`trainer.engine.durable.WriterLock`) to its end; a second sweep on the same ``--out`` is exit 2, naming
+  the first one's pid.
 * A trial whose checkpoint folder another process is writing (a trial of an earlier sweep still alive: its
   ``writer.lock``, :func:`trainer.engine.durable.lock_holder`) is not started: the sweep names that process and
   exits 75 once the others are done (run the same command again when it has ended).
@@ -52,18 +57,16 @@ import hashlib
 import json
 import math
 import os
-import signal
-import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
-from trainer.config import FIELDS, ConfigError, flag_of, load_config
+from trainer.config import FIELDS, ConfigError, load_config
 from trainer.config.sweep import objective, rank, results_markdown, search_space, trial_name, write_results
 from trainer.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
 from trainer.planning.scale import epoch_rows
+from trainer.planning.sweep_processes import SweepInterrupted, cheap_probe, run_trials, train_flags, trial_dirs
 
 #: Fields whose largest swept value is used for the planner's check of K (they set memory and CPU per job).
 RESOURCE_FIELDS = ("batch_size", "eval_batch_size", "image_size", "num_workers", "prefetch_factor")
@@ -73,6 +76,7 @@ CHOICE_RESOURCE_FIELDS = ("model", "precision", "channels_last", "decode_device"
 
 #: Exit status when a trial failed (the results are still written).
 EXIT_TRIAL_FAILED = 1
+
 
 MANIFEST = "sweep.json"
 
@@ -113,32 +117,8 @@ def _fixed_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return fixed
 
 
-def _flags(values: dict[str, Any]) -> list[str]:
-    """``train`` flags for ``values`` (field -> value): ``--batch-size 64``; booleans ``--x`` / ``--no-x``."""
-    out: list[str] = []
-    for name, v in values.items():
-        flag = flag_of(FIELDS[name])
-        if isinstance(FIELDS[name].default, bool):
-            out.append(flag if v in (True, "true", "True") else "--no-" + flag[2:])
-        else:
-            out += [flag, str(v)]
-    return out
-
-
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def trial_dirs(out: Path, name: str) -> dict[str, Path]:
-    """A trial's paths under ``out``: its folder, ``checkpoints/``, ``logs/``, ``train.log``, ``status.json``."""
-    d = out / name
-    return {
-        "dir": d,
-        "checkpoints": d / "checkpoints",
-        "logs": d / "logs",
-        "log": d / "train.log",
-        "status": d / "status.json",
-    }
 
 
 def tracking_overrides(cfg, out: Path) -> dict[str, str]:
@@ -165,36 +145,6 @@ def _check_manifest(out: Path, manifest: dict) -> None:
                 f"--out {out}: holds a sweep with another {key.replace('_', ' ')} ({MANIFEST}); "
                 "run the same command to resume it, or choose a new --out"
             )
-
-
-def cheap_probe(config: str, overrides: dict, cfg, out_dir: Path) -> Path:
-    """Probe the config once, cheaply, for the host RAM of one training process: ``python -m trainer probe``
-    (a subprocess of this interpreter, output in ``out_dir/probe.log``) with ``--config config`` and
-    ``overrides`` (``cfg`` is their validated config), at one batch (the per-process batch), one timed step, the
-    config's own ``num_workers``/``prefetch_factor``, 2 loader batches (~10 s on 2 vCPUs). It measures the
-    process's RSS high-water mark (``host_rss_hwm_bytes``, what the planner takes as one job's process RSS), the
-    step's memory (GPU memory on CUDA) and the loader workers' memory. Reused when ``out_dir/probe.json`` exists.
-
-    Raises:
-        ConfigError: the probe failed (names its log).
-    """
-    path = out_dir / "probe.json"
-    if path.exists():
-        return path
-    out_dir.mkdir(parents=True, exist_ok=True)
-    micro = str(max(1, cfg.batch_size // cfg.accumulate_grad_batches))
-    argv = [sys.executable, "-m", "trainer", "probe", "--config", config, *_flags(overrides)]
-    argv += ["--out-dir", str(out_dir), "--start-batch", micro, "--max-batch", micro, "--steps", "1"]
-    argv += ["--workers", str(cfg.num_workers), "--prefetch", str(cfg.prefetch_factor), "--loader-batches", "2"]
-    with open(out_dir / "probe.log", "w") as fh:
-        fh.write(f"$ {' '.join(argv)}\n")
-        fh.flush()
-        rc = subprocess.run(argv, stdout=fh, stderr=subprocess.STDOUT).returncode
-    if rc != 0 or not path.exists():
-        raise ConfigError(
-            f"sweep probe: exit {rc}, see {out_dir / 'probe.log'}; fix the base config or give --probe-report"
-        )
-    return path
 
 
 def worst_overrides(fixed: dict, trials: list[dict]) -> dict:
@@ -309,115 +259,6 @@ def trial_result(name: str, values: dict, metric: str, mode: str, out: Path) -> 
     return row
 
 
-#: ``prctl`` option: the signal the calling process gets when its parent dies (linux/prctl.h).
-_PR_SET_PDEATHSIG = 1
-#: Signals that stop the sweep (forwarded to the trials as SIGTERM).
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-
-
-def die_with_parent() -> Optional[Callable[[], None]]:
-    """A ``preexec_fn`` for :class:`subprocess.Popen` that makes the child get SIGTERM when this process dies (Linux
-    ``prctl(PR_SET_PDEATHSIG, SIGTERM)``, kept across ``exec``: prctl(2)), and SIGTERM at once when this process
-    died between the fork and the ``prctl``. None off Linux (nothing to arm)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    parent = os.getpid()
-
-    def arm() -> None:
-        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-        if os.getppid() != parent:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    return arm
-
-
-class _Stop:
-    """Set by SIGTERM/SIGINT/SIGHUP: the sweep stops starting trials and forwards SIGTERM once to the running
-    ones."""
-
-    def __init__(self):
-        self.signum: Optional[int] = None
-
-    def __call__(self, signum, frame) -> None:
-        self.signum = signum
-
-
-def _run_trials(todo: list[tuple[str, list[str]]], out: Path, k: int, gpus: int, log: Callable) -> tuple[bool, int]:
-    """Run ``todo`` (trial name, train argv) ``k`` at a time; write each ``status.json``. Returns (whether a signal
-    stopped the sweep: running trials were sent SIGTERM and waited for; how many trials were not started because
-    another process holds their checkpoint folder's lock)."""
-    from trainer.engine.durable import describe_holder, lock_holder
-
-    threads = str(max(1, (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()) // k))
-    stop = _Stop()
-    old = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
-    held = 0
-    running: dict[int, tuple[str, subprocess.Popen, float, Any]] = {}  # slot -> (name, proc, start, log file)
-    queue = list(todo)
-    forwarded = False
-    try:
-        while queue or running:
-            if stop.signum is not None and not forwarded:
-                for name, proc, _, _ in running.values():
-                    log(f"sweep: {name}: forwarding SIGTERM (checkpoint and exit 75)")
-                    proc.send_signal(signal.SIGTERM)
-                forwarded, queue = True, []
-            while queue and len(running) < k and stop.signum is None:
-                slot = next(s for s in range(k) if s not in running)
-                name, argv = queue.pop(0)
-                paths = trial_dirs(out, name)
-                holder = lock_holder(paths["checkpoints"])
-                if holder is not None:
-                    held += 1
-                    log(
-                        f"sweep: {name}: not started: its checkpoint_dir {paths['checkpoints']} is being written by "
-                        f"{describe_holder(holder)} (a trial of an earlier sweep?); run the same command again once "
-                        "it has ended"
-                    )
-                    continue
-                paths["dir"].mkdir(parents=True, exist_ok=True)
-                env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1"}
-                if gpus > 1:
-                    env["CUDA_VISIBLE_DEVICES"] = str(slot % gpus)
-                fh = open(paths["log"], "a")
-                fh.write(f"$ {' '.join(argv)}\n")
-                fh.flush()
-                env["TRAINSTACK_SWEEP_TRIAL"] = name  # the trial's tag in the trackers
-                env["TRAINSTACK_SWEEP"] = str(out)
-                proc = subprocess.Popen(
-                    argv,
-                    stdout=fh,
-                    stderr=subprocess.STDOUT,
-                    env=env,
-                    start_new_session=True,
-                    preexec_fn=die_with_parent(),
-                )
-                running[slot] = (name, proc, time.monotonic(), fh)
-                log(f"sweep: {name}: started (slot {slot}, {threads} CPU thread(s)); log {paths['log']}")
-            for slot, (name, proc, t0, fh) in list(running.items()):
-                rc = proc.poll()
-                if rc is None:
-                    continue
-                fh.close()
-                del running[slot]
-                paths = trial_dirs(out, name)
-                prev = json.loads(paths["status"].read_text()) if paths["status"].exists() else {}
-                # a trial stopped by the forwarded SIGTERM before its handler was installed dies of it (rc < 0)
-                stopped = rc == EXIT_INTERRUPTED or (forwarded and rc < 0)
-                state = "done" if rc == EXIT_OK else "interrupted" if stopped else "failed"
-                wall = prev.get("wall_s", 0.0) + time.monotonic() - t0
-                paths["status"].write_text(json.dumps({"status": state, "rc": rc, "wall_s": round(wall, 2)}) + "\n")
-                log(f"sweep: {name}: {state} (exit {rc}, {wall:.1f} s)")
-            time.sleep(0.2)
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-    return stop.signum is not None, held
-
-
 def run_sweep(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
     """Run the sweep of parsed ``args`` (module doc); returns the exit code. Raises ConfigError, DataError,
     PlanError on bad input, before any trial starts."""
@@ -446,7 +287,15 @@ def run_sweep(args: argparse.Namespace, log: Callable[[str], None] = print) -> i
             shown = ", ".join(f"{k}={v}" for k, v in values.items())
             raise ConfigError(f"sweep trial {name} ({shown}): {e}") from None
         argvs.append(
-            [sys.executable, "-m", "trainer", "train", "--config", str(base), *_flags({**fixed, **values, **where})]
+            [
+                sys.executable,
+                "-m",
+                "trainer",
+                "train",
+                "--config",
+                str(base),
+                *train_flags({**fixed, **values, **where}),
+            ]
         )
     manifest = {
         "base_config": str(base),
@@ -468,34 +317,65 @@ def run_sweep(args: argparse.Namespace, log: Callable[[str], None] = print) -> i
         p = trial_dirs(out, name)["status"]
         return json.loads(p.read_text())["status"] if p.exists() else "pending"
 
-    todo = [(n, a) for n, a in zip(names, argvs) if state(n) not in ("done", "failed")]
-    skipped = len(names) - len(todo)
-    if skipped:
-        log(f"sweep: {skipped} of {len(names)} trial(s) already finished in {out}: skipped")
-    stopped, held = False, 0
-    k, why = (
-        parallel_for_space(base, fixed, trials, len(todo), args.parallel, args.probe_report, out) if todo else (0, "")
-    )
-    out.mkdir(parents=True, exist_ok=True)  # every check has passed: the manifest marks OUT as this sweep's
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str) + "\n")
-    if todo:
-        log(why)
-        from trainer.planning.local import local_machine
+    lock = _lock_out(out)  # a second sweep on OUT is refused from here on
+    try:
+        todo = [(n, a) for n, a in zip(names, argvs) if state(n) not in ("done", "failed")]
+        skipped = len(names) - len(todo)
+        if skipped:
+            log(f"sweep: {skipped} of {len(names)} trial(s) already finished in {out}: skipped")
+        stopped, held = False, 0
+        k, why = (
+            parallel_for_space(base, fixed, trials, len(todo), args.parallel, args.probe_report, out)
+            if todo
+            else (0, "")
+        )
+        out.mkdir(parents=True, exist_ok=True)  # every check has passed: the manifest marks OUT as this sweep's
+        (out / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str) + "\n")
+        if todo:
+            log(why)
+            from trainer.planning.local import local_machine
 
-        stopped, held = _run_trials(todo, out, k, local_machine().gpus, log)
-    rows = rank([trial_result(n, t, metric, mode, out) for n, t in zip(names, trials)], metric, mode)
-    import logging
+            stopped, held = run_trials(todo, out, k, local_machine().gpus, log)
+        rows = rank([trial_result(n, t, metric, mode, out) for n, t in zip(names, trials)], metric, mode)
+        import logging
 
-    logging.getLogger("matplotlib.font_manager").setLevel(logging.ERROR)  # "findfont: ..." lines, not ours
-    paths = write_results(rows, space.names, metric, mode, out, extra=("best_epoch", "last"))
-    print(results_markdown(rows, space.names, metric, mode, extra=("best_epoch", "last")), end="")
-    log(f"sweep: results: {paths['md']}, {paths['json']}, {paths['png']}")
-    if stopped or held:
-        log(f"sweep: interrupted; run the same command again to resume ({out})")
-        return EXIT_INTERRUPTED
-    if any(r["status"].startswith("failed") for r in rows):
-        return EXIT_TRIAL_FAILED
-    return EXIT_OK
+        logging.getLogger("matplotlib.font_manager").setLevel(logging.ERROR)  # "findfont: ..." lines, not ours
+        paths = write_results(rows, space.names, metric, mode, out, extra=("best_epoch", "last"))
+        print(results_markdown(rows, space.names, metric, mode, extra=("best_epoch", "last")), end="")
+        log(f"sweep: results: {paths['md']}, {paths['json']}, {paths['png']}")
+        if stopped or held:
+            log(f"sweep: interrupted; run the same command again to resume ({out})")
+            return EXIT_INTERRUPTED
+        if any(r["status"].startswith("failed") for r in rows):
+            return EXIT_TRIAL_FAILED
+        return EXIT_OK
+    finally:
+        lock.release()
+
+
+def _lock_out(out: Path):
+    """Take ``OUT``'s lock (:class:`trainer.engine.durable.WriterLock` on ``OUT/writer.lock``, created with
+    ``OUT``), so that a second sweep on the same ``--out`` is refused instead of running trials beside this one.
+
+    Raises:
+        ConfigError: another sweep holds it (names its pid, host and start time), or it cannot be taken.
+    """
+    from trainer.engine.durable import WriterLock, describe_holder, lock_holder
+    from trainer.errors import CheckpointError
+
+    out.mkdir(parents=True, exist_ok=True)
+    lock = WriterLock(out)
+    try:
+        lock.acquire()
+    except CheckpointError as e:
+        holder = lock_holder(out)
+        if holder is None:
+            raise ConfigError(f"--out {out}: cannot be locked: {e}") from None
+        raise ConfigError(
+            f"--out {out}: another sweep is running on this folder: {describe_holder(holder)}; wait for it to end "
+            "or choose another --out"
+        ) from None
+    return lock
 
 
 def run_sweep_command(args: argparse.Namespace) -> int:
@@ -509,6 +389,9 @@ def run_sweep_command(args: argparse.Namespace) -> int:
     except (ConfigError, DataError, PlanError, CatalogError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except SweepInterrupted as e:
+        print(e, file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     except KeyboardInterrupt:  # Ctrl-C before the trials started (their handler covers the rest)
         print("error: sweep: interrupted before any trial started; run the same command again", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -106,10 +106,22 @@ def load(folder: Path) -> ParsedCoco | None:
 
 def store(parsed: ParsedCoco, folder: Path) -> bool:
     """Write ``parsed`` to ``folder`` atomically (a temporary sibling renamed into place). Returns False when it
-    could not be written (read-only or full file system); True when it is there (ours or another writer's)."""
+    could not be written (read-only or full file system); True when it is there (ours or another writer's).
+
+    A ``folder`` that is there but cannot be read (:func:`load` gives None: a truncated or deleted array, a
+    damaged meta.json) is moved aside and removed first, so the fresh parse replaces it instead of every later
+    run parsing again. Readers that mapped its files keep them (Linux keeps unlinked files open).
+    """
     folder = Path(folder)
     if folder.is_dir():
-        return True
+        if load(folder) is not None:
+            return True
+        damaged = folder.with_name(f".{folder.name}.damaged-{os.getpid()}")
+        try:
+            os.rename(folder, damaged)
+        except OSError:
+            return folder.is_dir()  # another process moved or replaced it first, or the folder is read-only
+        shutil.rmtree(damaged, ignore_errors=True)
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))

@@ -91,14 +91,25 @@ class LabelMap:
         return cls(str(label_space.get("label_space") or "contiguous"), ids, names)
 
 
-def apply_label_space(split: CocoSplit, kind: str) -> CocoSplit:
+def apply_label_space(split: CocoSplit, kind: str, max_category_id: int = 10_000) -> CocoSplit:
     """``split`` (labels contiguous, as :func:`scan_coco` returns it) with its box and crowd labels in label space
     ``kind`` (:data:`LABEL_SPACES`); the same split for ``contiguous``.
 
+    ``max_category_id``: with ``coco_ids`` the class heads get max id + 1 outputs, so a larger id is refused
+    (config field ``max_category_id``).
+
     Raises:
-        ValueError: an unknown ``kind``, or ``coco_ids`` with a negative category id (one phrase).
+        ValueError: an unknown ``kind``, or ``coco_ids`` with a negative category id or one above
+            ``max_category_id`` (one phrase naming the id and its category).
     """
     target = LabelMap(kind, tuple(split.label_to_category_id), tuple(split.categories))
+    if kind == "coco_ids" and target.category_ids and max(target.category_ids) > max_category_id:
+        big = max(target.category_ids)
+        raise ValueError(
+            f"label_space: coco_ids makes category id {big} ({target.names[target.category_ids.index(big)]!r}) "
+            f"class index {big}, a head of {big + 1} outputs; ids must be <= max_category_id ({max_category_id}): "
+            "renumber the categories, raise max_category_id, or use label_space: contiguous"
+        )
     if kind == split.label_space:
         return split
     ids = np.asarray(split.label_to_category_id, dtype=np.int64)

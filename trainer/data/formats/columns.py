@@ -4,7 +4,7 @@ A dataset that keeps a Python ``list`` of per-sample strings, ints or tuples mak
 epoch: each access touches the objects' reference counts, so pages shared with the parent are copied (under
 ``fork``), and every worker unpickles millions of small objects (under ``forkserver``/``spawn``). The usual
 cure is to keep the metadata in a few numpy buffers (detectron2's ``DatasetFromList(serialize=True)``,
-``detectron2/data/common.py``; PyTorch issue #13246 "DataLoader: memory usage grows with Python lists").
+``detectron2/data/common.py``; PyTorch GitHub issue #13246 "DataLoader: memory usage grows with Python lists").
 
 :class:`IntColumn` (int64 values, or rows of them as tuples), :class:`StringColumn` (UTF-8 strings in one
 byte buffer plus offsets, optionally joined to a root folder on access) and :class:`LabelledPaths` (ImageFolder's

@@ -1,4 +1,4 @@
-"""DINO's dense part captured as CUDA graphs, one per input shape (``cuda_graphs: true``, issue 37 item 3).
+"""DINO's dense part captured as CUDA graphs, one per input shape (``cuda_graphs: true``).
 
 Once fixed canvases (``canvases``) and a static-size denoising part (``dn_max_boxes``) fix every tensor shape of the
 training step per canvas, the forward and backward of :meth:`~trainer.models.dino.model.DINO.dense` (backbone,

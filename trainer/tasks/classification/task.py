@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 import torchvision
 from torch import nn
+from torch._guards import active_fake_mode
 from torchvision.transforms import v2
 
 from trainer.config import BUILTIN_DIGITS, ConfigError
@@ -204,7 +205,17 @@ class ClassificationTask(Task):
         )
 
     def build_model(self, num_outputs: int) -> nn.Module:
-        return build_classifier(self.cfg.model, num_outputs)
+        """torchvision's ``model`` for ``num_outputs`` classes; with ``weights``, filled from them
+        (:func:`trainer.models.pretrained.load_pretrained`; rank 0 prints its report). Not on the meta device or
+        under fake tensors (planning: shapes only). Raises ConfigError: unknown model, unusable ``weights``."""
+        model = build_classifier(self.cfg.model, num_outputs)
+        if self.cfg.weights and not next(model.parameters()).is_meta and active_fake_mode() is None:
+            from trainer.models.pretrained import load_pretrained
+
+            line = load_pretrained(model, self.cfg.model, self.cfg.weights, num_outputs)
+            if self.dist.rank == 0:
+                print(line, flush=True)
+        return model
 
     def epoch_fields(self, epoch: int) -> dict:
         """``image_size``: the training resolution of epoch ``epoch`` (0-based; progressive resizing aware)."""

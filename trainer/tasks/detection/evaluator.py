@@ -20,19 +20,23 @@ import numpy as np
 from trainer.engine.evaluation import GatherEvaluator, metric_key
 
 #: COCOeval ``stats`` indices (pycocotools ``COCOeval.summarize``) -> our metric names; values in % (x 100).
-STATS = {"map": 0, "map_50": 1, "map_75": 2, "map_small": 3, "map_medium": 4, "map_large": 5}
+STATS = {"map": 0, "map_50": 1, "map_75": 2, "map_small": 3, "map_medium": 4, "map_large": 5, "mar_100": 8}
 
 
 class CocoEvaluator(GatherEvaluator):
-    """Box mAP@[.5:.95], mAP@0.5, mAP@0.75, small/medium/large and per-class AP (``ap_<name>``), in %.
+    """Box mAP@[.5:.95], mAP@0.5, mAP@0.75, small/medium/large, AR@100 (``mar_100``: recall at 100 detections
+    per image, averaged over IoUs .5:.95 and categories) and per-class AP (``ap_<name>``), in %. A value COCOeval
+    leaves undefined (-1: no ground truth in that area range or category) is NaN, printed ``-``, never 0.
 
     Each rank keeps one record per evaluated image: ``(image_id, detections)`` with detections as COCO results
     ``[x, y, w, h, score, category_id]`` (pixels of the original image, the JSON's category ids); :meth:`compute`
     gathers every rank's records and runs faster-coco-eval's ``COCOeval_faster`` (pycocotools' algorithm in C++;
     iouType "bbox", its standard 100 detections
     per image, area ranges and 101-point interpolation; Lin et al. 2014 and https://cocodataset.org/#detection-eval)
-    on the images evaluated only, against the split's annotation JSON (crowd boxes are ignore regions there).
-    An empty set of detections scores 0.
+    on the images evaluated plus the split's ``left_out`` images, against the split's annotation JSON (crowd boxes
+    are ignore regions there). An image the reader dropped (a zero-area box, a missing file) keeps its ground truth
+    as missed detections, so dropping images cannot raise mAP; ``images`` counts the evaluated images and
+    ``images_dropped`` the others. An empty set of detections scores 0.
 
     Args:
         annotations: the split's COCO JSON (the ground truth, as written; ``area`` is filled from the box when
@@ -41,12 +45,20 @@ class CocoEvaluator(GatherEvaluator):
         label_to_category_id: class index -> JSON category id (either label space:
             :meth:`~trainer.data.formats.coco.LabelMap.dense`).
         categories: category names by class index (for the per-class keys; ``""`` for an undeclared index).
+        left_out: JSON ids of the split's images the reader left out (``CocoSplit.left_out``).
     """
 
     directions = {k: "max" for k in STATS}
 
-    def __init__(self, annotations: Optional[Path] = None, label_to_category_id: tuple = (), categories: tuple = ()):
+    def __init__(
+        self,
+        annotations: Optional[Path] = None,
+        label_to_category_id: tuple = (),
+        categories: tuple = (),
+        left_out: tuple = (),
+    ):
         super().__init__()
+        self.left_out = sorted({int(i) for i in left_out})
         self.annotations = annotations
         self.label_to_category_id = list(label_to_category_id)
         self.categories = list(categories)
@@ -95,10 +107,12 @@ class CocoEvaluator(GatherEvaluator):
         from faster_coco_eval import COCOeval_faster
 
         names = {f"ap_{metric_key(n)}": 0.0 for n in self.categories if n}  # "": a class no category declares
-        image_ids = sorted({i for i, _ in records})
+        evaluated = {i for i, _ in records}
+        counts = {"images": float(len(evaluated)), "images_dropped": float(len(set(self.left_out) - evaluated))}
+        image_ids = sorted(evaluated | set(self.left_out)) if evaluated else []
         dets = [[i, *row] for i, rows in records for row in rows]
         if not image_ids or not dets:
-            return {**{k: 0.0 for k in STATS}, **names, "images": float(len(image_ids))}
+            return {**{k: 0.0 for k in STATS}, **names, **counts}
         gt = self._ground_truth()
         arr = np.asarray(dets, dtype=np.float64)  # (N, 7): image_id, x, y, w, h, score, category_id
         with contextlib.redirect_stdout(io.StringIO()):
@@ -116,9 +130,8 @@ class CocoEvaluator(GatherEvaluator):
                 continue
             p = precision[:, :, k, 0, -1]
             p = p[p > -1]
-            out[f"ap_{metric_key(self.categories[label])}"] = _pct(float(p.mean())) if p.size else 0.0
-        out["images"] = float(len(image_ids))
-        return out
+            out[f"ap_{metric_key(self.categories[label])}"] = _pct(float(p.mean())) if p.size else math.nan
+        return {**out, **counts}
 
 
 def _quiet(*args, **kwargs) -> None:
@@ -126,5 +139,5 @@ def _quiet(*args, **kwargs) -> None:
 
 
 def _pct(x: float) -> float:
-    """COCOeval's -1 (no ground truth in that range) as 0; else x 100."""
-    return 0.0 if x is None or not math.isfinite(x) or x < 0 else 100.0 * float(x)
+    """COCOeval's -1 (no ground truth in that range: undefined) as NaN; else x 100."""
+    return math.nan if x is None or not math.isfinite(x) or x < 0 else 100.0 * float(x)

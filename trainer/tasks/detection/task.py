@@ -162,10 +162,14 @@ class DetectionTask(DetectionSettings, DetectionServing, Task):
             )
 
         train, val = scan(cfg.train_split), scan(cfg.val_split)
-        try:
-            train, val = apply_label_space(train, cfg.label_space), apply_label_space(val, cfg.label_space)
-        except ValueError as e:
-            raise DataError(f"{train.annotations}: {e}") from None
+
+        def relabel(split):
+            try:
+                return apply_label_space(split, cfg.label_space, cfg.max_category_id)
+            except ValueError as e:
+                raise DataError(f"{split.annotations}: {e}") from None
+
+        train, val = relabel(train), relabel(val)
         if (train.categories, train.label_to_category_id) != (val.categories, val.label_to_category_id):
             raise DataError(
                 f"data: the categories of {train.annotations} and {val.annotations} differ "
@@ -376,7 +380,7 @@ class DetectionTask(DetectionSettings, DetectionServing, Task):
         if val is None:
             return CocoEvaluator()
         ids, names = val.label_map.dense()  # per class index, whichever the label space
-        return CocoEvaluator(val.annotations, tuple(ids), tuple(names))
+        return CocoEvaluator(val.annotations, tuple(ids), tuple(names), tuple(i for i, _, _ in val.left_out))
 
     # .. planning ...........................................................................................
     def input_size(self, train: bool = True) -> tuple[int, int]:

@@ -1,7 +1,8 @@
-"""Issue 50's GPU run: which steps of ``gpu_dino.sh`` and ``gpu_suite.py`` it runs, and its summary table.
+"""The prepared GPU run (DINO's real-loop throughput, the GPU decode, the checkpoint stall and the FFCV loader in
+one device call): which steps of ``gpu_dino.sh`` and ``gpu_suite.py`` it runs, and its summary table.
 
-``benchmarks/gpu_issue50.sh`` runs the steps (``--steps dino-skip`` / ``--steps suite`` print its lists) and
-then ``--summary OUT`` writes ``OUT/issue50.md``: each figure beside issue 50's goal, met or not:
+``benchmarks/gpu_prepared_run.sh`` runs the steps (``--steps dino-skip`` / ``--steps suite`` print its lists) and
+then ``--summary OUT`` writes ``OUT/prepared_run.md``: each figure beside its goal, met or not:
 
 1. DINO-4scale R50, batch 2, canvases + ``dn_max_boxes`` 100 (``gpu_dino.sh``): the real loop's images/s over
    the epoch and over its second half (from the cumulative step log: (2b - 2a) / (t_b - t_a) images between the
@@ -12,10 +13,10 @@ then ``--summary OUT`` writes ``OUT/issue50.md``: each figure beside issue 50's 
    goal >= 0.9.
 3. The periodic checkpoint's cost in steps, ResNet-50 + EMA batch 256 bf16, 39 steps (``checkpoint``): <= 1.
 4. Seed 003's FFCV loader (``speed_ffcv``): the trainer over the bare loop, both reading the trainer's FFCV
-   loader: >= 0.98 (issue 24's goal for the trainer against the bare loop).
+   loader: >= 0.98 (the goal for the trainer against the bare loop, as in ``gpu_suite.py``).
 
-    python benchmarks/gpu_issue50.py --steps suite
-    python benchmarks/gpu_issue50.py --summary /tmp/gpu-issue50
+    python benchmarks/gpu_prepared_run.py --steps suite
+    python benchmarks/gpu_prepared_run.py --summary /tmp/gpu-prepared-run
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-# gpu_dino.sh steps issue 50 runs: the op's build (only when the carried build does not load), the synthetic
+# gpu_dino.sh steps this run takes: the op's build (only when the carried build does not load), the synthetic
 # step eager and graphed, the real loop's four rows, their CUDA tests.
 DINO_STEPS = (
     "build",
@@ -67,7 +68,7 @@ def dino_steps_in_script(script: Path = HERE / "gpu_dino.sh") -> list[str]:
 
 
 def dino_skip(script: Path = HERE / "gpu_dino.sh") -> list[str]:
-    """``SKIP`` for ``gpu_dino.sh``: its steps that issue 50 does not run."""
+    """``SKIP`` for ``gpu_dino.sh``: its steps that this run does not take."""
     return [n for n in dino_steps_in_script(script) if n not in DINO_STEPS]
 
 
@@ -136,7 +137,7 @@ def _number(value: str, pattern: str) -> float | None:
 
 
 def summary(out: Path) -> list[str]:
-    """Markdown lines of issue 50's table from ``out/dino`` (gpu_dino.sh's logs) and ``out/suite/gpu_suite.md``."""
+    """Markdown lines of the run's table from ``out/dino`` (gpu_dino.sh's logs) and ``out/suite/gpu_suite.md``."""
     dino = out / "dino"
     lines = [
         "| item | figure | value | goal | met? | log |",
@@ -185,8 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = ap.add_mutually_exclusive_group(required=True)
     g.add_argument("--steps", choices=("dino-skip", "suite"), help="print a comma-separated step list")
-    g.add_argument("--summary", help="OUT folder of gpu_issue50.sh: write OUT/issue50.md and print it")
-    ap.add_argument("--head", default="", help="a first line for issue50.md (machine, commit, command)")
+    g.add_argument("--summary", help="OUT folder of gpu_prepared_run.sh: write OUT/prepared_run.md and print it")
+    ap.add_argument("--head", default="", help="a first line for prepared_run.md (machine, commit, command)")
     a = ap.parse_args(argv)
     if a.steps:
         print(",".join(dino_skip() if a.steps == "dino-skip" else SUITE_STEPS))
@@ -196,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --summary: {out} is not a folder", file=sys.stderr)
         return 2
     md = ([a.head, ""] if a.head else []) + summary(out)
-    (out / "issue50.md").write_text("\n".join(md) + "\n")
+    (out / "prepared_run.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
     return 0
 

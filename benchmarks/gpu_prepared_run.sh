@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Issue 50's GPU rows in one device call (about 9.5 minutes on one H200), from the repository root with
-# .gpu-carry/ carried (made here by `python3 benchmarks/gpu_carry.py`; docs/benchmarks.md "Waiting for a GPU"
-# gives the exact device call). Steps, each under its own limit, the lists in benchmarks/gpu_issue50.py:
+# The prepared GPU run: DINO's real-loop throughput, the GPU decode, the checkpoint stall and the FFCV loader's
+# figures in one device call (about 9.5 minutes on one H200), from the repository root with .gpu-carry/ carried
+# (made here by `python3 benchmarks/gpu_carry.py`; docs/benchmarks.md "Waiting for a GPU" gives the exact device
+# call). Steps, each under its own limit, the lists in benchmarks/gpu_prepared_run.py:
 #   0. the carried wheels (ffcv 1.0.2 for Python 3.12 with its shared libraries, its pure-Python requirements,
 #      torch-linear-assignment, faster-coco-eval) installed into /tmp/site, as the device README says; the
 #      carried op build (when gpu_carry.py made one) copied in place, else gpu_dino.sh builds it (~40 s);
@@ -11,14 +12,14 @@
 #      and seed 003's FFCV loader (trainer vs bare loop).
 # Environment: BUDGET (seconds in all, default 540), DINO_BUDGET (default 280), STEPS (default 150), PART (all, or
 # dino / suite: half of it, for two calls on a warm machine when one call's 10 minutes do not suffice), CARRY (default
-# .gpu-carry), PY (default python3), WORK (the steps' logs and files, default /tmp/gpu-issue50), OUT (default
+# .gpu-carry), PY (default python3), WORK (the steps' logs and files, default /tmp/gpu-prepared-run), OUT (default
 # $WORK/out). $OUT gets 4 files at the end (5 with console.log when the caller tees it there; a device call
-# brings back 8 at most): issue50.md (each figure beside its goal), gpu_suite.md, summary.txt (gpu_dino.sh's)
+# brings back 8 at most): prepared_run.md (each figure beside its goal), gpu_suite.md, summary.txt (gpu_dino.sh's)
 # and logs.tar.gz (every step's log).
 set -u
 cd "$(dirname "$0")/.."
 CARRY=${CARRY:-.gpu-carry}
-WORK=${WORK:-/tmp/gpu-issue50}
+WORK=${WORK:-/tmp/gpu-prepared-run}
 OUT=${OUT:-$WORK/out}
 BUDGET=${BUDGET:-540}
 DINO_BUDGET=${DINO_BUDGET:-280}
@@ -48,8 +49,8 @@ if ls "$CARRY"/op/_C*.so > /dev/null 2>&1 && ! ls trainer/ops/msda/_C*.so > /dev
     echo "op: the carried build is of other sources; gpu_dino.sh builds it"
   fi
 fi
-skip=$($PY benchmarks/gpu_issue50.py --steps dino-skip)
-only=$($PY benchmarks/gpu_issue50.py --steps suite)
+skip=$($PY benchmarks/gpu_prepared_run.py --steps dino-skip)
+only=$($PY benchmarks/gpu_prepared_run.py --steps suite)
 if [[ $PART != suite ]]; then
   DATA=$CARRY/data STEPS=${STEPS:-150} BUDGET=$DINO_BUDGET PY=$PY OUT=$WORK/dino SKIP=$skip bash benchmarks/gpu_dino.sh
 fi
@@ -58,9 +59,9 @@ if [[ $PART != dino ]]; then
   PYTHON=$PY bash benchmarks/gpu_suite.sh --device cuda --data "$CARRY/data" --out "$WORK/suite" --only "$only" \
     --precisions bf16-mixed --budget "$left"
 fi
-head="issue 50 on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%F), commit \
-$(git rev-parse --short HEAD 2>/dev/null || echo '?'), \`bash benchmarks/gpu_issue50.sh\` (${SECONDS} s)"
-$PY benchmarks/gpu_issue50.py --summary "$WORK" --head "$head"
-cp "$WORK/issue50.md" "$WORK/suite/gpu_suite.md" "$WORK/dino/summary.txt" "$OUT/" 2> /dev/null
+head="prepared GPU run on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%F), commit \
+$(git rev-parse --short HEAD 2>/dev/null || echo '?'), \`bash benchmarks/gpu_prepared_run.sh\` (${SECONDS} s)"
+$PY benchmarks/gpu_prepared_run.py --summary "$WORK" --head "$head"
+cp "$WORK/prepared_run.md" "$WORK/suite/gpu_suite.md" "$WORK/dino/summary.txt" "$OUT/" 2> /dev/null
 tar -czf "$OUT/logs.tar.gz" -C "$WORK" --exclude=suite/work dino suite
 echo "done in ${SECONDS}s; $OUT: $(ls "$OUT" | tr '\n' ' ')"
