@@ -348,3 +348,9 @@ def test_evaluate_a_classifier_checkpoint(digits_run, tmp_path, capsys):
     assert main(["evaluate", "--config", str(config), "--checkpoint", str(ckpt)]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("evaluate: ckpt-"))
     assert "(ema weights) on val: " in line and " top1=" in line and " top5=" in line
+    # no --config: the checkpoint's own config, with train's fields overridden by --set: the same metrics
+    assert main(["evaluate", "--checkpoint", str(ckpt), "--set", "num_workers=0", "--device", "cpu"]) == 0
+    alone = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("evaluate: ckpt-"))
+    assert alone == line
+    assert main(["evaluate", "--checkpoint", str(ckpt), "--set", "num_workers"]) == 2
+    assert "error: --set 'num_workers': expected FIELD=VALUE" in capsys.readouterr().err

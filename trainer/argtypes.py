@@ -31,6 +31,21 @@ def bounded_number(cast, low=None, high=None, why: str = ""):
     return parse
 
 
+def field_values(items: list[str], flag: str = "--set") -> dict:
+    """``FIELD=VALUE`` items (a repeated ``--set``) as a dict of config overrides, each value read as YAML
+    (``--set epochs=2`` gives the int 2, ``--set data_dir=/d`` the string). Raises ValueError naming the item and
+    the form expected."""
+    import yaml
+
+    out = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"{flag} {item!r}: expected FIELD=VALUE, e.g. {flag} image_size=64")
+        out[key.strip()] = yaml.safe_load(value) if value.strip() else value
+    return out
+
+
 #: A unit ``--help`` writes after a default: by the option's name suffix, else by a word of its help text.
 _UNIT_BY_SUFFIX = (("_minutes", "min"), ("_s", "s"), ("_seconds", "s"), ("_gib", "GiB"), ("_epochs", "epochs"))
 _UNIT_BY_HELP = (

@@ -3,10 +3,14 @@ detectron2's ``--eval-only``, timm's ``validate.py``).
 
 Usage::
 
-    python -m trainer evaluate --config C (--checkpoint CKPT | --init-from FILE)
+    python -m trainer evaluate [--config C] (--checkpoint CKPT | --init-from FILE)
         [--ema/--no-ema] [--device auto|cpu|cuda] [--data-dir DIR] [--eval-protocol batched|upstream]
+        [--set FIELD=VALUE ...]
 
-The config ``C`` says the task, model and data, as for ``train``; its validation split is evaluated with the
+The config says the task, model and data, as for ``train``: the file ``C``, or without ``--config`` the config
+the ``--checkpoint`` was trained with (its weight-file fields left out: the checkpoint holds the weights);
+``--data-dir``, ``--device``, ``--eval-protocol`` and ``--set FIELD=VALUE`` (any config field, e.g.
+``--set val_split=test --set num_workers=0``) override it. Its validation split is evaluated with the
 task's own evaluator through the engine's evaluation loop (:meth:`trainer.engine.trainer.Trainer.evaluate`: the
 same loader, padding, canvases, precision and metrics as the evaluation after each training epoch). The weights
 come from ``--checkpoint`` (a ``ckpt-*`` folder or a run's ``checkpoint_dir``, as for ``predict``; its EMA weights
@@ -50,7 +54,11 @@ def add_evaluate_command(sub) -> None:
         description="Evaluate a checkpoint (or, for detection, an upstream DINO checkpoint) on the config's "
         "validation split with the task's metrics, without training (docs/detection.md, Evaluate).",
     )
-    p.add_argument("--config", required=True, metavar="C", help="YAML config: task, model, data (as for train)")
+    p.add_argument(
+        "--config",
+        metavar="C",
+        help="YAML config: task, model, data (as for train); default with --checkpoint: the checkpoint's own",
+    )
     p.add_argument("--checkpoint", metavar="CKPT", help="a checkpoint folder (ckpt-*) or a run's checkpoint_dir")
     p.add_argument(
         "--init-from",
@@ -72,24 +80,41 @@ def add_evaluate_command(sub) -> None:
         help="detection: batched (the config's padding/canvases) or upstream (each image at its own size, batch 1 "
         "without padding); default: the config's",
     )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a config field (repeatable; the value read as YAML), e.g. --set val_split=test",
+    )
 
 
-def _config(args: argparse.Namespace, tmp: str):
-    """The evaluation's validated config: the file's, with the flags and the evaluation-only overrides."""
+def _config(args: argparse.Namespace, tmp: str, saved: dict | None = None):
+    """The evaluation's validated config: ``--config``'s file, else the checkpoint's stored config ``saved``
+    (``state["config"]``), with the flags, ``--set`` and the evaluation-only overrides."""
+    from trainer.argtypes import field_values
     from trainer.config import load_config
     from trainer.errors import ConfigError
+    from trainer.predict import checkpoint_config_values
 
-    over: dict = {}
+    try:
+        over: dict = field_values(args.set)
+    except ValueError as e:
+        raise EvaluateError(str(e)) from None
     if args.device:
         over["device"] = args.device
     if args.data_dir:
         over["data_dir"] = args.data_dir
     if args.eval_protocol:
         over["eval_protocol"] = args.eval_protocol
+    source = f"--config {args.config}" if args.config else f"--checkpoint {args.checkpoint}'s config"
     try:
-        cfg = load_config(args.config, over)
+        if args.config:
+            cfg = load_config(args.config, over)
+        else:
+            cfg = load_config(None, {**checkpoint_config_values(saved or {}), **over})
     except ConfigError as e:
-        raise EvaluateError(f"--config {args.config}: {e}") from None
+        raise EvaluateError(f"{source}: {e}") from None
     if args.init_from and cfg.task != "detection":
         raise EvaluateError(
             f"--init-from: reads upstream DINO checkpoints (task detection); {args.config} has task {cfg.task}: "
@@ -117,23 +142,35 @@ def _config(args: argparse.Namespace, tmp: str):
     try:
         return load_config(None, values)
     except ConfigError as e:
-        raise EvaluateError(f"--config {args.config}: {e}") from None
+        raise EvaluateError(f"{source}: {e}") from None
 
 
-def _load_checkpoint(trainer, args: argparse.Namespace) -> str:
-    """Load ``--checkpoint``'s weights into ``trainer.model``; returns what was loaded, e.g. ``ckpt-000120 (ema)``.
-
-    Raises:
-        EvaluateError: no valid checkpoint, another label space, or weights that do not fit.
-    """
-    from trainer.engine.resume import label_space_diff
-    from trainer.predict import PredictError, load_weights, read_checkpoint
+def _read(args: argparse.Namespace):
+    """``--checkpoint`` read whole (:func:`trainer.predict.read_checkpoint`). Raises EvaluateError: no valid
+    checkpoint there, or (without ``--config``) one that holds no config."""
+    from trainer.predict import PredictError, read_checkpoint
 
     try:
         read = read_checkpoint(args.checkpoint)
-        path, state = read.path, read.state
     except PredictError as e:
         raise EvaluateError(str(e)) from None
+    saved = read.state.get("config")
+    if not args.config and not (isinstance(saved, dict) and saved.get("task")):
+        raise EvaluateError(f"--checkpoint: {read.path} holds no config (written by an older trainer?): give --config")
+    return read
+
+
+def _load_checkpoint(trainer, args: argparse.Namespace, read) -> str:
+    """Load the weights of ``read`` (``--checkpoint``, :func:`_read`) into ``trainer.model``; returns what was
+    loaded, e.g. ``ckpt-000120 (ema weights)``.
+
+    Raises:
+        EvaluateError: another label space, or weights that do not fit.
+    """
+    from trainer.engine.resume import label_space_diff
+    from trainer.predict import PredictError, load_weights
+
+    path, state = read.path, read.state
     saved = state.get("label_space")
     if isinstance(saved, dict) and saved:
         diff = label_space_diff(saved, trainer.label_space)
@@ -143,7 +180,7 @@ def _load_checkpoint(trainer, args: argparse.Namespace) -> str:
                 + "; ".join(diff[:3])
             )
     try:
-        which = load_weights(trainer.model, state, path, args.ema, f"the model of {args.config}")
+        which = load_weights(trainer.model, state, path, args.ema, f"the model of {args.config or 'its config'}")
     except PredictError as e:
         raise EvaluateError(str(e)) from None
     return f"{path.name} ({which} weights)"
@@ -188,15 +225,18 @@ def evaluate(args: argparse.Namespace) -> str:
         raise EvaluateError(f"--init-from: {args.init_from} is not a file (an upstream DINO checkpoint .pth)")
     if args.checkpoint and not Path(args.checkpoint).exists():
         raise EvaluateError(f"--checkpoint: {args.checkpoint} does not exist")
+    if not args.config and not args.checkpoint:
+        raise EvaluateError("--config: needed with --init-from (an upstream file holds no config of this trainer)")
     t0 = time.perf_counter()
+    read = _read(args) if args.checkpoint else None
     with tempfile.TemporaryDirectory(prefix="trainstack-evaluate-") as tmp:
-        cfg = _config(args, tmp)
+        cfg = _config(args, tmp, read.state.get("config") if read else None)
         device = resolve_device(cfg.device, 0)
         trainer = Trainer(cfg, DistInfo(0, 0, 1, device))
         try:
             if args.init_from:
                 _check_nothing_random(getattr(trainer.task, "init_report", None), args.init_from)
-            what = _load_checkpoint(trainer, args) if args.checkpoint else f"{Path(args.init_from).name} (init_from)"
+            what = _load_checkpoint(trainer, args, read) if read else f"{Path(args.init_from).name} (init_from)"
             result = trainer.evaluate(trainer.model)
         finally:
             trainer.close()

@@ -151,6 +151,20 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return found
 
 
+def checkpoint_config_values(saved: dict) -> dict:
+    """The config fields of a checkpoint's stored config (``state["config"]``, legacy values filled:
+    :func:`~trainer.config.saved_config`) to rebuild its model from, without the fields that name weight files
+    (``pretrained*``, ``init_from``, ``frame_weights``, ``encoder_weights``, ``weights``): the checkpoint's weights
+    replace whatever they load, so a machine without those files can still read it."""
+    from trainer.config import FIELDS, saved_config
+
+    values = {k: v for k, v in saved_config(saved).items() if k in FIELDS}
+    for name in FIELDS:
+        if name.startswith("pretrained") or name in ("init_from", "frame_weights", "encoder_weights", "weights"):
+            values[name] = FIELDS[name].default
+    return values
+
+
 def read_checkpoint(path: str | Path):
     """The checkpoint ``--checkpoint`` names, read whole on the CPU (a
     :class:`~trainer.engine.checkpoint_files.Checkpoint`: path, manifest, state; manifest and SHA-256 checked):
@@ -302,7 +316,7 @@ def load_model(path: Path, device, use_ema: bool, state: Optional[dict] = None):
     Raises:
         PredictError: unreadable checkpoint, no config or label space in it, or weights that do not fit.
     """
-    from trainer.config import FIELDS, load_config, saved_config
+    from trainer.config import load_config
     from trainer.engine.distributed import DistInfo
     from trainer.errors import ConfigError
     from trainer.tasks import build_task
@@ -314,12 +328,9 @@ def load_model(path: Path, device, use_ema: bool, state: Optional[dict] = None):
         raise PredictError(f"--checkpoint: {path} holds no config (written by an older trainer?)")
     if not isinstance(label_space, dict) or not label_space:
         raise PredictError(f"--checkpoint: {path} holds no label space (written by an older trainer?)")
-    values = {k: v for k, v in saved_config(saved).items() if k in FIELDS}
+    values = checkpoint_config_values(saved)
     values["device"] = "cpu" if device.type == "cpu" else "cuda"
     values["compile"] = False
-    for name in FIELDS:  # files the model build would read: the checkpoint's weights replace them anyway
-        if name.startswith("pretrained") or name in ("init_from", "frame_weights", "encoder_weights", "weights"):
-            values[name] = FIELDS[name].default
     try:
         cfg = load_config(None, values)
     except ConfigError as e:

@@ -260,6 +260,7 @@ def test_evaluate_prints_box_map_for_an_upstream_checkpoint(coco90, upstream_ckp
         (["--config", "C", "--init-from", "nope.pth"], "error: --init-from: nope.pth is not a file"),
         (["--config", "missing.yaml", "--init-from", "UP"], "error: --config missing.yaml: "),
         (["--config", "CLS", "--init-from", "UP"], "error: --init-from: reads upstream DINO checkpoints"),
+        (["--init-from", "UP"], "error: --config: needed with --init-from"),
     ],
 )
 def test_evaluate_bad_input_exits_2_with_one_line(argv, message, coco90, upstream_ckpt, tmp_path, capsys, monkeypatch):

@@ -35,6 +35,7 @@ from typing import Any, Optional
 
 import yaml
 
+from trainer.argtypes import field_values
 from trainer.config import ALIASES, ConfigError, load_config, yaml_fields
 from trainer.errors import EXIT_USAGE
 from trainer.planning.scale_report import CRITERIA, GIB, host_memory
@@ -279,12 +280,10 @@ def run_scale_command(args: argparse.Namespace) -> int:
     from trainer.planning import scale_report as report
 
     try:
-        cli = {}
-        for item in args.set:
-            key, eq, value = item.partition("=")
-            if not eq or not key.strip():
-                raise ConfigError(f"scale --set {item!r}: expected FIELD=VALUE, e.g. --set image_size=64")
-            cli[key.strip()] = yaml.safe_load(value) if value.strip() else value
+        try:
+            cli = field_values(args.set, "scale --set")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if args.host_memory_gib is not None and not args.host_memory_gib > 0:
             raise ConfigError(f"scale --host-memory-gib: got {args.host_memory_gib}; must be > 0")
         plan = load_plan(args.plan, cli)
