@@ -13,14 +13,13 @@ call: those actions are derived from the fake docker's recorded command lines.
 from __future__ import annotations
 
 import json
-import stat
-import sys
 
 import pytest
 
 from infra.cli import session as cli_session
 from infra.cli.main import main
 from tests import moto_env
+from tests.infra.test_infra_cli import _fake_docker
 from tests.infra_helpers import CallRecorder, docker_registry_actions, is_allowed, policy_statements
 
 E = ["--env", moto_env.ENV]
@@ -163,18 +162,11 @@ def test_teardown_works_on_a_rolled_back_or_half_deleted_environment(aws, deploy
 def test_push_image_registry_logins_and_pulls_are_allowed(aws, deploy_role, monkeypatch, capsys, tmp_path):
     """push-image's GetAuthorizationToken, docker's pull of the Deep Learning Container base image (account
     763104351884) and its push to this environment's repository: all within the deploy role's policy."""
-    calls = tmp_path / "docker-calls.jsonl"
-    fake = tmp_path / "docker"
-    fake.write_text(
-        f"#!{sys.executable}\nimport json, sys\nsys.stdin.read() if 'login' in sys.argv else ''\n"
-        f"open({str(calls)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n"
-        f"if sys.argv[1] == 'push': print('c0ffee: digest: sha256:{'0' * 64} size: 529')\n"
-    )
-    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    fake, calls = _fake_docker(tmp_path)  # the same stand-in as the CLI tests (it answers --version)
     rec = CallRecorder()
     rec.install(monkeypatch, cli_session)
     assert main(E + ["push-image", "--tag", "c0ffee", "--docker", str(fake)]) == 0
-    argv = [json.loads(line) for line in calls.read_text().splitlines()]
+    argv = [json.loads(line)[0] for line in calls.read_text().splitlines()]
     docker = docker_registry_actions(argv, ACCOUNT, REGION)
     assert any(r == "arn:aws:ecr:us-east-1:763104351884:repository/pytorch" for _, r in docker)  # the DLC base
     assert any(r.endswith(f":repository/trainstack-{moto_env.ENV}") for _, r in docker)

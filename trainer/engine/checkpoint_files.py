@@ -174,12 +174,12 @@ class CheckpointDirectory:
             for p in candidates:
                 try:
                     value = accept(p)
-                except CheckpointGone:
-                    notes.append(f"checkpoint: passed over {p.name}: removed while being read (pruned by the run)")
-                    gone = True
-                    continue
                 except CheckpointError as e:
-                    notes.append(f"checkpoint: skipping {p.name}: {e}")
+                    if isinstance(e, CheckpointGone) or not p.is_dir():  # listed above, gone now: pruned
+                        notes.append(f"checkpoint: passed over {p.name}: removed while being read (pruned by the run)")
+                        gone = True
+                    else:
+                        notes.append(f"checkpoint: skipping {p.name}: {e}")
                     continue
                 why = "the 'latest' pointer" if p.name == latest else "the newest checkpoint that validates"
                 notes.append(f"checkpoint: resuming from {p} ({why})")
@@ -251,6 +251,7 @@ class _OpenCheckpoint:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.files: dict[str, Any] = {}
+        self._was_there = self.path.is_dir()  # a folder that never existed was not pruned: say what is missing
         try:
             raw = self._open("manifest.json").read()
         except FileNotFoundError:
@@ -274,9 +275,10 @@ class _OpenCheckpoint:
         return f
 
     def _missing(self, what: str) -> CheckpointError:
-        """CheckpointGone when the folder itself is gone (pruned), else CheckpointError(what)."""
+        """CheckpointGone when the folder, there when the read began, is gone now (pruned), else
+        CheckpointError(what)."""
         self.close()
-        if not self.path.is_dir():
+        if self._was_there and not self.path.is_dir():
             return CheckpointGone(f"{self.path}: removed while being read (a running training pruned it)")
         return CheckpointError(f"{self.path}: {what}")
 
