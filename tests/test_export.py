@@ -21,7 +21,7 @@ from test_detection import _cfg as detection_cfg
 from test_predict import _facemask_subset, _fit, digits_run  # noqa: F401 - digits_run is a fixture
 
 from trainer.cli import main
-from trainer.data.transforms import IMAGENET_MEAN, IMAGENET_STD, pixel_mean_std
+from trainer.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 
 pytestmark = pytest.mark.slow
 
@@ -154,53 +154,71 @@ def test_video_exports_onnx_with_top1_agreement(shared_data, tmp_path, capsys):
 
 
 def test_detection_exports_onnx_torchscript_safetensors(shared_data, tmp_path, capsys):
-    """DINO through the reference attention: standard ONNX ops, ONNX Runtime = PyTorch on real facemask images,
-    the same detections as ``predict`` on the same canvas (boxes x original size), dynamic batch; TorchScript;
+    """DINO through the reference attention: standard ONNX ops, a dynamic height and width, so each image alone
+    at its own size gives ``predict``'s detections (files of three sizes, portrait and landscape) and a padded
+    batch gives evaluation's padded path; TorchScript on its fixed canvas, reported against predict;
     safetensors."""
     from trainer.predict import load_model, resolve_checkpoint
+    from trainer.tasks.base import denormalize
     from trainer.tasks.detection.export import match_detections
 
     data, images = _facemask_subset(shared_data, tmp_path, 2)
-    t = _fit(detection_cfg(data, tmp_path, max_steps_per_epoch=1))
+    t = _fit(detection_cfg(data, tmp_path, max_steps_per_epoch=1))  # eval_size 64, max_size 96: sides below 65
     lines = _export(tmp_path / "ck", "onnx", tmp_path / "onnx", capsys)
     _check_verify_lines(lines, "detection agreement")
-    assert "verify: on 4 files of" in "\n".join(lines) and "maksssksksss0_png" in "\n".join(lines)
+    text = "\n".join(lines)
+    assert "verify: on 4 files of" in text and "maksssksksss0_png" in text and "at its own size, vs predict" in text
     path = tmp_path / "onnx" / "model.onnx"
     model = onnx.load(str(path))
     assert {n.domain for n in model.graph.node} <= {"", "ai.onnx"} and "GridSample" in {
         n.op_type for n in model.graph.node
     }
+    dims = [d.dim_param or d.dim_value for d in model.graph.input[0].type.tensor_type.shape.dim]
+    assert dims == ["batch", 3, "height", "width"], dims
     meta = {p.key: p.value for p in model.metadata_props}
-    side = json.loads(meta["input_size"])[0]
-    assert json.loads(meta["input_size"]) == [side, side] and side == 128  # max_size 96 rounded up to 64
+    assert meta["input_size"] == "any H and W up to 128 px"  # max_size 96 rounded up to 64
+    assert json.loads(meta["dynamic_axes"]) == ["batch", "height", "width"]
     assert json.loads(meta["num_select"]) == 30 and json.loads(meta["classes"]) == t.label_space["categories"]
     assert json.loads(meta["class_ids"]) == t.label_space["category_ids"]
 
-    # the served contract gives predict's detections: evaluation resize on the canvas, boxes x original size
+    # each file alone at its own size through ONNX Runtime = predict (boxes x original size)
     task, torch_model, _, _ = load_model(resolve_checkpoint(tmp_path / "ck"), torch.device("cpu"), True)
-    files = [str(shared_data / "facemask-coco" / "train2017" / i["file_name"]) for i in images]
+    torch_model.float().eval()
+    src = shared_data / "facemask-coco"
+    listed = json.loads((src / "annotations" / "custom_train.json").read_text())["images"]
+    portrait = next(i for i in listed if i["height"] > i["width"])
+    squarish = next(i for i in listed if abs(i["height"] - i["width"]) < 0.1 * i["width"])
+    files = [str(src / "train2017" / i["file_name"]) for i in (images[0], portrait, squarish)]
     batch = task.predict_inputs(files)
-    canvas, sizes = task.export_inputs(batch)
-    assert canvas.shape[-2:] == (128, 128) and (canvas[:, :, 64:] == 0).all()  # landscape images: 64 rows
-    rows, cols = torch.arange(128)[None, :, None], torch.arange(128)[None, None, :]
-    mask = (rows >= sizes[:, 0, None, None]) | (cols >= sizes[:, 1, None, None])
-    mean, std = pixel_mean_std()
-    image = ((canvas - mean) / std).masked_fill(mask[:, None], 0.0)  # pad_value mean: 0 after normalising
-    on_canvas = dict(batch, image=image, mask=mask, own_size=False)  # predict's path, padded as the graph pads
+    assert len(set(batch["sizes"])) == 3 and any(h > w for h, w in batch["sizes"]), batch["sizes"]
+    assert min(min(hw) for hw in batch["sizes"]) < 65  # below the traced range's start: ONNX Runtime runs it too
     with torch.no_grad():
-        predicted = task.predict(torch_model.float().eval(), on_canvas)
+        predicted = task.predict(torch_model, batch)
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    scores, labels, boxes = sess.run(None, {"image": canvas.numpy(), "image_size": sizes.numpy()})
-    wh = batch["orig_size"].flip(1).repeat(1, 2)[:, None].numpy()  # (B, 1, 4) W, H, W, H
-    reference = [np.stack([p[k].numpy() for p in predicted]) for k in ("scores", "labels", "boxes")]
-    assert np.abs(scores - reference[0]).max() < 1e-3
-    matched, total = match_detections(reference, [scores, labels, boxes * wh])
-    assert matched == total == 2 * 30
-    one = sess.run(None, {"image": canvas[:1].numpy(), "image_size": sizes[:1].numpy()})  # dynamic batch
-    assert np.abs(one[0] - scores[:1]).max() < 1e-4
+    pixels = denormalize(batch["image"])
+    for i, (h, w) in enumerate(batch["sizes"]):
+        one = {"image": pixels[i : i + 1, :, :h, :w].numpy(), "image_size": np.array([[h, w]], dtype=np.int64)}
+        scores, labels, boxes = sess.run(None, one)
+        ref = predicted[i]
+        wh = batch["orig_size"][i].flip(0).repeat(2).numpy()  # W, H, W, H
+        assert np.abs(scores[0] - ref["scores"].numpy()).max() < 1e-4
+        assert np.abs(boxes[0] * wh - ref["boxes"].numpy()).max() < 0.05  # pixels
+        matched, total = match_detections(
+            [ref["scores"][None].numpy(), ref["labels"][None].numpy(), ref["boxes"][None].numpy()],
+            [scores, labels, boxes * wh],
+        )
+        assert matched == total == 30
 
-    lines = _export(tmp_path / "ck", "torchscript", tmp_path / "ts", capsys)
-    _check_verify_lines(lines, "detection agreement")
+    # the padded batch (dynamic batch and size) = predict's path on the same padding (evaluation's)
+    sizes = torch.tensor(batch["sizes"], dtype=torch.int64)
+    scores, labels, boxes = sess.run(None, {"image": pixels.numpy(), "image_size": sizes.numpy()})
+    with torch.no_grad():
+        padded = task.predict(torch_model, dict(batch, own_size=False))
+    assert np.abs(scores - np.stack([p["scores"].numpy() for p in padded])).max() < 1e-4
+
+    lines = _export(tmp_path / "ck", "torchscript", tmp_path / "ts", capsys)  # traced at the fixed canvas
+    assert any("128x128 canvas vs predict" in line for line in lines), lines
+    assert any("detection agreement" in line for line in lines), lines
     _export(tmp_path / "ck", "safetensors", tmp_path / "st", capsys)
     from safetensors import safe_open
 
@@ -208,7 +226,8 @@ def test_detection_exports_onnx_torchscript_safetensors(shared_data, tmp_path, c
         st_meta = f.metadata()
     assert json.loads(st_meta["num_select"]) == 30 and json.loads(st_meta["score_threshold"]) == 0.3
     card = (tmp_path / "onnx" / "model_card.md").read_text()
-    assert '"num_select": 30' in card and "detection agreement 100.0 %" in card and "128x128 canvas" in card
+    assert '"num_select": 30' in card and "detection agreement 100.0 %" in card
+    assert "128x128 canvas" in (tmp_path / "ts" / "model_card.md").read_text()
 
 
 # --- bad inputs ---------------------------------------------------------------------------------------------

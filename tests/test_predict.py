@@ -350,7 +350,12 @@ def test_evaluate_a_classifier_checkpoint(digits_run, tmp_path, capsys):
     assert "(ema weights) on val: " in line and " top1=" in line and " top5=" in line
     # no --config: the checkpoint's own config, with train's fields overridden by --set: the same metrics
     assert main(["evaluate", "--checkpoint", str(ckpt), "--set", "num_workers=0", "--device", "cpu"]) == 0
-    alone = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("evaluate: ckpt-"))
+    out = capsys.readouterr()
+    alone = next(x for x in out.out.splitlines() if x.startswith("evaluate: ckpt-"))
     assert alone == line
+    printed = (out.out + out.err).splitlines()
+    data_lines = [x for x in printed if x.startswith("data: ")]
+    assert data_lines and len(data_lines) == len(set(data_lines)), printed  # the split's summary once
+    assert not any(x.startswith("checkpoint: writer") for x in printed), printed  # no writer started
     assert main(["evaluate", "--checkpoint", str(ckpt), "--set", "num_workers"]) == 2
     assert "error: --set 'num_workers': expected FIELD=VALUE" in capsys.readouterr().err

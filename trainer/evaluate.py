@@ -232,7 +232,7 @@ def evaluate(args: argparse.Namespace) -> str:
     with tempfile.TemporaryDirectory(prefix="trainstack-evaluate-") as tmp:
         cfg = _config(args, tmp, read.state.get("config") if read else None)
         device = resolve_device(cfg.device, 0)
-        trainer = Trainer(cfg, DistInfo(0, 0, 1, device))
+        trainer = Trainer(cfg, DistInfo(0, 0, 1, device), evaluation_only=True)
         try:
             if args.init_from:
                 _check_nothing_random(getattr(trainer.task, "init_report", None), args.init_from)

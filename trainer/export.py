@@ -31,8 +31,9 @@ disk) leaves the previous export's file or none, never a truncated one. A checkp
 writing is read, not waited for: its ``latest`` names only complete checkpoints, and a ``note:`` line names the run.
 
 DINO's graph (:mod:`trainer.tasks.detection.export`) runs the deformable attention as the PyTorch reference
-(``GridSample``), so it needs no custom-op library at serving time; its input is a fixed square canvas plus each
-image's size on it, and it ends in DINO's top-``num_select`` post-processing.
+(``GridSample``), so it needs no custom-op library at serving time; it takes evaluation-resized images of any size
+(ONNX; TorchScript a fixed square canvas) plus each image's size, ends in DINO's top-``num_select``
+post-processing, and is verified against ``predict`` itself (:meth:`~trainer.tasks.base.Task.export_verification`).
 """
 
 from __future__ import annotations
@@ -143,19 +144,34 @@ def sample_files(task, limit: int = VERIFY_FILES) -> list[str]:
     return []
 
 
-def verification_inputs(task) -> tuple[tuple, str]:
-    """(graph inputs, where they come from): real files of the checkpoint's data (:func:`sample_files` through
-    :meth:`Task.predict_inputs`), else the task's example inputs (3 samples)."""
+def verification_runs(task, model, module, fmt: str) -> tuple[list, list, str]:
+    """(runs, reference, where they come from) for verifying an export: real files of the checkpoint's data
+    (:func:`sample_files` through :meth:`Task.predict_inputs` and :meth:`Task.export_verification`: input tuples to
+    run through the export and the reference outputs, numpy, runs concatenated along the batch), else the task's
+    example inputs (3 samples) against ``module`` (the PyTorch graph)."""
     files = sample_files(task)
     if files:
         try:
             batch = task.predict_inputs(files)
-            if batch.get("n"):
-                names = ", ".join(Path(p).name for p in batch["paths"])
-                return task.export_inputs(batch), f"{batch['n']} files of {task.cfg.data_dir} ({names})"
         except Exception:  # noqa: BLE001 - a data layout the task's reader does not take: fall back, said below
-            pass
-    return task.export_example(3), "the task's example inputs (3 seeded random samples; data_dir not readable)"
+            batch = {}
+        if batch.get("n"):
+            runs, reference, how = task.export_verification(model, module, batch, fmt)
+            names = ", ".join(Path(p).name for p in batch["paths"])
+            return runs, reference, f"{batch['n']} files of {task.cfg.data_dir} ({names}){how}"
+    inputs = task.export_example(3)
+    return (
+        [inputs],
+        _torch_outputs(module, inputs),
+        "the task's example inputs (3 seeded random samples; data_dir not readable)",
+    )
+
+
+def _concat(outputs: list[list]) -> list:
+    """Per-run output lists (numpy, in the graph's output order) -> one list, concatenated along the batch."""
+    import numpy as np
+
+    return [np.concatenate(parts) for parts in zip(*outputs)]
 
 
 def compare(task, reference: list, exported: list) -> list[str]:
@@ -469,7 +485,7 @@ def _write_export(args, out: Path, ckpt: Path, state: dict, manifest: dict, task
             file=sys.stderr,
             flush=True,
         )
-    meta = task.export_metadata(label_space)
+    meta = task.export_metadata(label_space, args.format)
     meta.update(checkpoint=ckpt.name, weights=which, config_fingerprint=str(state.get("fingerprint")))
     model.float().eval()
     path = out / FILES[args.format]
@@ -514,18 +530,18 @@ def _write_export(args, out: Path, ckpt: Path, state: dict, manifest: dict, task
                 torch.jit.save(traced, str(tmp), _extra_files={"metadata.json": json.dumps(meta)})
                 how = "torch.jit.trace; metadata as _extra_files['metadata.json']"
             if args.verify:
-                inputs, verified_on = verification_inputs(task)
-                ref = _torch_outputs(module, inputs)
+                runs, ref, verified_on = verification_runs(task, model, module, args.format)
                 if args.format == "onnx":
-                    got = run_onnx(tmp, inputs)
-                    one = run_onnx(tmp, tuple(x[:1] for x in inputs))
+                    got = _concat([run_onnx(tmp, inputs) for inputs in runs])
+                    one = run_onnx(tmp, tuple(x[:1] for x in runs[0]))
                     verified_on += "; ONNX Runtime CPU vs PyTorch float32"
                     verify = compare(task, ref, got) + [
                         f"batch 1 run: max |diff| {task.export_output_names[0]} vs PyTorch "
                         f"{float(abs(one[0].astype('float64') - ref[0][:1]).max()):.3g}"
                     ]
                 else:
-                    got = _torch_outputs(torch.jit.load(str(tmp)), inputs)
+                    loaded = torch.jit.load(str(tmp))
+                    got = _concat([_torch_outputs(loaded, inputs) for inputs in runs])
                     verified_on += "; loaded TorchScript vs PyTorch float32"
                     verify = compare(task, ref, got)
         facts = {

@@ -407,3 +407,23 @@ def test_too_few_encoder_tokens_raise():
     images, mask, _ = inputs()
     with pytest.raises(ValueError, match="num_queries"), torch.no_grad():
         m(images, mask)
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        {},
+        {"return_interm_indices": (0, 1, 2, 3), "num_feature_levels": 5},
+        {"dilation": True, "backbone": "resnet50"},
+        {"num_feature_levels": 3},
+    ],
+)
+def test_level_strides_are_the_feature_maps_strides(over):
+    """DinoConfig.level_strides (the exported graph's smallest side comes from it) against the feature maps the
+    model makes from a 256 x 512 image."""
+    torch.manual_seed(0)
+    cfg = tiny_cfg(**over)
+    m = build_dino(cfg, num_classes=K).eval()
+    with torch.no_grad():
+        srcs, _, _ = m._features(torch.zeros(1, 3, 256, 512), torch.zeros(1, 256, 512, dtype=torch.bool))
+    assert [(256 // s, 512 // s) for s in cfg.level_strides()] == [tuple(x.shape[-2:]) for x in srcs]

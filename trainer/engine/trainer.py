@@ -43,10 +43,16 @@ class Trainer(EpochMixin, ResumeMixin):
     over ranks: checked before the data is read), ``DataError`` (unusable data), ``CheckpointError``
     (checkpoint folder not writable; resume target invalid, of another label space or model, or config
     changed without ``force_resume``).
+
+    ``evaluation_only`` (``python -m trainer evaluate``): the same build, but no checkpoint writer is started and
+    no interrupted-run record is read, since nothing is trained or saved.
     """
 
-    def __init__(self, cfg: TrainConfig, info: dist.DistInfo, stop: Optional[StopFlag] = None):
+    def __init__(
+        self, cfg: TrainConfig, info: dist.DistInfo, stop: Optional[StopFlag] = None, *, evaluation_only: bool = False
+    ):
         self.cfg, self.info, self.device = cfg, info, info.device
+        self.evaluation_only = evaluation_only  # ``evaluate``: no checkpoint writer, no interrupted-run record
         self.stop = stop or StopFlag()  # set by signal handlers / the spot poller (trainer.engine.run)
         self.interrupted: Optional[str] = None
         self.resumed_from: Optional[Path] = None
@@ -76,7 +82,7 @@ class Trainer(EpochMixin, ResumeMixin):
         data = self.task.build_data()
         self.label_space = dict(data.label_space)
         self.val_left_out = data.val_left_out
-        for line in data.report:
+        for line in dict.fromkeys(data.report):  # once each: ``evaluate`` reads its split as train and val
             self.log.info(line)
         self.eval_batch = cfg.eval_batch_size or 2 * self.micro
         loaders = build_split_loaders(cfg, info, data, self.micro, self.eval_batch)
@@ -122,6 +128,8 @@ class Trainer(EpochMixin, ResumeMixin):
                     f"global step {self.global_step} by the previous run (trained again now)"
                 )
         self._start_tracking()
+        if self.evaluation_only:
+            return
         try:
             if info.is_main:
                 self.log.info(self.ckpt.prepare(self._state()))

@@ -301,9 +301,21 @@ class Task(ABC):
         its normalised images mapped back through the ImageNet mean/std. Default: ``batch["image"]``."""
         return (denormalize(batch["image"]),)
 
-    def export_metadata(self, label_space: dict) -> dict:
+    def export_verification(self, model: nn.Module, module: nn.Module, batch: dict, fmt: str) -> tuple[list, list, str]:
+        """What an export is verified against, on a :meth:`predict_inputs` batch: ``(runs, reference, how)``.
+        ``runs``: graph input tuples (:meth:`export_inputs`), each run through the export; ``reference``: numpy
+        arrays in :attr:`export_output_names` order, the runs' outputs concatenated along the batch axis; ``how``:
+        a phrase for the report. Default: one run of the whole batch, against ``module`` (the PyTorch graph
+        before export) on the same inputs. ``model`` is the task's model (eval, float32, CPU); ``fmt`` ``onnx`` or
+        ``torchscript``."""
+        inputs = self.export_inputs(batch)
+        with torch.no_grad():
+            return [inputs], [o.numpy() for o in module(*inputs)], ""
+
+    def export_metadata(self, label_space: dict, fmt: str = "onnx") -> dict:
         """Serving facts of an export (JSON-able): classes and ids from the checkpoint's ``label_space``, input
-        layout and size, mean/std, and the task's post-processing parameters. Subclasses add to the default."""
+        layout and size, mean/std, and the task's post-processing parameters; ``fmt`` the export's format (a graph
+        traced at a fixed size says so). Subclasses add to the default."""
         from trainer.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 
         classes = list(label_space.get("classes") or label_space.get("categories") or [])

@@ -18,7 +18,10 @@ from trainer.ops.msda import ms_deform_attn
 
 
 def _im2col_step(n: int, preferred: int = 64) -> int:
-    """Largest batch chunk <= ``preferred`` that divides ``n`` (the op requires a divisor; upstream uses 64)."""
+    """Largest batch chunk <= ``preferred`` that divides ``n`` (the op requires a divisor; upstream uses 64).
+    1 for a symbolic batch (torch.export: the traced reference takes no chunk, and ``%`` would guard the batch)."""
+    if isinstance(n, torch.SymInt):
+        return 1
     step = max(1, min(n, preferred))
     return step if n % step == 0 else math.gcd(n, preferred)
 

@@ -96,6 +96,20 @@ class DinoConfig:
         self.return_interm_indices = tuple(int(i) for i in self.return_interm_indices)
         self.validate()
 
+    def level_strides(self) -> list[int]:
+        """Stride in pixels of each feature level the transformer sees: the backbone's returned layers (ResNet
+        layer k has stride 2**(k + 1); ``dilation`` halves the last), then one stride-2 conv per extra level up to
+        ``num_feature_levels`` (Deformable DETR sec. 4.1). DINO-4scale: [8, 16, 32, 64]. A level's grid is
+        ceil(side / stride), so an image side must exceed the last stride for every level to be at least 2
+        wide (the exported graph's smallest side: :mod:`trainer.tasks.detection.export`)."""
+        n = len(self.return_interm_indices)
+        strides = [2 ** (k + 2) for k in range(4 - n, 4)]
+        if self.dilation:
+            strides[-1] //= 2
+        for _ in range(self.num_feature_levels - n):
+            strides.append(strides[-1] * 2)
+        return strides
+
     def validate(self) -> None:
         """Raise ValueError naming the field when a value cannot build a model."""
         if self.backbone not in BACKBONES:

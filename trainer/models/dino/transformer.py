@@ -29,7 +29,13 @@ from trainer.models.dino.utils import (
     has_values,
     inverse_sigmoid,
     level_shapes,
+    symbolic,
 )
+
+
+def _scalar(n, like: Tensor) -> Tensor:
+    """An int64 0-d tensor of ``n`` (a Python int or a ``torch.SymInt``) on ``like``'s device."""
+    return torch.full((), n, dtype=torch.long, device=like.device)
 
 
 class DeformableTransformerEncoderLayer(nn.Module):
@@ -262,16 +268,23 @@ class DeformableTransformer(nn.Module):
         CUDA graph capture (``cuda_graphs``) and costs a copy per step otherwise. Made outside inference mode, so a
         shape first seen in an ``inference_mode`` evaluation still serves training. Shape-only tensors (meta, fake:
         the memory prediction) get fresh ones, never kept."""
-        key = (tuple(shapes), str(like.device))
-        if has_values(like) and key in self._level_tensors:
+        keep = has_values(like) and not symbolic(shapes)
+        key = (tuple(shapes), str(like.device)) if keep else None
+        if keep and key in self._level_tensors:
             return self._level_tensors[key]
         starts = [sum(h * w for h, w in shapes[:i]) for i in range(len(shapes))]
         with torch.inference_mode(False):  # kept tensors must serve a later training step's backward too
-            made = (
-                torch.as_tensor(shapes, dtype=torch.long, device=like.device),
-                torch.as_tensor(starts, dtype=torch.long, device=like.device),
-            )
-        if has_values(like):
+            if symbolic(shapes):  # torch.export, dynamic H and W: traced scalars, not constants (as_tensor guards)
+                made = (
+                    torch.stack([torch.stack([_scalar(h, like), _scalar(w, like)]) for h, w in shapes]),
+                    torch.stack([_scalar(s, like) for s in starts]),
+                )
+            else:
+                made = (
+                    torch.as_tensor(shapes, dtype=torch.long, device=like.device),
+                    torch.as_tensor(starts, dtype=torch.long, device=like.device),
+                )
+        if keep:
             self._level_tensors[key] = made
         return made
 
@@ -299,7 +312,7 @@ class DeformableTransformer(nn.Module):
         """
         src_flat, mask_flat, pos_flat, shapes = [], [], [], []
         for lvl, (src, mask, pos) in enumerate(zip(srcs, masks, pos_embeds)):
-            shapes.append((int(src.shape[-2]), int(src.shape[-1])))
+            shapes.append((src.shape[-2], src.shape[-1]))  # ints; symbolic under torch.export (dynamic H, W)
             src_flat.append(src.flatten(2).transpose(1, 2))
             mask_flat.append(mask.flatten(1))
             pos_flat.append(pos.flatten(2).transpose(1, 2) + self.level_embed[lvl].view(1, 1, -1))

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from trainer.ops.msda.reference import as_size
+
 
 def has_values(t: Tensor) -> bool:
     """False for shape-only tensors (``torch._subclasses.FakeTensorMode``, the ``meta`` device), whose values
@@ -28,7 +30,12 @@ def level_shapes(spatial_shapes) -> list[tuple[int, int]]:
     pairs (no copy; also works on shape-only tensors' models, see :func:`has_values`)."""
     if isinstance(spatial_shapes, Tensor):
         return [(int(h), int(w)) for h, w in spatial_shapes.tolist()]
-    return [(int(h), int(w)) for h, w in spatial_shapes]
+    return [(as_size(h), as_size(w)) for h, w in spatial_shapes]
+
+
+def symbolic(shapes) -> bool:
+    """Whether any (H_l, W_l) of ``shapes`` is a ``torch.SymInt`` (torch.export with dynamic height/width)."""
+    return any(isinstance(n, torch.SymInt) for pair in shapes for n in pair)
 
 
 def box_giou(boxes1: Tensor, boxes2: Tensor, eps: float = 0.0) -> Tensor:

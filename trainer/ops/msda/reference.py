@@ -14,6 +14,12 @@ import torch
 import torch.nn.functional as F
 
 
+def as_size(n):
+    """``n`` as a Python int, or kept as it is when it is a ``torch.SymInt`` (torch.export tracing a dynamic
+    height or width: ``int()`` would specialise the exported graph to the example's size)."""
+    return n if isinstance(n, torch.SymInt) else int(n)
+
+
 def ms_deform_attn_reference(
     value: torch.Tensor,
     spatial_shapes: torch.Tensor | Sequence[tuple[int, int]],
@@ -35,7 +41,7 @@ def ms_deform_attn_reference(
     n, _, m, d = value.shape
     _, lq, _, n_levels, n_points, _ = sampling_locations.shape
     pairs = spatial_shapes.tolist() if isinstance(spatial_shapes, torch.Tensor) else spatial_shapes
-    shapes = [(int(h), int(w)) for h, w in pairs]
+    shapes = [(as_size(h), as_size(w)) for h, w in pairs]
     value_list = value.split([h * w for h, w in shapes], dim=1)
     grids = 2 * sampling_locations - 1  # grid_sample's [-1, 1] convention
     samples = []
@@ -76,7 +82,7 @@ def ms_deform_attn_reference_backward(
     n, _, m, d = value.shape
     _, lq, _, n_levels, n_points, _ = sampling_locations.shape
     pairs = spatial_shapes.tolist() if isinstance(spatial_shapes, torch.Tensor) else spatial_shapes
-    shapes = [(int(h), int(w)) for h, w in pairs]
+    shapes = [(as_size(h), as_size(w)) for h, w in pairs]
     value_list = value.split([h * w for h, w in shapes], dim=1)
     grids = 2 * sampling_locations - 1
     grad = grad_output.transpose(1, 2).reshape(n * m, d, lq, 1)

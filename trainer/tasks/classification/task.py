@@ -339,11 +339,11 @@ class ClassificationTask(Task):
         """Normalisation, the classifier, then ``logits`` float32 (B, C) and their softmax ``probs`` (B, C)."""
         return ExportWrapper(model, softmax_outputs)
 
-    def export_metadata(self, label_space: dict) -> dict:
+    def export_metadata(self, label_space: dict, fmt: str = "onnx") -> dict:
         """The default facts plus the evaluation resize (``val_resize_ratio``) and ``top_k`` 5 (what ``predict``
         reports per image)."""
         return {
-            **super().export_metadata(label_space),
+            **super().export_metadata(label_space, fmt),
             "preprocess": f"resize shorter side to image_size / {self.cfg.val_resize_ratio:g}, centre crop image_size",
             "top_k": 5,
         }

@@ -1,10 +1,13 @@
 """DINO as a served graph (``python -m trainer export --format onnx|torchscript`` on a detection checkpoint).
 
-The graph takes the evaluation-resized image on a fixed square canvas and the size of the image on it, builds the
-padding mask DINO was trained with from that size, and ends in DINO's post-processing (top ``num_select``
-(query, class) pairs, :class:`~trainer.models.dino.postprocess.PostProcess`). The deformable attention runs as the
-PyTorch reference (:func:`trainer.ops.msda.reference_graph`), so the graph holds standard ONNX operators only
-(``GridSample``, opset >= 16) and needs neither our extension nor a custom-op library at serving time.
+The graph takes evaluation-resized images and the size of each on its input, builds the padding mask DINO was
+trained with from those sizes, and ends in DINO's post-processing (top ``num_select`` (query, class) pairs,
+:class:`~trainer.models.dino.postprocess.PostProcess`). The ONNX graph has a dynamic height and width (the level
+sizes stay symbolic under torch.export), so one image at its own size gives ``predict``'s detections; TorchScript
+(``torch.jit.trace``) records the level sizes as constants and takes the fixed square canvas it was traced at. The
+deformable attention runs as the PyTorch reference (:func:`trainer.ops.msda.reference_graph`), so the graph holds
+standard ONNX operators only (``GridSample``, opset >= 16) and needs neither our extension nor a custom-op library
+at serving time.
 """
 
 from __future__ import annotations
@@ -14,11 +17,18 @@ from torch import Tensor, nn
 
 
 def canvas_side(max_size: int, pad_to_multiple: int) -> int:
-    """Side S in pixels of the square canvas an exported DINO takes: ``max_size`` (the longest side an
-    evaluation resize gives, landscape or portrait) rounded up to ``pad_to_multiple``, so every feature level's
-    grid is an exact stride of it (DINO-4scale at 1333: 1344)."""
+    """Side S in pixels of the square canvas an exported DINO takes at most (and TorchScript's fixed input):
+    ``max_size`` (the longest side an evaluation resize gives, landscape or portrait) rounded up to
+    ``pad_to_multiple``, so every feature level's grid is an exact stride of it (DINO-4scale at 1333: 1344)."""
     m = max(1, int(pad_to_multiple))
     return -(-int(max_size) // m) * m
+
+
+def smallest_side(level_strides: list[int]) -> int:
+    """The smallest image side in pixels the dynamic ONNX graph takes: one more than the coarsest level's stride
+    (:meth:`~trainer.models.dino.config.DinoConfig.level_strides`), so that level's grid is at least 2 wide
+    (torch.export specialises a size of 1; DINO-4scale: 65)."""
+    return int(level_strides[-1]) + 1
 
 
 class DinoExport(nn.Module):
@@ -30,11 +40,11 @@ class DinoExport(nn.Module):
 
     ``forward(image, image_size)``:
 
-    - ``image``: float32 (B, 3, S, S) RGB pixel values in [0, 255]; each image resized as in evaluation (shorter
-      side ``eval_size``, longer at most ``max_size``) at the top-left; the rest of the canvas is set in the graph
-      to the training collate's padding, whatever it holds: 0 after normalisation (the mean colour) for
-      ``pad_value`` ``mean``, pixel 0 (black) for ``black``.
-    - ``image_size``: int64 (B, 2), the (h, w) in pixels the image occupies on the canvas.
+    - ``image``: float32 (B, 3, H, W) RGB pixel values in [0, 255], each image resized as in evaluation (shorter
+      side ``eval_size``, longer at most ``max_size``) at the top-left; one image at its own size (H, W) is what
+      ``predict`` runs. The rest of a padded batch is set in the graph to the training collate's padding, whatever
+      it holds: 0 after normalisation (the mean colour) for ``pad_value`` ``mean``, pixel 0 (black) for ``black``.
+    - ``image_size``: int64 (B, 2), the (h, w) in pixels each image occupies.
 
     Returns ``(scores, labels, boxes)``: float32 (B, K) sigmoid scores sorted descending, int64 (B, K) class
     indices (the model's contiguous ids; the metadata maps them to COCO category ids), float32 (B, K, 4) boxes

@@ -354,14 +354,14 @@ class SegmentationTask(Task):
         ``eval_window`` is set, stay outside the graph)."""
         return ExportWrapper(model, argmax_outputs)
 
-    def export_metadata(self, label_space: dict) -> dict:
+    def export_metadata(self, label_space: dict, fmt: str = "onnx") -> dict:
         """The default facts plus the palette (``r,g,b`` per class, when the config has one), ``ignore_index`` and
         the side divisor inputs must be padded to."""
         from trainer.models.segmentation import required_divisor
 
         cfg = self.cfg
         return {
-            **super().export_metadata(label_space),
+            **super().export_metadata(label_space, fmt),
             "palette": list(cfg.palette or []),
             "ignore_index": cfg.ignore_index,
             "size_divisor": required_divisor(cfg.model),

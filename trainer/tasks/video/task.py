@@ -326,12 +326,12 @@ class VideoTask(Task):
         b, t = clips.shape[:2]
         return (denormalize(clips.reshape(b * t, *clips.shape[2:])).reshape(clips.shape),)
 
-    def export_metadata(self, label_space: dict) -> dict:
+    def export_metadata(self, label_space: dict, fmt: str = "onnx") -> dict:
         """The default facts for clips: layout B,T,3,S,S, ``num_frames``, ``frame_stride`` (the centred evaluation
         window), ``top_k`` 5."""
         cfg = self.cfg
         return {
-            **super().export_metadata(label_space),
+            **super().export_metadata(label_space, fmt),
             "input_layout": "B,T,3,H,W RGB float32 pixel values in [0, 255]",
             "num_frames": cfg.num_frames,
             "frame_stride": cfg.frame_stride,
