@@ -117,7 +117,14 @@ LAYERS = (
     ("trainer.engine.distributed", "trainer.engine.evaluation", "trainer.engine.precision"),
     ("trainer.tasks",),
     ("trainer.engine",),
-    ("trainer.planning", "trainer.predict", "trainer.evaluate", "trainer.export", "trainer.check_install"),
+    (
+        "trainer.planning",
+        "trainer.trained",
+        "trainer.predict",
+        "trainer.evaluate",
+        "trainer.export",
+        "trainer.check_install",
+    ),
     ("trainer.cli", "trainer.__main__", "trainer.sagemaker", "trainer.launch"),
 )
 

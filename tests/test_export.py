@@ -117,7 +117,7 @@ def test_segmentation_exports_onnx_with_mask_agreement(shared_data, tmp_path, ca
     # the card's size rule: a 500x375 photo, shorter side resized to 64 (85x64), padded to multiples of 32: 96x64
     assert json.loads(meta["dynamic_axes"]) == ["batch", "height", "width"] and "multiples of 32" in card
     assert "(batch, height, width dynamic)" in card
-    from trainer.predict import load_model, resolve_checkpoint
+    from trainer.trained import load_model, resolve_checkpoint
 
     task, model, _, _ = load_model(resolve_checkpoint(tmp_path / "ck"), torch.device("cpu"), True)
     photo = torch.zeros(2, 3, 64, 96)
@@ -158,9 +158,9 @@ def test_detection_exports_onnx_torchscript_safetensors(shared_data, tmp_path, c
     at its own size gives ``predict``'s detections (files of three sizes, portrait and landscape) and a padded
     batch gives evaluation's padded path; TorchScript on its fixed canvas, reported against predict;
     safetensors."""
-    from trainer.predict import load_model, resolve_checkpoint
     from trainer.tasks.base import denormalize
     from trainer.tasks.detection.export import match_detections
+    from trainer.trained import load_model, resolve_checkpoint
 
     data, images = _facemask_subset(shared_data, tmp_path, 2)
     t = _fit(detection_cfg(data, tmp_path, max_steps_per_epoch=1))  # eval_size 64, max_size 96: sides below 65

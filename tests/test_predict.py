@@ -309,7 +309,7 @@ def test_segmentation_masks_do_not_depend_on_the_batch_and_evaluate_reads_the_ch
     import yaml
     from test_segmentation import rid_cfg
 
-    from trainer.predict import read_state
+    from trainer.trained import read_state
 
     cfg = rid_cfg(shared_data, tmp_path, max_steps_per_epoch=1)
     _fit(cfg)
@@ -339,7 +339,7 @@ def test_evaluate_a_classifier_checkpoint(digits_run, tmp_path, capsys):
     """``evaluate --checkpoint`` on the digits run (EMA weights by default): its top-1 accuracy, no training."""
     import yaml
 
-    from trainer.predict import read_state, resolve_checkpoint
+    from trainer.trained import read_state, resolve_checkpoint
 
     ckpt, _ = digits_run
     saved = read_state(resolve_checkpoint(ckpt))["config"]

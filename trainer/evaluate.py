@@ -95,7 +95,7 @@ def _config(args: argparse.Namespace, tmp: str, saved: dict | None = None):
     from trainer.argtypes import field_values
     from trainer.config import load_config
     from trainer.errors import ConfigError
-    from trainer.predict import checkpoint_config_values
+    from trainer.trained import checkpoint_config_values
 
     try:
         over: dict = field_values(args.set)
@@ -146,13 +146,13 @@ def _config(args: argparse.Namespace, tmp: str, saved: dict | None = None):
 
 
 def _read(args: argparse.Namespace):
-    """``--checkpoint`` read whole (:func:`trainer.predict.read_checkpoint`). Raises EvaluateError: no valid
+    """``--checkpoint`` read whole (:func:`trainer.trained.read_checkpoint`). Raises EvaluateError: no valid
     checkpoint there, or (without ``--config``) one that holds no config."""
-    from trainer.predict import PredictError, read_checkpoint
+    from trainer.trained import CheckpointArgError, read_checkpoint
 
     try:
         read = read_checkpoint(args.checkpoint)
-    except PredictError as e:
+    except CheckpointArgError as e:
         raise EvaluateError(str(e)) from None
     saved = read.state.get("config")
     if not args.config and not (isinstance(saved, dict) and saved.get("task")):
@@ -168,7 +168,7 @@ def _load_checkpoint(trainer, args: argparse.Namespace, read) -> str:
         EvaluateError: another label space, or weights that do not fit.
     """
     from trainer.engine.resume import label_space_diff
-    from trainer.predict import PredictError, load_weights
+    from trainer.trained import CheckpointArgError, load_weights
 
     path, state = read.path, read.state
     saved = state.get("label_space")
@@ -181,7 +181,7 @@ def _load_checkpoint(trainer, args: argparse.Namespace, read) -> str:
             )
     try:
         which = load_weights(trainer.model, state, path, args.ema, f"the model of {args.config or 'its config'}")
-    except PredictError as e:
+    except CheckpointArgError as e:
         raise EvaluateError(str(e)) from None
     return f"{path.name} ({which} weights)"
 

@@ -6,7 +6,7 @@ Usage::
         [--opset 18] [--weights ema|raw] [--verify/--no-verify] [--task TASK]
 
 ``CKPT`` is a checkpoint folder (``ckpt-*``) or a run's ``checkpoint_dir``, resolved and loaded exactly as
-``predict`` does (:func:`trainer.predict.read_checkpoint`, :func:`trainer.predict.load_model`). The task says
+``predict`` does (:func:`trainer.trained.read_checkpoint`, :func:`trainer.trained.load_model`). The task says
 how its model is exported (:meth:`trainer.tasks.base.Task.export_module`: ImageNet normalisation of float32 pixel
 values in [0, 255] inside the graph, the task's post-processing after it) and what serving needs to know
 (:meth:`~trainer.tasks.base.Task.export_metadata`: classes and ids, input size, mean/std, post-processing).
@@ -421,12 +421,12 @@ def export(args: argparse.Namespace) -> list[str]:
     import torch
 
     from trainer.engine.durable import describe_holder, lock_holder
-    from trainer.predict import PredictError, load_model, read_checkpoint
+    from trainer.trained import CheckpointArgError, load_model, read_checkpoint
 
     opset = check_opset(args.opset, args.format)
     try:
         read = read_checkpoint(args.checkpoint)  # held whole from here: a training run may prune it meanwhile
-    except PredictError as e:
+    except CheckpointArgError as e:
         raise ExportError(f"{e}; give a ckpt-* folder or a checkpoint_dir") from None
     ckpt, state, manifest = read.path, read.state, read.manifest
     del read
@@ -446,7 +446,7 @@ def export(args: argparse.Namespace) -> list[str]:
     check_out(Path(args.out), ckpt, args.format)
     try:
         task, model, label_space, which = load_model(ckpt, torch.device("cpu"), args.weights == "ema", state)
-    except PredictError as e:
+    except CheckpointArgError as e:
         raise ExportError(str(e)) from None
     if args.task and task.name != args.task:
         raise ExportError(f"--checkpoint: {ckpt} is a {task.name} checkpoint, not {args.task}")

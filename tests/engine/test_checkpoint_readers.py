@@ -102,7 +102,7 @@ def test_export_in_a_loop_against_a_run_checkpointing_every_step_never_crashes(t
     from safetensors.torch import load_file
 
     from trainer.cli import main
-    from trainer.predict import read_checkpoint
+    from trainer.trained import read_checkpoint
 
     tiny_data(tmp_path / "data", train=40)
     extra = dict(model="shufflenet_v2_x0_5", epochs=1000, max_steps_per_epoch=5, checkpoint_every_steps=1)
