@@ -15,12 +15,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from trainer.ops.msda import ms_deform_attn
+from trainer.ops.msda.function import reference_graph_active
 
 
 def _im2col_step(n: int, preferred: int = 64) -> int:
     """Largest batch chunk <= ``preferred`` that divides ``n`` (the op requires a divisor; upstream uses 64).
-    1 for a symbolic batch (torch.export: the traced reference takes no chunk, and ``%`` would guard the batch)."""
-    if isinstance(n, torch.SymInt):
+    1 for a symbolic batch while an exporter traces the reference (torch.export: the reference takes no chunk, and
+    ``%`` would guard the batch); torch.compile's symbolic batches keep the chunk (and its guard)."""
+    if isinstance(n, torch.SymInt) and reference_graph_active():
         return 1
     step = max(1, min(n, preferred))
     return step if n % step == 0 else math.gcd(n, preferred)

@@ -209,6 +209,11 @@ def reference_graph():
         _reference_graph = before
 
 
+def reference_graph_active() -> bool:
+    """Whether :func:`reference_graph` is active (an exporter is tracing the model)."""
+    return _reference_graph
+
+
 def _warn_fallback(reason: str) -> None:
     global _warned
     if not _warned:
