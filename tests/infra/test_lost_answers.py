@@ -70,3 +70,40 @@ def test_a_record_create_whose_answer_was_lost_is_written_not_a_conflict(session
     other.put_object(Bucket=BUCKET, Key=jr.record_key("j1"), Body=b'{"job": "j1", "state": "done"}')
     with pytest.raises(jr.Conflict):
         jr.save(session.client("s3"), BUCKET, stored)
+
+
+def test_stop_right_after_launch_survives_not_found_for_the_new_instance(session, monkeypatch):
+    """stop's TerminateInstances got InvalidInstanceID.NotFound for an instance launched moments before (EC2's
+    eventual consistency; botocore does not retry that code) and stop failed, leaving the instance running."""
+    from types import SimpleNamespace
+
+    from infra import recovery_ec2
+    from infra.cli import ec2_jobs
+    from infra.cli.outputs import Outputs
+    from infra.cli.session import Aws
+
+    monkeypatch.setattr(recovery_ec2, "NEW_ID_WAITS_S", (0,), raising=False)
+    ec2, s3 = session.client("ec2"), session.client("s3")
+    tags = [{"Key": "trainstack:env", "Value": "t"}, {"Key": "trainstack:job", "Value": "j1"}]
+    iid = ec2.run_instances(
+        ImageId="ami-12c6146b", MinCount=1, MaxCount=1, TagSpecifications=[{"ResourceType": "instance", "Tags": tags}]
+    )["Instances"][0]["InstanceId"]
+    record = jr.new_record("j1", "t", "g5.2xlarge", tags, {})
+    record["attempts"].append({"instance_id": iid, "type": "g5.2xlarge", "market": "spot", "start": 0.0, "end": None,
+                               "ended_by": None})  # fmt: skip
+    jr.create(s3, BUCKET, record)
+    refused = []
+
+    def not_yet(params, **_):
+        if not refused:
+            refused.append(params)
+            error = {"Code": "InvalidInstanceID.NotFound", "Message": f"The instance ID '{iid}' does not exist"}
+            return SimpleNamespace(status_code=400, headers={}), {"Error": error}
+        return None
+
+    ec2.meta.events.register_first("before-call.ec2.TerminateInstances", not_yet)
+    outputs = Outputs("t", BUCKET, "", "", "", "", "")
+    said = ec2_jobs.stop(Aws(session, REGION, "123456789012", "t"), outputs, "j1", ec2=ec2, s3=s3)
+    assert refused and f"terminated: {iid}" in said, said
+    state = ec2.describe_instances(InstanceIds=[iid])["Reservations"][0]["Instances"][0]["State"]["Name"]
+    assert state in ("shutting-down", "terminated"), state
