@@ -170,13 +170,23 @@ def load(s3, bucket: str, job: str) -> Optional[Stored]:
 
 
 def _put(s3, bucket: str, record: dict, **condition) -> Stored:
+    """Write ``record`` with ``condition`` (``IfNoneMatch``/``IfMatch``); raises :class:`Conflict` when S3 refuses
+    the precondition, unless the refused request was a retry and the object holds exactly these bytes: then the
+    first request wrote them and its answer was lost (a 500 or a reset after S3 ran it; botocore retried it, and
+    the retry's precondition no longer held; Amazon S3 user guide, "Amazon S3 error best practices": a PUT that
+    got InternalError may have been applied)."""
     body = json.dumps(record, indent=1, sort_keys=True).encode()
+    key = record_key(record["job"])
     try:
-        out = s3.put_object(Bucket=bucket, Key=record_key(record["job"]), Body=body, **condition)
+        out = s3.put_object(Bucket=bucket, Key=key, Body=body, **condition)
     except ClientError as e:
-        if _is(e, "PreconditionFailed", "ConditionalRequestConflict", "412", "409"):
-            raise Conflict(record["job"]) from None
-        raise
+        if not _is(e, "PreconditionFailed", "ConditionalRequestConflict", "412", "409"):
+            raise
+        if condition and e.response.get("ResponseMetadata", {}).get("RetryAttempts", 0) > 0:
+            got = s3.get_object(Bucket=bucket, Key=key)
+            if got["Body"].read() == body:
+                return Stored(record, got["ETag"])
+        raise Conflict(record["job"]) from None
     return Stored(record, out["ETag"])
 
 

@@ -20,7 +20,7 @@ from infra import job_record as jr
 from infra.cli.outputs import Outputs
 from infra.cli.session import Aws, CliError, explain
 from infra.recovery import iso
-from infra.recovery_ec2 import live_job_instances
+from infra.recovery_ec2 import live_job_instances, terminate_instances
 
 _STEP = re.compile(r"^step=(\d+) ")
 _RESUME = re.compile(r"resuming from \S*ckpt-(\d+)")
@@ -225,7 +225,7 @@ def stop(aws: Aws, outputs: Outputs, job: str, ec2=None, s3=None) -> str:
     try:
         live = live_job_instances(ec2, aws.env, job)
         if live:
-            ec2.terminate_instances(InstanceIds=live)
+            terminate_instances(ec2, live)  # a job stopped right after its launch: EC2 may not know the id yet
         closed = close_gone_attempts(s3, outputs.bucket, job, live, ec2)
     except ClientError as e:
         raise explain(e, f"terminating the instances of job {job}") from None

@@ -20,9 +20,9 @@ from tests.e2e.emulator import REPO, Emulator, workspace
 class Journey:
     """An emulator, a workspace, and a log of the steps run in it (``steps``: (title, seconds, verified))."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, faults: list[dict] = ()):
         self.folder = folder
-        self.emulator = Emulator(folder)
+        self.emulator = Emulator(folder, faults)
         self.ws = workspace(folder / "ws")
         self.steps: list[tuple[str, float, str]] = []
         self.state: dict = {}
@@ -61,7 +61,7 @@ def journey(request, tmp_path_factory):
     if not (REPO / "node_modules" / ".bin" / "cdk").exists():
         pytest.skip("the CDK CLI is not installed (make setup runs npm ci)")
     folder = tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1])
-    j = Journey(folder)
+    j = Journey(folder, getattr(request.module, "FAULTS", []))  # the module's fault rules (tests/e2e/faults.py)
     j.emulator.start()
     failed_before = request.session.testsfailed
     try:

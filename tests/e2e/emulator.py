@@ -9,6 +9,7 @@ CLI's ``cdk.out`` and ``cdk.context.json`` and act's runs stay out of the checko
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -38,22 +39,27 @@ class Emulator:
     builds its template URLs from the endpoint it is given.
     """
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, faults: list[dict] = ()):
         self.folder = folder
         self.port = free_port()
         self.endpoint = f"http://localhost:{self.port}"
         self.log = folder / "emulator.log"
         self.proc: subprocess.Popen | None = None
+        self.faults = list(faults)  # rules of tests/e2e/faults.py
+        self.faults_seen = folder / "faults-seen.json"
 
     def start(self, timeout_s: float = 60.0) -> Emulator:
         self.folder.mkdir(parents=True, exist_ok=True)
+        rules = self.folder / "fault-rules.json"
+        rules.write_text(json.dumps(self.faults, indent=1))
+        faults = {"TRAINSTACK_E2E_FAULTS": str(rules), "TRAINSTACK_E2E_FAULTS_SEEN": str(self.faults_seen)}
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "tests.e2e.emulator_server", "--port", str(self.port)],
                 cwd=REPO,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **faults},
                 start_new_session=True,
             )
         deadline = time.monotonic() + timeout_s
@@ -98,12 +104,38 @@ class Emulator:
         return env
 
     def session(self):
+        """A boto3 session for the tests' own reads: its User-Agent carries ``faults.CHECK_AGENT``, so no fault
+        rule ever touches them."""
         import boto3
 
-        return boto3.Session(aws_access_key_id="testing", aws_secret_access_key="testing", region_name=REGION)
+        from tests.e2e.faults import CHECK_AGENT
+
+        session = boto3.Session(aws_access_key_id="testing", aws_secret_access_key="testing", region_name=REGION)
+        session._session.user_agent_extra = CHECK_AGENT
+        return session
 
     def client(self, service: str):
         return self.session().client(service, endpoint_url=self.endpoint)
+
+    def injected(self) -> list[dict]:
+        """The faults the server injected so far (tests/e2e/faults.py: name, fault, service, operation, retried)."""
+        return json.loads(self.faults_seen.read_text()) if self.faults_seen.exists() else []
+
+    def assert_absorbed(self, *names: str) -> str:
+        """Assert that each fault rule in ``names`` was injected and its operation called again by the same caller
+        and answered with a success (2xx; after a lost answer, with any answer: the journey's own checks say whether
+        the caller took it right); returns a line for the journey's summary.
+        Raises AssertionError naming the rule otherwise."""
+        seen = {e["name"]: e for e in self.injected()}
+        for name in names:
+            assert name in seen, f"fault {name!r} was never injected (rules: {self.faults}; injected: {list(seen)})"
+            retried = seen[name]["retried"]
+            assert retried, f"fault {name!r} ({seen[name]['operation']}): the caller never called it again"
+            # after a lost answer the retry may be refused (S3's 412); a retry that got a fault of its own is counted
+            # under that fault
+            if seen[name]["fault"] != "lost" and not retried["faulted"]:
+                assert 200 <= retried["status"] < 300, f"fault {name!r}: its retry was answered {retried['status']}"
+        return "absorbed: " + ", ".join(f"{n} ({seen[n]['operation']} {seen[n]['fault']})" for n in names)
 
 
 def workspace(dest: Path) -> Path:

@@ -366,9 +366,27 @@ def main() -> None:
     patch_moto()
     for region, image in seed().items():
         print(f"seeded {region}: DLAMI parameter -> {image}", flush=True)
-    from moto.server import main as moto_main
+    serve(args.port)
 
-    moto_main(["-H", "127.0.0.1", "-p", str(args.port)])
+
+def serve(port: int) -> None:
+    """What ``moto.server.main`` does for ``-H 127.0.0.1 -p PORT`` (moto 5.2.5), its app wrapped in the fault
+    layer of :mod:`tests.e2e.faults` (configured by ``TRAINSTACK_E2E_FAULTS``; none when unset)."""
+    import signal
+    import sys
+
+    from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
+    from moto.server import MotoRequestHandler
+    from werkzeug.serving import run_simple
+
+    from tests.e2e.faults import Faults
+
+    os.environ.setdefault("MOTO_PORT", str(port))
+    signal.signal(signal.SIGINT, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    app = DomainDispatcherApplication(create_backend_app)
+    app.debug = True
+    run_simple("127.0.0.1", port, Faults.from_env(app), threaded=True, request_handler=MotoRequestHandler)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,13 @@ from tests.e2e.resources import check_stack
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 ENV = "e2e"
+#: faults the emulator injects into the CDK CLI's calls (tests/e2e/faults.py): a throttled change set of the first
+#: application stack (the 1st CreateChangeSet is the bootstrap's) and a SlowDown on the first asset upload
+FAULTS = [
+    {"name": "changeset-throttled", "service": "cloudformation", "operation": "CreateChangeSet",
+     "agent": "aws-sdk-js", "nth": 2, "fault": "throttle"},
+    {"name": "asset-slowdown", "service": "s3", "operation": "PutObject", "agent": "aws-sdk-js", "fault": "throttle"},
+]  # fmt: skip
 STACKS = ("DataStack", "MonitoringStack", "TrainingStack")
 
 
@@ -47,6 +54,7 @@ def test_cdk_deploy_creates_every_resource(journey):
     # the data and monitoring stacks are independent (either may go first); the training stack needs both
     assert sorted(order[:2]) == ["DataStack", "MonitoringStack"] and order[2:] == ["TrainingStack"], order
     journey.verified("deployed in order " + " -> ".join(order))
+    journey.verified(journey.emulator.assert_absorbed("changeset-throttled", "asset-slowdown"))
 
     assets = bootstrap_bucket_objects(journey)
     outputs: dict[str, str] = {}

@@ -29,6 +29,23 @@ from tests.e2e.emulator import ACCOUNT, REGION
 #: one emulator server and a CDK CLI / act run after another: minutes, several processes
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
+#: faults the emulator injects into our CLI's calls (boto3's User-Agent; tests/e2e/faults.py): the launch's
+#: RunInstances throttled, then its retry run but answered 500 (the retry after it must not make a second instance:
+#: botocore's client token); the job record's create throttled, then run but answered 500 (its retry gets 412);
+#: the first read of the stack outputs throttled; stop's TerminateInstances of the new instance NotFound (eventual
+#: consistency)
+FAULTS = [
+    {"name": "run-throttled", "service": "ec2", "operation": "RunInstances", "agent": "Boto3/", "fault": "throttle"},
+    {"name": "run-lost", "service": "ec2", "operation": "RunInstances", "agent": "Boto3/", "nth": 2, "fault": "lost"},
+    {"name": "record-slowdown", "service": "s3", "operation": "PutObject", "agent": "Boto3/", "path": "jobs/",
+     "fault": "throttle"},
+    {"name": "record-lost", "service": "s3", "operation": "PutObject", "agent": "Boto3/", "path": "jobs/", "nth": 2,
+     "fault": "lost"},
+    {"name": "outputs-throttled", "service": "cloudformation", "operation": "DescribeStacks", "agent": "Boto3/",
+     "fault": "throttle"},
+    {"name": "terminate-not-found", "service": "ec2", "operation": "TerminateInstances", "agent": "Boto3/",
+     "fault": "not_found_new"},
+]  # fmt: skip
 REPO_NAME = "acme/trainstack"
 PR_ENV = "pr-7"
 HAND_ENV = "byhand"
@@ -184,6 +201,7 @@ def test_the_cli_launches_watches_and_stops_a_job(journey):
     state = ec2.describe_instances(InstanceIds=[inst["InstanceId"]])["Reservations"][0]["Instances"][0]["State"]["Name"]
     assert state in ("shutting-down", "terminated"), state
     journey.verified(f"instance {state}")
+    journey.verified(journey.emulator.assert_absorbed(*(f["name"] for f in FAULTS)))
 
 
 def test_destroy_workflow_leaves_nothing_and_runs_twice(journey):
