@@ -4,10 +4,10 @@
 
 UV_LOCK: ``docker/pytorch/2.13/cuda/uv.lock`` of aws/deep-learning-containers (``fetch`` it; e.g. ``git --git-dir
 <mirror> show HEAD:docker/pytorch/2.13/cuda/uv.lock > /tmp/uv.lock``). The DLC's Dockerfile.cuda installs that lock
-twice: ``uv sync --frozen --no-dev --no-install-project`` (the project's dependencies) in builder-base, then
-``uv sync --frozen --no-dev --extra sagemaker --inexact`` in the sagemaker stage. This script walks the same
-closure (the ``pytorch-dlc`` project's dependencies plus its ``sagemaker`` extra, markers evaluated for CPython
-3.12 on x86_64 Linux, as the DLC) and prints ``name==version`` for every package, the local ``+cu130`` tags
+twice: ``uv sync --frozen --no-dev --no-install-project`` (the project's dependencies) in builder-base, then ``uv
+sync --frozen --no-dev --extra sagemaker --no-install-project --inexact`` in the sagemaker stage. This script walks
+the same closure (the ``pytorch-dlc`` project's dependencies plus its ``sagemaker`` extra, markers evaluated for
+CPython 3.12 on x86_64 Linux, as the DLC) and prints ``name==version`` for every package, the local ``+cu130`` tags
 dropped (PyPI's torch 2.13.0 is the CUDA 13.0 build). Packages that the lock records without wheels (sdists:
 built at install) are printed last, after a ``# sdists`` line: the Containerfile builds them separately, without
 build isolation (deepspeed's setup.py imports torch). Standard library only (``tomllib``; ``packaging`` for markers).

@@ -79,6 +79,38 @@ def test_standin_is_composite_and_says_what_it_leaves_out(action):
         assert step.get("name") and step.get("shell") == "bash"
 
 
+#: The real actions' action.yml at the commit each pinned tag named in the fetched snapshot (github:<owner>/<name>;
+#: `git --git-dir <mirror> show <tag>:action.yml`): inputs with their defaults, outputs
+UPSTREAM = json.loads((ar.ACTIONS / "upstream.json").read_text())["actions"]
+
+
+@pytest.mark.parametrize("action", sorted(ar.ACTIONS.glob("*/*/action.yml")), ids=lambda p: p.parent.name)
+def test_standin_inputs_and_outputs_are_the_real_actions(action):
+    """A stand-in takes only inputs the real action has, with the real action.yml's default (configure-aws-
+    credentials@v6 declares none for role-session-name and role-duration-seconds: its code defaults them), and
+    has the real one's outputs or names each it lacks in its description (checkout@v5 has outputs ref and commit,
+    which the stand-in neither set nor mentioned)."""
+    spec = yaml.safe_load(action.read_text())
+    uses = ar.STANDIN_NAME.match(spec["name"])["uses"]
+    real = UPSTREAM[uses]
+    assert real["runs"].startswith("node"), uses
+    ours = {k: (v or {}).get("default") for k, v in (spec.get("inputs") or {}).items()}
+    assert set(ours) <= set(real["inputs"]), set(ours) - set(real["inputs"])
+    as_given = {k: str(v).lower() if isinstance(v, bool) else v if v is None else str(v) for k, v in ours.items()}
+    assert as_given == {k: real["inputs"][k] for k in ours}
+    outputs = set(spec.get("outputs") or {})
+    assert outputs <= set(real["outputs"]), outputs - set(real["outputs"])
+    sentences = [t for t in spec["description"].split(". ") if re.search(r"\boutputs?\s", t)]
+    named = lambda o: any(re.search(rf"(?<![\w-]){re.escape(o)}(?![\w-])", t) for t in sentences)  # noqa: E731
+    unnamed = [o for o in real["outputs"] if o not in outputs and not named(o)]
+    assert not unnamed, f"{uses}: outputs neither set nor named in the description: {unnamed}"
+
+
+def test_the_standins_are_those_of_the_pinned_versions():
+    pinned = {u for w in WORKFLOWS for u in ar.remote_uses(ar.load_workflow(REPO, w))}
+    assert pinned == set(ar.standins()) == set(UPSTREAM), (pinned, set(UPSTREAM))
+
+
 @pytest.mark.parametrize("workflow,event,payload", RUNS)
 def test_payloads_trigger_their_workflows(workflow, event, payload):
     ar.check_triggers(ar.load_workflow(REPO, workflow), event, PAYLOADS[payload], workflow)
@@ -206,3 +238,30 @@ def test_the_test_process_never_registers_the_emulators_cloudformation_handlers(
         "sys.exit('tests.e2e.cfn_providers' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0
+
+
+@pytest.mark.parametrize(
+    "region,session,message",
+    [
+        ("us-east-1", "a b", "Role session name is not valid: 'a b'"),
+        ("us-east-1", "x", "Role session name must be between 2 and 64 characters, got 1"),
+        ("us-east-1", "s" * 65, "Role session name must be between 2 and 64 characters, got 65"),
+        ("US-EAST-1", "", "Region is not valid: US-EAST-1"),
+    ],
+)
+def test_credentials_standin_refuses_what_the_real_action_refuses(tmp_path, region, session, message):
+    """configure-aws-credentials@v6 refuses a region outside [a-z0-9-]+ and a role session name outside 2-64
+    characters of [\\w+=,.@-] before it calls STS; the stand-in passed both on to the emulator."""
+    assume = load_assume()
+    env = {
+        "ROLE_TO_ASSUME": "arn:aws:iam::123456789012:role/deploy",
+        "REGION": region,
+        "ROLE_SESSION_NAME": session,
+        "AWS_ENDPOINT_URL": "http://127.0.0.1:9",
+        "GITHUB_REPOSITORY": "acme/trainstack",
+        "GITHUB_ENV": str(tmp_path / "env"),
+        "GITHUB_OUTPUT": str(tmp_path / "out"),
+    }
+    with pytest.raises(assume.Fail, match=re.escape(message)):
+        assume.main(env)
+    assume.check_names("us-east-1", assume.ROLE_SESSION_NAME)  # the default passes

@@ -62,6 +62,7 @@ SHELL_SCRIPTS = (
     "images/standin/install_cuda_toolkit.sh",
     "images/standin/dlc/start_with_right_hostname.sh",
     "images/standin/dlc/start_cuda_compat.sh",
+    "images/standin/dlc/entrypoint.sh",
 )
 
 

@@ -1,35 +1,98 @@
-"""The stand-in of the Deep Learning Container base (images/standin): it sets only the environment the DLC's recipe
-sets (no pip setting, so that what builds FROM it builds FROM the DLC), and dlc_pins.py takes, of a name the DLC's
-uv.lock holds twice, the entry whose resolution markers match the DLC's platform."""
+"""The stand-in of the Deep Learning Container base (images/standin): it sets the environment, labels, EXPOSE,
+WORKDIR, ENTRYPOINT and scripts the DLC's recipe gives its SageMaker image (dlc-recipe.json, written by dlc_recipe.py
+from the DLC's Dockerfile.cuda and 2.13-sagemaker-cuda.yml) and nothing else (no pip setting, so that what builds
+FROM it builds FROM the DLC), at the config's versions; and dlc_pins.py takes, of a name the DLC's uv.lock holds
+twice, the entry whose resolution markers match the DLC's platform."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import re
 
 import pytest
 from conftest import REPO
 
 from infra.cli import image
 
-# The ENV keys of aws/deep-learning-containers docker/pytorch/Dockerfile.cuda's sagemaker target (runtime-base:
-# PYTHONDONTWRITEBYTECODE ... CUDA_HOME; sagemaker: SAGEMAKER_TRAINING_MODULE, UV_PROJECT_ENVIRONMENT, PATH,
-# LD_LIBRARY_PATH). No PIP_CERT, no PIP_DISABLE_PIP_VERSION_CHECK.
-DLC_ENV = {"PYTHONDONTWRITEBYTECODE", "PYTHONUNBUFFERED", "PYTHONIOENCODING", "LANG", "LC_ALL", "DLC_CONTAINER_TYPE"}
-DLC_ENV |= {"CUDA_HOME", "SAGEMAKER_TRAINING_MODULE", "UV_PROJECT_ENVIRONMENT", "PATH", "LD_LIBRARY_PATH"}
+STANDIN = REPO / "images" / "standin"
+#: What the DLC's recipe gives its SageMaker image (images/standin/dlc_recipe.py, from the fetched Dockerfile.cuda
+#: and 2.13-sagemaker-cuda.yml; its "source" names the DLC commit)
+RECIPE = json.loads((STANDIN / "dlc-recipe.json").read_text())
+#: What the DLC's base (nvidia/cuda:13.3.0-runtime-amzn2023, RECIPE["base"]) sets and the DLC's ENV extends or
+#: keeps: nvidia/cuda's base Dockerfiles (gitlab.com/nvidia/container-images/cuda, dist/<version>/<os>/base; not
+#: fetchable here, read through copies of them) put /usr/local/nvidia/bin:/usr/local/cuda/bin before the OS's PATH,
+#: set LD_LIBRARY_PATH, CUDA_VERSION and the NVIDIA Container Toolkit's defaults (NVIDIA Container Toolkit docs,
+#: "Specialized Configurations with Docker", "Environment variables (OCI spec)": "These variables are already set in
+#: the NVIDIA-provided base CUDA images"). NVIDIA_REQUIRE_CUDA and the NV_* package versions are left out: their
+#: 13.3 values cannot be read here (docs/training-image.md).
+CUDA_BASE_ENV = {
+    "PATH": "/usr/local/nvidia/bin:/usr/local/cuda/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "LD_LIBRARY_PATH": "/usr/local/nvidia/lib:/usr/local/nvidia/lib64",
+    "CUDA_VERSION": RECIPE["config"]["cuda_version"],
+    "NVIDIA_VISIBLE_DEVICES": "all",
+    "NVIDIA_DRIVER_CAPABILITIES": "compute,utility",
+}
+#: DLC files the stand-in leaves out (telemetry: a request to AWS at every start) and installers run from /tmp
+LEFT_OUT = {"deep_learning_container.py"}
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, STANDIN / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _standin() -> dict:
+    return _load("dlc_recipe").recipe((STANDIN / "Containerfile").read_text(), {"build": {}}, "", ("dlc/",))
+
+
+def dlc_env() -> dict:
+    """The DLC's ENV as the image has it: ``${PATH}`` and ``${LD_LIBRARY_PATH}`` from its nvidia/cuda base, and the
+    venv's python3.13 where the DLC's is 3.12 (the stand-in's one difference there: docs/training-image.md)."""
+    py = "python" + RECIPE["config"]["python_version"]
+    env = {**CUDA_BASE_ENV}
+    for key, value in RECIPE["env"].items():
+        value = re.sub(r"\$\{(PATH|LD_LIBRARY_PATH)\}", lambda m: CUDA_BASE_ENV[m[1]], value)
+        env[key] = value.replace(f"/lib/{py}/", "/lib/python3.13/")
+    return env
 
 
 def test_the_standin_sets_only_what_the_dlc_sets():
     """PIP_CERT in the stand-in made --ca-bundle work there only: the DLC has no such setting."""
-    _, _, env = image.parse_dockerfile(REPO / "images" / "standin" / "Containerfile")
-    assert set(env) <= DLC_ENV, set(env) - DLC_ENV
+    _, _, env = image.parse_dockerfile(STANDIN / "Containerfile")
+    assert set(env) <= set(dlc_env()), set(env) - set(dlc_env())
     assert not [k for k in env if k.startswith(("PIP_", "REQUESTS_", "SSL_CERT"))]
 
 
+def test_the_standin_has_the_dlcs_environment_labels_and_entrypoint():
+    """The stand-in's PATH and LD_LIBRARY_PATH ended where the DLC's go on with its nvidia/cuda base's
+    (/usr/local/nvidia/...), and it had neither the DLC's labels (which an image built FROM it inherits), nor its
+    EXPOSE 22, nor /usr/local/bin/entrypoint.sh."""
+    ours = _standin()
+    assert ours["env"] == dlc_env()
+    assert ours["labels"] == RECIPE["labels"]
+    assert (ours["expose"], ours["workdir"]) == (RECIPE["expose"], RECIPE["workdir"])
+    assert (ours["entrypoint"], ours["cmd"]) == (RECIPE["entrypoint"], RECIPE["cmd"])
+    kept = {n: d for n, d in RECIPE["copies"].items() if not d.startswith("/tmp/") and n not in LEFT_OUT}
+    assert {n: ours["copies"].get(n) for n in kept} == kept
+
+
+def test_the_standin_has_the_versions_of_the_dlcs_config():
+    config = RECIPE["config"]
+    assert (config["target"], config["python_version"]) == ("sagemaker", "3.12")
+    pins = dict(line.split("==") for line in (STANDIN / "dlc-packages.txt").read_text().split() if "==" in line)
+    for name in ("torch", "torchvision", "torchaudio", "deepspeed"):
+        assert pins[name] == config[f"{name}_version"], name
+    cuda = ".".join(config["cuda_version"].split(".")[:2])
+    wheels = re.search(r'CUDA_WHEELS:-([^}"]+)', (STANDIN / "install_cuda_toolkit.sh").read_text())[1].split()
+    assert all(w.split("==")[1].startswith(cuda + ".") for w in wheels), wheels
+    assert f"/usr/local/cuda-{cuda}" in (STANDIN / "Containerfile").read_text()
+
+
 def _dlc_pins():
-    spec = importlib.util.spec_from_file_location("dlc_pins", REPO / "images" / "standin" / "dlc_pins.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _load("dlc_pins")
 
 
 LINUX = "platform_machine != 'x86_64' or sys_platform != 'darwin'"

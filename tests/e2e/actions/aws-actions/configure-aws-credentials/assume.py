@@ -36,6 +36,23 @@ class Fail(Exception):
     """What to report as the step's ::error:: line."""
 
 
+#: the real action's default session name (src/index.ts ROLE_SESSION_NAME)
+ROLE_SESSION_NAME = "GitHubActions"
+
+
+def check_names(region: str, session_name: str) -> None:
+    """Refuse what configure-aws-credentials@v6 refuses before calling STS (src/index.ts: REGION_REGEX, the role
+    session name's length and ROLE_SESSION_NAME_REGEX), with its messages. Raises Fail."""
+    if not re.fullmatch(r"[a-z0-9-]+", region):
+        raise Fail(f"Region is not valid: {region}")
+    if not 2 <= len(session_name) <= 64:
+        raise Fail(f"Role session name must be between 2 and 64 characters, got {len(session_name)}: '{session_name}'")
+    if not re.fullmatch(r"[\w+=,.@-]*", session_name, re.ASCII):
+        raise Fail(
+            f"Role session name is not valid: '{session_name}'. Must satisfy regular expression pattern: [\\w+=,.@-]*"
+        )
+
+
 def github_claims(env, audience: str) -> dict:
     """The claims of GitHub's token for this job; sub as GitHub forms it without a deployment environment."""
     repo, event, ref = env.get("GITHUB_REPOSITORY", ""), env.get("GITHUB_EVENT_NAME", ""), env.get("GITHUB_REF", "")
@@ -137,6 +154,7 @@ def main(env=os.environ) -> None:
         raise Fail("input role-to-assume is empty (the workflows pass vars.AWS_DEPLOY_ROLE_ARN: act --var)")
     if not region:
         raise Fail("input aws-region is empty (the workflows pass vars.AWS_REGION: act --var)")
+    check_names(region, env.get("ROLE_SESSION_NAME") or ROLE_SESSION_NAME)
     if not env.get("AWS_ENDPOINT_URL"):
         raise Fail("AWS_ENDPOINT_URL is not set: the stand-in only talks to the local emulator")
     match = re.fullmatch(r"arn:aws[\w-]*:iam::(\d{12}):role/(?:[\w+=,.@/-]*/)?([\w+=,.@-]+)", role)
@@ -167,7 +185,7 @@ def main(env=os.environ) -> None:
         RoleArn=role,
         WebIdentityToken=token,
         DurationSeconds=duration,
-        RoleSessionName=env.get("ROLE_SESSION_NAME") or "GitHubActions",
+        RoleSessionName=env.get("ROLE_SESSION_NAME") or ROLE_SESSION_NAME,
     )
     creds, arn = got["Credentials"], got["AssumedRoleUser"]["Arn"]
     secret = {
