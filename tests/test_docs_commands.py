@@ -214,6 +214,7 @@ NOT_FILES_HERE = {
     "images/N.png",
     "images/X.png",
     "docs/src/data/pytorch/2.13",
+    "docs/src/data/pytorch/2.14",
     "trainer/ops/msda/_C.cpython",
     "trainer/ops/msda/build/cuda-library-headers/",
 }
