@@ -123,6 +123,8 @@ LAYERS = (
         "trainer.predict",
         "trainer.evaluate",
         "trainer.export",
+        "trainer.export_verify",
+        "trainer.model_card",
         "trainer.check_install",
     ),
     ("trainer.cli", "trainer.__main__", "trainer.sagemaker", "trainer.launch"),

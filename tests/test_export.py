@@ -326,7 +326,8 @@ def test_model_card_reproduce_command_retrains_and_says_when_nothing_was_evaluat
     train" from the finished checkpoint folder); a checkpoint without an evaluation says so on its card."""
     import shlex
 
-    from trainer.export import _metrics, model_card
+    from trainer.model_card import metrics_lines as _metrics
+    from trainer.model_card import model_card
 
     ckpt, _ = digits_run
     before = sorted(p.name for p in ckpt.iterdir())

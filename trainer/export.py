@@ -15,7 +15,7 @@ Outputs in ``DIR``: ``model.onnx`` (``torch.onnx.export`` with the torch.export-
 since 2.9, which needs ``onnxscript``; a dynamic batch axis; the metadata as JSON strings in ``metadata_props``),
 ``model.pt`` (``torch.jit.trace``; the metadata as ``_extra_files["metadata.json"]``) or ``model.safetensors``
 (weights only; the metadata as str -> JSON string in its header); ``train_config.yaml`` (the checkpoint's config)
-and ``model_card.md``. Verification (on by default for onnx and torchscript): the exported model (ONNX Runtime on
+and ``model_card.md`` (:mod:`trainer.model_card`). Verification (:mod:`trainer.export_verify`; on by default for onnx and torchscript): the exported model (ONNX Runtime on
 CPU, or the loaded TorchScript module) against PyTorch on real inputs (a few files of the checkpoint's
 ``data_dir`` when it exists, else the task's example inputs): max |diff| per float output and the task's agreement
 (top-1 / mask pixels), printed and written into the model card; ONNX is also run at batch 1.
@@ -52,8 +52,6 @@ from trainer.errors import EXIT_USAGE
 FORMATS = ("onnx", "torchscript", "safetensors")
 FILES = {"onnx": "model.onnx", "torchscript": "model.pt", "safetensors": "model.safetensors"}
 MODEL_CARD = "model_card.md"
-#: Real input files used for verification (at most).
-VERIFY_FILES = 4
 
 
 class ExportError(Exception):
@@ -114,76 +112,6 @@ def prepare_out(out: str | Path) -> Path:
     except OSError as e:
         raise ExportError(f"--out: cannot create {d}: {describe_os_error(e)}; give a writable folder") from None
     return d
-
-
-def sample_files(task, limit: int = VERIFY_FILES) -> list[str]:
-    """Up to ``limit`` input files of the checkpoint's data, from the first of
-    :meth:`~trainer.tasks.base.Task.export_sample_dirs` that holds any (searched recursively; the first file of
-    each sub-folder, then the second..., so several classes are covered), of the extensions the task reads; []
-    when the folders are gone."""
-    from trainer.config import BUILTIN_DIGITS
-    from trainer.data.formats.imagefolder import IMAGE_EXTENSIONS
-
-    if not task.cfg.data_dir:
-        return []
-    exts = tuple(task.input_extensions or IMAGE_EXTENSIONS)
-    root = Path(task.cfg.data_dir)
-    if task.cfg.data_dir == BUILTIN_DIGITS:
-        from trainer.data.formats.digits import cache_root
-
-        root = cache_root() / "digits-v1"  # written by the training run; not rewritten here
-    for d in task.export_sample_dirs(root):
-        if d.is_dir():
-            groups: dict[Path, list[str]] = {}  # by folder (class), then round-robin: several classes
-            for f in sorted(d.rglob("*")):
-                if f.is_file() and f.suffix.lower() in exts:
-                    groups.setdefault(f.parent, []).append(str(f))
-            picks = [g[i] for i in range(limit) for g in groups.values() if i < len(g)]
-            if picks:
-                return picks[:limit]
-    return []
-
-
-def verification_runs(task, model, module, fmt: str) -> tuple[list, list, str]:
-    """(runs, reference, where they come from) for verifying an export: real files of the checkpoint's data
-    (:func:`sample_files` through :meth:`Task.predict_inputs` and :meth:`Task.export_verification`: input tuples to
-    run through the export and the reference outputs, numpy, runs concatenated along the batch), else the task's
-    example inputs (3 samples) against ``module`` (the PyTorch graph)."""
-    files = sample_files(task)
-    if files:
-        try:
-            batch = task.predict_inputs(files)
-        except Exception:  # noqa: BLE001 - a data layout the task's reader does not take: fall back, said below
-            batch = {}
-        if batch.get("n"):
-            runs, reference, how = task.export_verification(model, module, batch, fmt)
-            names = ", ".join(Path(p).name for p in batch["paths"])
-            return runs, reference, f"{batch['n']} files of {task.cfg.data_dir} ({names}){how}"
-    inputs = task.export_example(3)
-    return (
-        [inputs],
-        _torch_outputs(module, inputs),
-        "the task's example inputs (3 seeded random samples; data_dir not readable)",
-    )
-
-
-def _concat(outputs: list[list]) -> list:
-    """Per-run output lists (numpy, in the graph's output order) -> one list, concatenated along the batch."""
-    import numpy as np
-
-    return [np.concatenate(parts) for parts in zip(*outputs)]
-
-
-def compare(task, reference: list, exported: list) -> list[str]:
-    """Lines: max |diff| per float output, then the task's agreement phrase."""
-    import numpy as np
-
-    lines = []
-    for name, a, b in zip(task.export_output_names, reference, exported):
-        if np.issubdtype(a.dtype, np.floating):
-            lines.append(f"max |diff| {name}: {float(np.abs(a.astype(np.float64) - b).max()):.3g}")
-    lines.append(task.export_agreement(reference, exported))
-    return lines
 
 
 def opset_range() -> tuple[int, int]:
@@ -312,110 +240,6 @@ def export_onnx(module, example: tuple, path: Path, task, opset: int, meta: dict
     return meta["opset"]
 
 
-def run_onnx(path: Path, inputs: tuple) -> list:
-    """ONNX Runtime (CPU) outputs of ``inputs`` (numpy arrays, in the graph's output order)."""
-    import onnxruntime as ort
-
-    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    names = [i.name for i in sess.get_inputs()]
-    return sess.run(None, {n: x.numpy() for n, x in zip(names, inputs)})
-
-
-def _torch_outputs(module, inputs: tuple) -> list:
-    import torch
-
-    with torch.no_grad():
-        return [o.numpy() for o in module(*inputs)]
-
-
-def _metrics(state: dict, manifest: dict, target: str) -> list[str]:
-    """Markdown lines of the checkpoint's recorded validation metrics (last epoch, best target metric)."""
-    lines = []
-    history = state.get("history") or []
-    if not history:
-        lines.append(
-            "- no evaluation was recorded in this checkpoint (written before its first epoch was evaluated): no "
-            "validation metrics to report"
-        )
-    if history:
-        last = history[-1]
-        vals = {k: v for k, v in last.items() if k.startswith("val_") and isinstance(v, (int, float))}
-        lines.append(
-            f"- last evaluated epoch {last.get('epoch')}: " + ", ".join(f"{k} {v:.4g}" for k, v in vals.items())
-        )
-    if state.get("best_metric") is not None:
-        lines.append(f"- best {target} over the run (selects the `best` checkpoint): {state['best_metric']:.4g}")
-    progress = manifest.get("progress") or {}
-    if progress:
-        lines.append("- checkpoint progress: " + ", ".join(f"{k} {v}" for k, v in progress.items()))
-    return lines or ["- none recorded in this checkpoint"]
-
-
-#: Folder under an export's ``--out`` where the model card's reproduce command trains (fresh checkpoint and logs).
-RETRAIN_DIR = "retrain"
-
-
-def reproduce_command(out: Path) -> str:
-    """The command that trains the exported model again: ``train --config OUT/train_config.yaml`` with its
-    ``--checkpoint-dir`` and ``--log-dir`` in ``OUT/retrain/`` (empty folders, so it starts from scratch; the
-    saved config's own folders hold the finished run, which ``train`` would resume: "nothing left to train")."""
-    import shlex
-
-    return (
-        f"python -m trainer train --config {shlex.quote(str(out / 'train_config.yaml'))} "
-        f"--checkpoint-dir {shlex.quote(str(out / RETRAIN_DIR / 'checkpoints'))} "
-        f"--log-dir {shlex.quote(str(out / RETRAIN_DIR / 'logs'))}"
-    )
-
-
-def model_card(meta: dict, facts: dict, metrics: list[str], verify: list[str], license_line: str) -> str:
-    """The ``model_card.md`` text. ``facts``: format, date, command, checkpoint, weights, data_dir, reproduce
-    (:func:`reproduce_command`), evaluated (whether the checkpoint recorded an evaluation), fingerprint, how,
-    verified_on."""
-    post = {k: v for k, v in meta.items() if k in ("top_k", "num_select", "score_threshold", "postprocess", "palette")}
-    classes = ", ".join(f"{i}: {c}" for i, c in zip(meta["class_ids"], meta["classes"]))
-    lines = [
-        f"# {meta['task']} model `{meta['model']}` ({facts['format']})",
-        "",
-        f"Exported {facts['date']} by `{facts['command']}` from checkpoint `{facts['checkpoint']}` "
-        f"({facts['weights']} weights).",
-        "",
-        "## Inputs and outputs",
-        f"- inputs: {', '.join(meta['inputs'])}: {meta['input_layout']}; size {meta['input_size']}"
-        + (f" ({', '.join(meta['dynamic_axes'])} dynamic)" if facts["format"] != "safetensors" else ""),
-        f"- preprocessing before the graph: {meta.get('preprocess', 'none')}",
-        f"- normalisation: mean {meta['mean']}, std {meta['std']} ({meta['normalization']})",
-        f"- outputs: {', '.join(meta['outputs'])}",
-        f"- post-processing: {json.dumps(post) if post else 'none'}",
-        f"- classes (id: name): {classes}",
-        "",
-        "## Data and metrics",
-        f"- data: `{facts['data_dir']}`",
-        *metrics,
-        *(
-            [
-                "- these are the validation metrics the training run computed (there is no standalone evaluation "
-                "command yet)."
-            ]
-            if facts["evaluated"]
-            else []
-        ),
-        f"- reproduce: `{facts['reproduce']}` trains again from scratch with the checkpoint's saved config, into "
-        "fresh checkpoint and log folders beside this card (the saved config's own folders hold the finished run, "
-        "which `train` would resume instead).",
-        f"- config fingerprint (sha256/16 of the trajectory fields): `{facts['fingerprint']}`",
-        "",
-        "## Export",
-        f"- {facts['how']}",
-        *([f"- verification on {facts['verified_on']}:", *[f"  - {v}" for v in verify]] if verify else []),
-        "",
-        "## License",
-        f"- {license_line}",
-        "",
-    ]
-    return "\n".join(lines)
-
-
 def export(args: argparse.Namespace) -> list[str]:
     """Run the command; returns the printed lines. Raises :class:`ExportError` for bad input."""
     import torch
@@ -474,6 +298,8 @@ def _write_export(args, out: Path, ckpt: Path, state: dict, manifest: dict, task
 
     from trainer.engine.checkpoint import describe_os_error
     from trainer.engine.durable import atomic_write_bytes
+    from trainer.export_verify import compare, concat, run_onnx, torch_outputs, verification_runs
+    from trainer.model_card import metrics_lines, model_card, reproduce_command
 
     if args.format == "torchscript":  # one line instead of torch's FutureWarning per torch.jit call (trace, save, load)
         import warnings
@@ -532,7 +358,7 @@ def _write_export(args, out: Path, ckpt: Path, state: dict, manifest: dict, task
             if args.verify:
                 runs, ref, verified_on = verification_runs(task, model, module, args.format)
                 if args.format == "onnx":
-                    got = _concat([run_onnx(tmp, inputs) for inputs in runs])
+                    got = concat([run_onnx(tmp, inputs) for inputs in runs])
                     one = run_onnx(tmp, tuple(x[:1] for x in runs[0]))
                     verified_on += "; ONNX Runtime CPU vs PyTorch float32"
                     verify = compare(task, ref, got) + [
@@ -541,7 +367,7 @@ def _write_export(args, out: Path, ckpt: Path, state: dict, manifest: dict, task
                     ]
                 else:
                     loaded = torch.jit.load(str(tmp))
-                    got = _concat([_torch_outputs(loaded, inputs) for inputs in runs])
+                    got = concat([torch_outputs(loaded, inputs) for inputs in runs])
                     verified_on += "; loaded TorchScript vs PyTorch float32"
                     verify = compare(task, ref, got)
         facts = {
@@ -558,7 +384,7 @@ def _write_export(args, out: Path, ckpt: Path, state: dict, manifest: dict, task
             "verified_on": verified_on,
         }
         card = model_card(
-            meta, facts, _metrics(state, manifest, task.check_target()[0]), verify, task.backbone_license()
+            meta, facts, metrics_lines(state, manifest, task.check_target()[0]), verify, task.backbone_license()
         )
         tmp.replace(path)
         atomic_write_bytes(out / "train_config.yaml", yaml.safe_dump(state["config"], sort_keys=False).encode())
