@@ -36,7 +36,8 @@ import catalog
 from trainer.config import load_config
 from trainer.engine.precision import resolve_precision
 from trainer.engine.step import build_single_rank_step
-from trainer.planning.memory import MIB, predict_step_memory
+from trainer.planning.allocator import MIB
+from trainer.planning.memory import predict_step_memory
 from trainer.planning.plan import gpu_model_of
 from trainer.planning.probe import cpu_step_peak_bytes
 

@@ -1,4 +1,4 @@
-"""Host RAM of video training jobs side by side: measured vs ``plan``'s prediction (trainer/planning/memory.py).
+"""Host RAM of video training jobs side by side: measured vs ``plan``'s prediction (trainer/planning/host_ram.py).
 
 Writes seed 004-shaped clip arrays (``--clips`` random uint8 clips of 32 x 64 x 64 x 3 in ``train.npz``, 10 %
 as many in ``val.npz``; ``np.savez``: stored members, memory-mapped in place and shared through the page cache,
@@ -89,7 +89,7 @@ def _predicted(config: Path, jobs: int) -> tuple[float, float]:
 
     from trainer.config import load_config
     from trainer.engine.distributed import DistInfo
-    from trainer.planning.memory import GIB, predict_host_ram
+    from trainer.planning.host_ram import GIB, predict_host_ram
     from trainer.tasks import build_task
 
     cfg = load_config(config)

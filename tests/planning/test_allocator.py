@@ -7,8 +7,7 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from trainer.planning.allocator import AllocatorModel, CachingAllocatorModel, round_size, segment_size
-from trainer.planning.memory import MIB
+from trainer.planning.allocator import MIB, AllocatorModel, CachingAllocatorModel, round_size, segment_size
 
 KIB = 1024
 

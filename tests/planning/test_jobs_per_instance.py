@@ -11,7 +11,7 @@ from conftest import tiny_overrides
 
 from trainer.cli import main
 from trainer.config import load_config
-from trainer.planning.memory import (
+from trainer.planning.host_ram import (
     CUDA_PROCESS_HOST_BYTES,
     GIB,
     MIB,

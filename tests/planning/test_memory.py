@@ -1,5 +1,5 @@
-"""GPU-memory prediction without a GPU (trainer/planning/memory.py): allocator model, prediction vs a measured CPU peak,
-loader RAM formula."""
+"""GPU-memory prediction without a GPU (trainer/planning/memory.py): allocator model, prediction vs a measured CPU peak;
+the loader RAM formula (trainer/planning/host_ram.py)."""
 
 from __future__ import annotations
 
@@ -14,13 +14,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from trainer.config import load_config
 from trainer.engine.precision import Precision
 from trainer.engine.step import build_single_rank_step
-from trainer.planning.memory import (
-    MIB,
-    WORKER_SERVER_BYTES,
-    AllocatorModel,
-    predict_loader_ram,
-    predict_step_memory,
-)
+from trainer.planning.allocator import AllocatorModel
+from trainer.planning.host_ram import MIB, WORKER_SERVER_BYTES, predict_loader_ram
+from trainer.planning.memory import predict_step_memory
 from trainer.planning.probe import cpu_step_peak_bytes
 
 FP32 = Precision("fp32", None, False)

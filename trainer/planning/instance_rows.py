@@ -17,14 +17,8 @@ import torch
 import catalog
 from catalog import REFERENCE_GPU, REFERENCE_IMAGES_PER_S
 from trainer.config import TrainConfig
-from trainer.planning.memory import (
-    GIB,
-    HOST_RESERVED_VCPUS,
-    MIB,
-    predict_host_ram,
-    predict_loader_ram,
-    target_precision,
-)
+from trainer.planning.host_ram import GIB, HOST_RESERVED_VCPUS, MIB, predict_host_ram, predict_loader_ram
+from trainer.planning.memory import target_precision
 from trainer.tasks import task_class
 
 if TYPE_CHECKING:

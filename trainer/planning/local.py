@@ -13,8 +13,9 @@ import torch
 
 import catalog
 from trainer.config import TrainConfig
+from trainer.planning.host_ram import MIB
 from trainer.planning.instance_rows import _host_checks, _Inputs, gpu_model_of, plan_rows
-from trainer.planning.memory import MIB, predict_step_memory
+from trainer.planning.memory import predict_step_memory
 from trainer.planning.plan import PlanError, PlanOptions, _inputs
 
 
@@ -102,7 +103,7 @@ def max_local_jobs(
     for K = 1, 2, ... until one does not fit), and the rows checked (the last one is the first that does not fit,
     unless K = ``limit``). K = 1 always counts as fitting: one job is what ``train`` runs; its row's warnings
     say what is short. ``machine`` defaults to :func:`local_machine`; ``probe_report`` is a ``probe.json`` whose
-    measured process RSS replaces the assumed one (:func:`trainer.planning.memory.process_host_bytes`).
+    measured process RSS replaces the assumed one (:func:`trainer.planning.host_ram.process_host_bytes`).
 
     Raises PlanError / ConfigError as :func:`make_plan` (the dataset is scanned once)."""
     if limit < 1:

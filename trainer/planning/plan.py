@@ -24,7 +24,7 @@ Parallel jobs (``--jobs-per-instance K``, default 1): K independent training job
 * K <= GPUs: each job gets ``gpus // K`` GPUs (its processes; the global batch must split over them; GPUs left
   over are a warning). K > GPUs: the jobs share the GPUs time-sliced, ``ceil(K / gpus)`` jobs on a GPU, each
   with its own CUDA context: memory per GPU = that many x one job's need, images/s per job = the GPU's / that many.
-* Host RAM (:func:`trainer.planning.memory.predict_host_ram`): K x per-job RAM (process RSS, dataset held per
+* Host RAM (:func:`trainer.planning.host_ram.predict_host_ram`): K x per-job RAM (process RSS, dataset held per
   process, loader, pinned batches) must stay <= host RAM x (1 - margin), else ERROR; the page cache the jobs
   share (counted once, evictable) only warns when it does not fit in what is left.
 * vCPUs: busy processes = K x processes per job x (1 main + num_workers) (a decoding loader is CPU-bound, so its
@@ -55,12 +55,13 @@ import torch
 import catalog
 from catalog import REFERENCE_GPU
 from trainer.config import TrainConfig
+from trainer.planning.host_ram import GIB
 from trainer.planning.instance_rows import (  # noqa: F401 - gpu_model_of re-exported: its old home
     _Inputs,
     gpu_model_of,
     plan_rows,
 )
-from trainer.planning.memory import GIB, predict_step_memory
+from trainer.planning.memory import predict_step_memory
 
 
 class PlanError(ValueError):

@@ -17,7 +17,7 @@ Host RAM of the training process (both devices): the process's RSS high-water ma
 ``/proc/self/status``) after each batch size's timed steps (``rss_hwm_bytes``), and once after the whole batch
 search, before the loader measurements (``host_rss_hwm_bytes``, next to ``host_data_bytes_per_process``: what the
 dataset the process built holds, ``Task.host_data_bytes``). ``plan --jobs-per-instance`` takes the difference as
-one training process's RSS on that device type (:func:`trainer.planning.memory.process_host_bytes`).
+one training process's RSS on that device type (:func:`trainer.planning.host_ram.process_host_bytes`).
 
 Search (:func:`search_batch`): start at ``start_batch`` and double while the peak stays under
 ``limit x (1 - margin)``; after the first batch that does not (OOM or over the margin), bisect between the
@@ -46,8 +46,8 @@ import torch
 from trainer.config import ConfigError, TrainConfig
 from trainer.engine import distributed as dist
 from trainer.engine.step import TrainStep, build_train_step
+from trainer.planning.host_ram import GIB, predict_loader_ram
 from trainer.planning.loader_probe import measure_loader, proc_kib
-from trainer.planning.memory import GIB, predict_loader_ram
 from trainer.tasks import build_task
 
 
