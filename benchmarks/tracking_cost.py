@@ -29,7 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from trainer.engine.tracking import MlflowTracker, TrackingSinks, WandbTracker
+from trainer.engine.trackers import MlflowTracker, WandbTracker
+from trainer.engine.tracking import TrackingSinks
 
 
 def per_call_ms(tracker, calls: int) -> tuple[float, float]:

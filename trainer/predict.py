@@ -276,9 +276,10 @@ def track_outputs(cfg, run_ids: dict, files: list[Path], out: Path, stored_uri: 
     """Upload ``files`` (under ``out``) to the runs ``run_ids`` with the training config's tracking settings,
     each under ``<out folder name>/``; W&B keeps its offline files in ``out/wandb``. MLflow's store: ``stored_uri``
     (the resolved URI the checkpoint recorded, ``tracking_uri`` in its state), else the config's ``tracking_uri``,
-    else ``MLFLOW_TRACKING_URI`` (:func:`~trainer.engine.tracking.resolve_mlflow_uri`). A tracker that fails is a
+    else ``MLFLOW_TRACKING_URI`` (:func:`~trainer.engine.trackers.resolve_mlflow_uri`). A tracker that fails is a
     ``WARNING`` line (the predictions on disk stay). Returns the summary line."""
-    from trainer.engine.tracking import TrackingSinks, build_trackers
+    from trainer.engine.trackers import build_trackers
+    from trainer.engine.tracking import TrackingSinks
 
     names = [n for n in (cfg.tracking or []) if n in run_ids] or list(run_ids)
     trackers = build_trackers(names, stored_uri or cfg.tracking_uri, cfg.tracking_experiment, None, out)

@@ -258,7 +258,7 @@ def test_mlflow_without_a_uri_logs_to_a_file_store_in_the_log_dir(tiny_digits, t
     assert len(uploaded) == 3 and not (elsewhere / "mlruns").exists() and not (elsewhere / "mlflow.db").exists()
 
     # MLFLOW_TRACKING_URI (relative) is what a run resolves, made absolute, before the log_dir default
-    from trainer.engine.tracking import resolve_mlflow_uri
+    from trainer.engine.trackers import resolve_mlflow_uri
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "file:./there")
     assert resolve_mlflow_uri(None, tmp_path / "logs") == (elsewhere / "there").as_uri()
@@ -327,15 +327,16 @@ def test_a_server_that_never_answers_costs_seconds_and_the_warning_keeps_the_cau
     the innermost cause of a long wrapped error (it was cut before it)."""
     import socket
 
-    from trainer.engine import tracking
-    from trainer.engine.tracking import MlflowTracker, TrackingSinks, WandbTracker
+    from trainer.engine import trackers
+    from trainer.engine.trackers import MlflowTracker, WandbTracker
+    from trainer.engine.tracking import TrackingSinks
 
     pytest.importorskip("wandb")
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen(8)  # accepts (the kernel completes the handshake) and never answers
     url = f"http://127.0.0.1:{silent.getsockname()[1]}"
-    monkeypatch.setattr(tracking, "CONNECT_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(trackers, "CONNECT_TIMEOUT_S", 0.5)
     monkeypatch.setenv("WANDB_BASE_URL", url)
     monkeypatch.delenv("WANDB_MODE", raising=False)
     warnings: list[str] = []
@@ -353,7 +354,7 @@ def test_a_server_that_never_answers_costs_seconds_and_the_warning_keeps_the_cau
     class Wrapped(Exception):
         pass
 
-    class Failing(tracking.Tracker):
+    class Failing(trackers.Tracker):
         name = "mlflow"
 
         def start(self, run_id):

@@ -10,7 +10,8 @@ import threading
 
 import pytest
 
-from trainer.engine.tracking import MlflowTracker, Tracker, TrackingSinks
+from trainer.engine.trackers import MlflowTracker, Tracker
+from trainer.engine.tracking import TrackingSinks
 
 
 class Recorder(Tracker):
@@ -214,7 +215,7 @@ def test_without_a_stop_the_held_row_goes_with_the_epoch_row(tmp_path):
 def test_a_resumable_wandb_stop_is_marked_preempting_not_failed(tmp_path, status, preempting, code):
     """A run stopped with a checkpoint (KILLED, exit 75 or 130) is ``mark_preempting()``-ed before
     it finishes, so W&B shows it resumable; FAILED and FINISHED are not. (The W&B run is a recording double.)"""
-    from trainer.engine.tracking import WandbTracker
+    from trainer.engine.trackers import WandbTracker
 
     class Run:
         calls: list = []

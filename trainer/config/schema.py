@@ -35,7 +35,7 @@ SCHEDULERS = ("onecycle", "cosine", "step")
 OPTIMIZERS = ("sgd", "adamw")
 FFCV_ORDERS = ("random", "quasi_random")
 DEVICES = ("auto", "cpu", "cuda")
-#: Experiment trackers of the ``tracking`` field (:mod:`trainer.engine.tracking`).
+#: Experiment trackers of the ``tracking`` field (:mod:`trainer.engine.trackers`).
 TRACKERS = ("mlflow", "wandb")
 #: Where ImageFolder JPEGs are decoded (``decode_device``): in the loader workers, or on the training GPU.
 DECODE_DEVICES = ("cpu", "cuda")

@@ -1,6 +1,6 @@
 """Metric sinks (rank 0 only): stdout ``key=value`` lines, a JSON-lines file, TensorBoard, the curves PNG,
 the per-step progress display (tqdm bar on a terminal, plain lines otherwise) and the experiment trackers
-(MLflow, W&B: :mod:`trainer.engine.tracking`, which receive every JSONL row as ``<kind>/<key>`` metrics).
+(MLflow, W&B: :mod:`trainer.engine.trackers`, fed by :mod:`trainer.engine.tracking`, which receive every JSONL row as ``<kind>/<key>`` metrics).
 
 Epoch line format (one line per epoch, parsed by SageMaker metric definitions)::
 
@@ -110,7 +110,7 @@ class MetricsLogger:
         return dropped
 
     def start_tracking(self, trackers: list, run_ids: dict, params: dict, tags: dict) -> None:
-        """Start the experiment trackers (:class:`trainer.engine.tracking.Tracker` list; rank 0), continuing the
+        """Start the experiment trackers (:class:`trainer.engine.trackers.Tracker` list; rank 0), continuing the
         run ids of ``run_ids`` (tracker name -> id, from the checkpoint being resumed), and log ``params`` (the
         flat resolved config) and ``tags``. A tracker that fails is a WARNING line and is dropped."""
         if not self.enabled or not trackers:

@@ -148,12 +148,12 @@ class Trainer(EpochMixin, ResumeMixin):
         config as params; task, model, seed, config file (``TRAINSTACK_CONFIG_FILE``, set by the command line),
         sweep trial and sweep folder (``TRAINSTACK_SWEEP_TRIAL``, ``TRAINSTACK_SWEEP``, set by ``sweep``), world
         size and the system facts as tags. A failing tracker is a warning (MetricsLogger). MLflow's store:
-        :func:`~trainer.engine.tracking.resolve_mlflow_uri` (``tracking_uri``, ``MLFLOW_TRACKING_URI``, the resumed
+        :func:`~trainer.engine.trackers.resolve_mlflow_uri` (``tracking_uri``, ``MLFLOW_TRACKING_URI``, the resumed
         checkpoint's, else ``<log_dir>/mlruns``); the resolved URI goes into every checkpoint (``tracking_uri``)."""
         cfg = self.cfg
         if not (cfg.tracking and self.info.is_main):
             return
-        from trainer.engine.tracking import build_trackers, system_facts
+        from trainer.engine.trackers import build_trackers, system_facts
 
         trackers = build_trackers(
             cfg.tracking,
