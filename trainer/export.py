@@ -102,7 +102,7 @@ def prepare_out(out: str | Path) -> Path:
     Raises:
         ExportError: it is a file or cannot be created.
     """
-    from trainer.engine.checkpoint import describe_os_error
+    from trainer.engine.durable import describe_os_error
 
     d = Path(out)
     if d.exists() and not d.is_dir():
@@ -296,8 +296,7 @@ def _write_export(args, out: Path, ckpt: Path, state: dict, manifest: dict, task
     import torch
     import yaml
 
-    from trainer.engine.checkpoint import describe_os_error
-    from trainer.engine.durable import atomic_write_bytes
+    from trainer.engine.durable import atomic_write_bytes, describe_os_error
     from trainer.export_verify import compare, concat, run_onnx, torch_outputs, verification_runs
     from trainer.model_card import metrics_lines, model_card, reproduce_command
 

@@ -145,7 +145,7 @@ def prepare_out(out: str | Path, images: str | Path) -> Path:
     Raises:
         PredictError: it is a file, cannot be created or written, or is the image folder itself.
     """
-    from trainer.engine.checkpoint import describe_os_error
+    from trainer.engine.durable import describe_os_error
 
     d = Path(out)
     if d.exists() and not d.is_dir():
@@ -181,8 +181,8 @@ def predict(args: argparse.Namespace) -> str:
     """Run the command; returns the summary line. Raises :class:`PredictError` for bad input."""
     import torch
 
-    from trainer.engine.checkpoint import describe_os_error
     from trainer.engine.distributed import resolve_device
+    from trainer.engine.durable import describe_os_error
     from trainer.errors import ConfigError
     from trainer.trained import load_model, read_checkpoint, warn
 

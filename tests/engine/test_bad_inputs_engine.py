@@ -325,7 +325,7 @@ def test_read_only_checkpoint_dir(tmp_path: Path, monkeypatch):
     raised when the manager is made, i.e. before any data is read."""
     import builtins
 
-    import trainer.engine.checkpoint as ckpt
+    import trainer.engine.checkpoint_folder as folder
 
     real_open = builtins.open
 
@@ -334,7 +334,7 @@ def test_read_only_checkpoint_dir(tmp_path: Path, monkeypatch):
             raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
         return real_open(path, mode, *a, **kw)
 
-    monkeypatch.setattr(ckpt, "open", read_only, raising=False)
+    monkeypatch.setattr(folder, "open", read_only, raising=False)
     with pytest.raises(
         CheckpointError,
         match=rf"checkpoint_dir: cannot write in {tmp_path / 'ck'}: "

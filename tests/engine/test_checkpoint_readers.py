@@ -81,7 +81,8 @@ def test_the_prune_renames_a_checkpoint_away_before_deleting_it(tmp_path: Path, 
     seen = []
     real_rmtree = shutil.rmtree
     monkeypatch.setattr(
-        "trainer.engine.checkpoint.shutil.rmtree", lambda p, **kw: (seen.append(Path(p).name), real_rmtree(p, **kw))
+        "trainer.engine.checkpoint_folder.shutil.rmtree",
+        lambda p, **kw: (seen.append(Path(p).name), real_rmtree(p, **kw)),
     )
     _save(mgr, 2)
     mgr.release_lock()

@@ -20,16 +20,18 @@ Write failures (full disk, file size limit, I/O error): the writer removes its `
 ``latest`` on the previous checkpoint and keeps a :class:`CheckpointError` naming the checkpoint and the OS
 error; :attr:`CheckpointManager.failed` is a plain attribute read, so the training loop polls it at every
 optimizer step (no device synchronisation) and stops at the next one. torch's C++ writer reports a failed
-write as an opaque ``RuntimeError`` (``unexpected pos ...``, ``basic_ios::clear``); :func:`atomic_torch_save`
-turns it back into the ``OSError`` behind it (:func:`explain_write_failure`).
+write as an opaque ``RuntimeError`` (``unexpected pos ...``, ``basic_ios::clear``);
+:func:`~trainer.engine.durable.atomic_torch_save` turns it back into the ``OSError`` behind it
+(:func:`~trainer.engine.durable.explain_write_failure`).
+
+The folder's housekeeping around the writes (is it writable, what a killed run left, which checkpoints are
+pruned, the line a failed write becomes) lives in :mod:`trainer.engine.checkpoint_folder`.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import os
-import re
 import shutil
 import sys
 import threading
@@ -39,29 +41,18 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from trainer.engine.checkpoint_files import (  # noqa: F401 - re-exported: the reading side's old home
+from trainer.engine.checkpoint_files import (
     FORMAT_VERSION,
     INTERRUPTED_MARKER,
     CheckpointDirectory,
     capture_rng,
     checkpoint_name,
-    restore_rng,
 )
-from trainer.engine.durable import (  # noqa: F401 - re-exported: the durable file primitives' old home
-    WriterLock,
-    _tensor_bytes,
-    atomic_torch_save,
-    atomic_write_bytes,
-    describe_os_error,
-    explain_write_failure,
-    fsync_dir,
-    sha256_file,
-)
+from trainer.engine.checkpoint_folder import check_writable, prune, remove_stale_temporaries, write_error
+from trainer.engine.durable import WriterLock, _tensor_bytes, atomic_torch_save, atomic_write_bytes, fsync_dir
 from trainer.engine.staging import StagingBuffers
-from trainer.errors import CheckpointError, error_detail  # noqa: F401 - CheckpointError re-exported
+from trainer.errors import CheckpointError
 
-_TMP_FILE = re.compile(r"^\.(.+)\.tmp-\d+$")  # atomic_* temporary name -> the file it becomes
-_STALE_POINTER_TMP = re.compile(r"^\.(latest|best|interrupted\.json)\.tmp-\d+$")
 #: Checkpoint writers (``checkpoint_writer``): see :class:`CheckpointManager`.
 WRITERS = ("auto", "thread", "process")
 #: ``auto`` uses the writer process from this many tensor bytes of state (128 MiB, ResNet-50 with EMA and momentum
@@ -138,43 +129,9 @@ class CheckpointManager(CheckpointDirectory):
         self.lock = WriterLock(self.dir)  #: rank 0's one-writer lock on the folder (held until release_lock)
         self.lock_note: Optional[str] = None  #: a line for the run's log when the folder cannot be locked
         if rank == 0:
-            self._check_writable()
+            check_writable(self.dir)
             self.lock_note = self.lock.acquire()  # before anything below touches a file another run may write
-            for stale in self.dir.glob(".tmp-ckpt-*"):  # a write killed mid-way (SIGKILL, power loss)
-                shutil.rmtree(stale, ignore_errors=True)
-            for stale in self.dir.iterdir():
-                if _STALE_POINTER_TMP.match(stale.name):
-                    stale.unlink(missing_ok=True)
-
-    def _check_writable(self) -> None:
-        """Create the folder and write, fsync and delete a probe file in it; CheckpointError if that fails."""
-        if self.dir.exists() and not self.dir.is_dir():
-            raise CheckpointError(
-                f"checkpoint_dir: {self.dir} exists and is not a folder; choose a folder for checkpoints"
-            )
-        try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise CheckpointError(
-                f"checkpoint_dir: cannot create {self.dir}: {describe_os_error(e)}"
-                + (f" at {e.filename}" if e.filename and str(e.filename) != str(self.dir) else "")
-                + "; choose a writable folder"
-            ) from None
-        probe = self.dir / f".write-probe-{os.getpid()}"
-        try:
-            with open(probe, "wb") as f:
-                f.write(b"trainstack")
-                f.flush()
-                os.fsync(f.fileno())
-        except OSError as e:
-            raise CheckpointError(
-                f"checkpoint_dir: cannot write in {self.dir}: {describe_os_error(e)}; choose a writable folder"
-            ) from None
-        finally:
-            try:
-                probe.unlink(missing_ok=True)
-            except OSError:
-                pass
+            remove_stale_temporaries(self.dir)
 
     # .. saving ..........................................................................................
     def save(
@@ -316,32 +273,11 @@ class CheckpointManager(CheckpointDirectory):
             shutil.rmtree(self.dir / f".tmp-{name}", ignore_errors=True)
         except BaseException as e:  # noqa: BLE001 - handed to the training thread by wait()
             shutil.rmtree(self.dir / f".tmp-{name}", ignore_errors=True)
-            self._error = self._write_error(name, progress, e) if isinstance(e, OSError) else e
+            self._error = (
+                write_error(self.dir, name, progress, e, self.pointer("latest")) if isinstance(e, OSError) else e
+            )
         finally:
             self._written.set()
-
-    def _write_error(self, name: str, progress: dict, e: OSError) -> CheckpointError:
-        """One line: which checkpoint, the OS error, what is still on disk and what to do."""
-        where = " writing " + _TMP_FILE.sub(r"\1", Path(e.filename).name) if e.filename else ""
-        latest = self.pointer("latest")
-        kept = (
-            f"the previous checkpoint {self.dir / latest} is intact and 'latest' still points to it"
-            if latest
-            else "no earlier checkpoint exists in this folder"
-        )
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            todo = f"free space in {self.dir} (or choose another checkpoint_dir)"
-        elif e.errno == errno.EFBIG:
-            todo = "raise the file size limit (ulimit -f) or choose another checkpoint_dir"
-        else:
-            todo = f"fix {self.dir} (or choose another checkpoint_dir)"
-        err = CheckpointError(
-            f"{self.dir / name}: cannot write this checkpoint (global step "
-            f"{progress.get('global_step')}): {describe_os_error(e)}{where}; {kept}. "
-            f"To go on, {todo} and run the same command again"
-        )
-        err.__cause__ = e
-        return err
 
     def _check_abort(self) -> None:
         if self._abort.is_set():
@@ -384,7 +320,8 @@ class CheckpointManager(CheckpointDirectory):
         atomic_write_bytes(self.dir / "latest", name.encode())
         if is_best:
             atomic_write_bytes(self.dir / "best", name.encode())
-        self._prune()
+        keep = {self.pointer("latest"), self.pointer("best")}
+        prune(self.dir, self.list(), keep, self.keep_last, self.keep_every)
         return final
 
     def _save_in_process(self, staged: dict, path: Path) -> dict:
@@ -398,38 +335,6 @@ class CheckpointManager(CheckpointDirectory):
         except RuntimeError as e:
             print(f"checkpoint: {e}; {path.parent.name} is written by the training process", file=sys.stderr)
             return atomic_torch_save(rebuild(skeleton(staged, flat.data_ptr()), flat), path)
-
-    def _prune(self) -> None:
-        """Delete the checkpoints nothing keeps: not ``latest`` or ``best``, not among the newest ``keep_last``
-        complete ones (counted by global step: the mid-epoch checkpoint written before an evaluation is the same
-        step as the epoch end after it, which supersedes it), not an epoch end that ``keep_every_epochs`` keeps.
-        Folders without a manifest (incomplete, foreign) are left alone and count for nothing. Each is renamed to
-        ``.tmp-<name>-pruned`` before it is deleted: a reader (:meth:`CheckpointDirectory.read_newest`) then finds
-        it whole or not at all, never half deleted."""
-        keep = {self.pointer("latest"), self.pointer("best")}
-        found = self.list()  # newest first; at one step the epoch end comes before its ``-m`` twin
-        steps: set[str] = set()
-        for d in found:
-            step = d.name.removesuffix("-m")
-            if len(steps) < self.keep_last and step not in steps and (d / "manifest.json").is_file():
-                steps.add(step)
-                keep.add(d.name)
-        for d in found:
-            if d.name in keep:
-                continue
-            try:
-                prog = json.loads((d / "manifest.json").read_text())["progress"]
-            except (OSError, ValueError, KeyError):
-                continue  # not ours to judge: leave incomplete/foreign folders alone
-            if prog.get("step_in_epoch", 0) == 0 and prog.get("epoch", 0) % self.keep_every == 0:
-                continue
-            # renamed out of the way first (one atomic step), so a reader sees the whole checkpoint or none of it
-            gone = self.dir / f".tmp-{d.name}-pruned"
-            try:
-                os.replace(d, gone)
-            except OSError:
-                gone = d
-            shutil.rmtree(gone, ignore_errors=True)
 
     # .. interruption marker .............................................................................
     def mark_interrupted(self, reason: str, path: Optional[Path], global_step: int) -> None:

@@ -24,7 +24,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from trainer.config import ConfigError, TrainConfig
 from trainer.data.loading import build_split_loaders, shutdown_all
 from trainer.engine import distributed as dist
-from trainer.engine.checkpoint import CheckpointError, CheckpointManager, restore_rng
+from trainer.engine.checkpoint import CheckpointError, CheckpointManager
+from trainer.engine.checkpoint_files import restore_rng
 from trainer.engine.epoch import EpochMixin, _EpochStats
 from trainer.engine.evaluation import better, reached
 from trainer.engine.interruption import StopFlag
