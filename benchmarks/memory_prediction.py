@@ -39,7 +39,7 @@ from trainer.engine.step import build_single_rank_step
 from trainer.planning.allocator import MIB
 from trainer.planning.memory import predict_step_memory
 from trainer.planning.plan import gpu_model_of
-from trainer.planning.probe import cpu_step_peak_bytes
+from trainer.planning.step_probe import cpu_step_peak_bytes
 
 DEFAULT_CASES = "resnet50:64,128,256;convnext_tiny:64,128"
 

@@ -17,7 +17,7 @@ from trainer.engine.step import build_single_rank_step
 from trainer.planning.allocator import AllocatorModel
 from trainer.planning.host_ram import MIB, WORKER_SERVER_BYTES, predict_loader_ram
 from trainer.planning.memory import predict_step_memory
-from trainer.planning.probe import cpu_step_peak_bytes
+from trainer.planning.step_probe import cpu_step_peak_bytes
 
 FP32 = Precision("fp32", None, False)
 

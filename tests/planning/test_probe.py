@@ -9,7 +9,8 @@ import torch
 
 from trainer.cli import main
 from trainer.config import ConfigError
-from trainer.planning.probe import ProbeOptions, StepMeasurement, search_batch
+from trainer.planning.probe import ProbeOptions
+from trainer.planning.step_probe import StepMeasurement, search_batch
 
 
 def _limit_at(limit: int):
