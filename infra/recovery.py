@@ -3,7 +3,7 @@
 Deployed with TrainingStack as a Lambda function (``infra.recovery.handler``; infra/constructs/recovery.py)
 behind four EventBridge rules: the spot interruption warning and rebalance recommendation, instance state
 changes (stopping, shutting-down, terminated), this environment's GPU-idle alarms going to ALARM, and a tick
-every :data:`TICK_S` seconds for retries. It decides per job from durable state only: the instance's tags and
+every :data:`~infra.recovery_settings.TICK_S` seconds for retries. It decides per job from durable state only: the instance's tags and
 ``StateReason``, the job record and the exit records (:mod:`infra.job_record`). Event shapes: EC2 user guide,
 "Spot Instance interruption notices" and "State change events for Amazon EC2 instances"; "EC2 instance
 rebalance recommendations"; CloudWatch user guide, "Alarm events and EventBridge".
@@ -14,7 +14,7 @@ Decisions (docs/infrastructure.md has the state diagram):
 - interruption warning or rebalance recommendation: the attempt is marked warned (the instance still holds the
   data volume); ignored for a job that is final or whose attempt is already closed (a late notice never reopens it);
 - what EC2 has not confirmed is *unknown* and decides nothing: ``InvalidInstanceID.NotFound`` for an attempt
-  younger than :attr:`Settings.unknown_grace_s` (EC2 developer guide, "Eventual consistency in the Amazon EC2
+  younger than :attr:`~infra.recovery_settings.Settings.unknown_grace_s` (EC2 developer guide, "Eventual consistency in the Amazon EC2
   API"), a ``terminated`` event while DescribeInstances still shows the instance up, or a terminated instance
   without a StateReason and without a spot warning (spot notices are best effort) until the grace has passed
   since it was first seen so; the tick looks again;
@@ -50,11 +50,8 @@ that finds the record changed under it (``stop``) terminates what it launched. b
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Optional
 
 from botocore.exceptions import BotoCoreError, ClientError
@@ -83,12 +80,8 @@ from infra.recovery_launch import (  # noqa: F401  (re-exported: the tests and i
     backoff_s,
     iso,
 )
+from infra.recovery_settings import Settings
 
-TICK_S = 120
-#: Seconds during which what EC2 says of a new attempt (NotFound) or of an unexplained termination (no
-#: StateReason, no warning) is not yet an answer. The EC2 developer guide ("Eventual consistency in the Amazon
-#: EC2 API") has Describe calls retried with backoff "up to a few minutes".
-UNKNOWN_GRACE_S = 300
 ALARM_EVENT = "CloudWatch Alarm State Change"
 WARNING_EVENT = "EC2 Spot Instance Interruption Warning"
 REBALANCE_EVENT = "EC2 Instance Rebalance Recommendation"
@@ -98,38 +91,6 @@ class RecoveryError(Exception):
     """Raised by :func:`handler` after a tick in which some jobs could not be handled (each named in the
     message; the other jobs were handled): the invocation then counts as an error (the function's Errors alarm,
     infra/constructs/recovery.py) and its event goes to the on-failure destination after Lambda's retries."""
-
-
-@dataclass
-class Settings:
-    """The deployed environment, from the function's environment variables (infra/constructs/recovery.py).
-    ``idle_alarm_prefix``: name prefix of the per-instance GPU-idle alarms (``<prefix><instance id>``,
-    infra/stacks/monitoring.py). ``unknown_grace_s``: seconds (:data:`UNKNOWN_GRACE_S`; optional variable
-    ``TRAINSTACK_UNKNOWN_GRACE_S``)."""
-
-    env: str
-    bucket: str
-    topic_arn: str
-    volume_id: str
-    launch_templates: dict[str, str]  # instance type -> launch template id
-    idle_alarm_prefix: str = ""
-    unknown_grace_s: float = UNKNOWN_GRACE_S
-
-    def __post_init__(self) -> None:
-        self.idle_alarm_prefix = self.idle_alarm_prefix or f"trainstack-{self.env}-gpu-idle-"
-
-    @classmethod
-    def from_environ(cls, environ=os.environ) -> Settings:
-        """Raises KeyError naming a missing ``TRAINSTACK_*`` variable."""
-        return cls(
-            env=environ["TRAINSTACK_ENV"],
-            bucket=environ["TRAINSTACK_BUCKET"],
-            topic_arn=environ["TRAINSTACK_TOPIC_ARN"],
-            volume_id=environ["TRAINSTACK_VOLUME_ID"],
-            launch_templates=json.loads(environ["TRAINSTACK_LAUNCH_TEMPLATES"]),
-            idle_alarm_prefix=environ.get("TRAINSTACK_IDLE_ALARM_PREFIX", ""),
-            unknown_grace_s=float(environ.get("TRAINSTACK_UNKNOWN_GRACE_S", UNKNOWN_GRACE_S)),
-        )
 
 
 class Controller(RelaunchMixin, FinalMixin):

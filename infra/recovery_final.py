@@ -52,7 +52,7 @@ class FinalMixin:
 
     def _leftovers(self, stored: jr.Stored, live: list[LiveInstance]) -> list[str]:
         """A final job's attempts whose instances still run (a terminate EC2 refused, a job that exited and did
-        not shut down): terminate them, after :attr:`Settings.unknown_grace_s` past the attempt's end for a
+        not shut down): terminate them, after :attr:`~infra.recovery_settings.Settings.unknown_grace_s` past the attempt's end for a
         ``done``/``failed`` job (its instance shuts itself down) and never a kept instance of one. EC2 refusing
         backs off (:func:`backoff_s` per refused round, ``terminate_rounds``/``terminate_next_at`` in the record);
         a permission error is also a tick failure. Instances that no attempt holds (a new launch reusing the job

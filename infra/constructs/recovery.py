@@ -5,7 +5,7 @@ root with everything but ``infra/`` excluded): boto3 is in the Lambda Python run
 and synthesis needs no container. Rules (EventBridge user guide, "Creating rules that react to events";
 EC2 user guide, "Spot Instance interruption notices", "State change events for Amazon EC2 instances"):
 the interruption warning and rebalance recommendation, state changes to stopping/shutting-down/terminated,
-and a tick every ``infra.recovery.TICK_S`` seconds.
+and a tick every ``infra.recovery_settings.TICK_S`` seconds.
 
 Least privilege (EC2 user guide, "Example policies for working with the Amazon EC2 API": launch templates;
 IAM user guide, "Granting a user permissions to pass a role"): RunInstances only through this environment's
@@ -34,7 +34,7 @@ from aws_cdk import aws_sns as sns
 from aws_cdk import aws_sqs as sqs
 from constructs import Construct
 
-from infra import job_record, recovery
+from infra import job_record, recovery_settings
 from infra.constructs.nag import ack, ack_findings, env_literals, nag_arn
 from infra.stacks.monitoring import function_failure_alarm, queue_depth_alarm
 
@@ -182,7 +182,7 @@ class RecoveryController(Construct):
                 self,
                 "TickRule",
                 description=f"{prefix}: recovery retries (capacity backoff, missed events, cost cap)",
-                schedule=events.Schedule.rate(cdk.Duration.seconds(recovery.TICK_S)),
+                schedule=events.Schedule.rate(cdk.Duration.seconds(recovery_settings.TICK_S)),
                 targets=[target],
             ),
         }

@@ -17,7 +17,7 @@ from botocore.exceptions import ClientError
 
 import catalog
 from infra import job_record as jr
-from infra import recovery
+from infra import recovery, recovery_settings
 from infra.cli.main import main
 from tests import moto_env
 
@@ -83,7 +83,7 @@ class Ec2:
 def _controller(aws, clock, ec2=None) -> recovery.Controller:
     o = _outputs(aws)
     keys = {"LaunchTemplateId" + n.replace(".", "").replace("-", ""): n for n in catalog.names("ec2")}
-    settings = recovery.Settings(
+    settings = recovery_settings.Settings(
         env=moto_env.ENV,
         bucket=o["BucketName"],
         topic_arn=o["AlarmTopicArn"],
@@ -594,7 +594,7 @@ def test_synthesized_rules_target_the_function_with_the_handler(templates):
         "detail-type": ["EC2 Instance State-change Notification"],
         "detail": {"state": ["stopping", "shutting-down", "terminated"]},
     } in patterns
-    assert any(r.get("ScheduleExpression") == f"rate({recovery.TICK_S // 60} minutes)" for r in rules.values())
+    assert any(r.get("ScheduleExpression") == f"rate({recovery_settings.TICK_S // 60} minutes)" for r in rules.values())
     assert {
         "source": ["aws.cloudwatch"],
         "detail-type": ["CloudWatch Alarm State Change"],

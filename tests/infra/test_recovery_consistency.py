@@ -18,7 +18,7 @@ from botocore.awsrequest import AWSResponse
 from botocore.exceptions import ClientError, ReadTimeoutError
 
 from infra import job_record as jr
-from infra import recovery
+from infra import recovery, recovery_settings
 from infra.cli.main import main
 from tests import moto_env
 from tests.infra import test_recovery as base
@@ -95,7 +95,7 @@ def test_a_termination_without_reason_or_warning_waits_the_grace(aws):
     clock.t += 60
     ctl.handle(TICK)
     assert _record(aws, "nr")["state"] == jr.RUNNING
-    clock.t += recovery.UNKNOWN_GRACE_S
+    clock.t += recovery_settings.UNKNOWN_GRACE_S
     ctl.handle(TICK)
     assert _record(aws, "nr")["state"] == jr.ENDED
 
