@@ -5,7 +5,7 @@ Steps (each prints one ``image-smoke:`` line; the first failure ends the run wit
 
 1. The base: ``--base-image`` when given (e.g. the real DLC, pulled by the builder), else the stand-in of
    ``images/standin/`` (built when missing: a Debian trixie rootfs by ``mmdebstrap``, imported, then its
-   Containerfile). The stand-in is for offline builds only and is never pushed.
+   Containerfile; :mod:`infra.cli.smoke_standin`). The stand-in is for offline builds only and is never pushed.
 2. The image: the Dockerfile with push-image's build arguments (infra/cli/image.py ``build_args``: the op compiled
    in the build for ``--archs``, default the Dockerfile's, and the OCI labels), tagged
    ``<--name>:<git tag>`` (default ``trainstack-training-smoke``; push-image's tag): the image push-image builds
@@ -34,7 +34,6 @@ architecture the base cannot build, a builder that is not one, too little disk (
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import platform
@@ -54,15 +53,9 @@ from infra.cli.registry import local_registry
 from infra.cli.session import CliError
 from infra.cli.smoke_checks import check_labels, check_lock
 from infra.cli.smoke_hosts import SmokeFailure, say, two_host_job
+from infra.cli.smoke_standin import STANDIN, ensure_standin
 
 REPO = Path(__file__).resolve().parents[2]
-STANDIN_DIR = "images/standin"
-# Debian packages of the stand-in's rootfs: Python with headers and venv, and what the DLC's runtime stage installs
-# with dnf besides its CUDA packages (gcc, gcc-c++, make, curl; docker/pytorch/Dockerfile.cuda), CAs
-STANDIN_PACKAGES = "python3,python3-dev,python3-venv,gcc,g++,make,curl,ca-certificates"
-STANDIN_OS = "localhost/trainstack-standin-os:trixie-" + hashlib.sha256(STANDIN_PACKAGES.encode()).hexdigest()[:8]
-STANDIN = "localhost/trainstack-standin:pytorch-2.13.0-cu133"
-DEBIAN_MIRROR = "http://deb.debian.org/debian"
 
 
 # The compiled extension loads, and the custom operator is registered and runs (CPU: the reference kernel)
@@ -109,30 +102,6 @@ def check_disk(b: oci.Builder, min_free_gib: float) -> None:
     for folder in (image_inputs.big_files_tmpdir(), image_inputs.smoke_tmpdir()):
         needs[folder] = needs.get(folder, 0.0) + min_free_gib / 4
     image_inputs.check_free_space(needs)
-
-
-def ensure_standin(b: oci.Builder, ca_bundle: Optional[str], work: Path) -> str:
-    """Builds the stand-in base unless it is in the builder's store (its OS layer too), with ``ca_bundle``
-    mounted over its OS's CA file (:func:`infra.cli.builder.ca_mounts`); returns its name.
-    Raises CliError when mmdebstrap is missing or a build fails."""
-    if not b.exists(STANDIN_OS):
-        tarball = work / "standin-rootfs.tar"
-        say(f"writing the stand-in's Debian trixie rootfs ({STANDIN_PACKAGES}) with mmdebstrap")
-        cmd = ["mmdebstrap", "--variant=minbase", f"--include={STANDIN_PACKAGES}", "trixie", str(tarball)]
-        try:
-            subprocess.run([*cmd, DEBIAN_MIRROR], check=True)
-        except FileNotFoundError:
-            raise CliError(
-                "mmdebstrap not found", "as root: apt-get install mmdebstrap (make image-smoke does)"
-            ) from None
-        except subprocess.CalledProcessError as e:
-            raise CliError(f"mmdebstrap failed with exit {e.returncode}") from None
-        b.import_rootfs(tarball, STANDIN_OS)
-        tarball.unlink()
-    say(f"stand-in base {STANDIN} (images/standin/Containerfile, layers cached)")
-    mounts = oci.ca_mounts(b, ca_bundle, STANDIN_OS)
-    b.build(REPO / STANDIN_DIR, "Containerfile", STANDIN, {"OS_IMAGE": STANDIN_OS}, mounts)
-    return STANDIN
 
 
 class Smoke:
