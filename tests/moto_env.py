@@ -97,25 +97,59 @@ def _strip_unsupported(template: dict) -> dict:
     return t
 
 
+def amazon_ami(ec2, index: int = 0) -> str:
+    """The id of the ``index``-th Amazon-owned image of moto's AMI list (an active ``mock_aws``; ``ec2``: its
+    client), asked for by id: ``describe_images(Owners=["amazon"])`` unfiltered answers all ~1,300 of moto's
+    images, whose serialisation alone took ~2 s of every deployment. Raises botocore's ClientError
+    (InvalidAMIID.NotFound) when moto no longer lists that image."""
+    from moto.ec2.models.amis import AMIS
+
+    (image,) = ec2.describe_images(Owners=["amazon"], ImageIds=[AMIS[index]["ami_id"]])["Images"]
+    return image["ImageId"]
+
+
 def deploy(templates: dict[str, dict]) -> dict[str, str]:
     """Create the stacks (inside an active ``mock_aws``); returns construct id -> stack status."""
     import boto3
 
     ssm = boto3.client("ssm", region_name=REGION)
     ec2 = boto3.client("ec2", region_name=REGION)
-    ami = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    ami = amazon_ami(ec2)
     ssm.put_parameter(Name="/cdk-bootstrap/hnb659fds/version", Value="30", Type="String")
     ssm.put_parameter(Name=AMI_PARAMETER, Value=ami, Type="String")
     cfn = boto3.client("cloudformation", region_name=REGION)
     status = {}
-    for cid in ("DataStack", "MonitoringStack", "TrainingStack"):
-        cfn.create_stack(
-            StackName=f"{ENV}-{cid}",
-            TemplateBody=json.dumps(_strip_unsupported(templates[cid])),
-            Capabilities=["CAPABILITY_IAM", "CAPABILITY_NAMED_IAM"],
-        )
-        status[cid] = cfn.describe_stacks(StackName=f"{ENV}-{cid}")["Stacks"][0]["StackStatus"]
+    with _json_templates_read_as_json():
+        for cid in ("DataStack", "MonitoringStack", "TrainingStack"):
+            cfn.create_stack(
+                StackName=f"{ENV}-{cid}",
+                TemplateBody=json.dumps(_strip_unsupported(templates[cid])),
+                Capabilities=["CAPABILITY_IAM", "CAPABILITY_NAMED_IAM"],
+            )
+            status[cid] = cfn.describe_stacks(StackName=f"{ENV}-{cid}")["Stacks"][0]["StackStatus"]
     return status
+
+
+@contextlib.contextmanager
+def _json_templates_read_as_json() -> Iterator[None]:
+    """While it lasts, moto's CloudFormation reads a JSON template body with ``json`` (as CloudFormation does)
+    instead of PyYAML's pure-Python loader, which took ~1 s of every deployment for the three templates; a body
+    that is not JSON still goes to moto's own YAML-then-JSON parser."""
+    from moto.cloudformation.models import Stack
+
+    yaml_first = Stack.parse_template
+
+    def json_first(template: str) -> dict:
+        try:
+            return json.loads(template)
+        except ValueError:
+            return yaml_first(template)
+
+    Stack.parse_template = staticmethod(json_first)
+    try:
+        yield
+    finally:
+        Stack.parse_template = staticmethod(yaml_first)
 
 
 def fake_credentials(monkeypatch) -> None:
