@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import hashlib
 import json
 import os
@@ -153,7 +154,8 @@ def _json_templates_read_as_json() -> Iterator[None]:
 
 
 def fake_credentials(monkeypatch) -> None:
-    """Credentials and region for moto; never real ones (and no request leaves the process)."""
+    """Credentials and region for moto; never real ones (and no request leaves the process). While ``monkeypatch``
+    lasts, every botocore session also reads its data files through one shared loader (:func:`_shared_loader`)."""
     for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN"):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
@@ -161,6 +163,21 @@ def fake_credentials(monkeypatch) -> None:
     monkeypatch.setenv("AWS_DEFAULT_REGION", REGION)
     monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
+    import botocore.session
+
+    monkeypatch.setattr(botocore.session, "create_loader", _shared_loader)
+
+
+@functools.cache
+def _shared_loader(search_path_string=None):
+    """botocore's data loader for ``search_path_string`` (``AWS_DATA_PATH``), one per value for the whole test
+    process: a session reads its service models, endpoints and partitions through its loader, which caches
+    what it decoded, as the clients of one session share them. Every session a test makes (``mock_aws`` drops
+    boto3's default session; the CLI makes its own) had a fresh loader and decoded the same JSON again: ~1.5 s
+    of each moto test."""
+    from botocore.loaders import create_loader
+
+    return create_loader(search_path_string)
 
 
 def put_image(session, tag: str, repository: str = f"trainstack-{ENV}", seed: str = "1") -> str:
