@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import hashlib
 import json
 import os
@@ -97,29 +98,64 @@ def _strip_unsupported(template: dict) -> dict:
     return t
 
 
+def amazon_ami(ec2, index: int = 0) -> str:
+    """The id of the ``index``-th Amazon-owned image of moto's AMI list (an active ``mock_aws``; ``ec2``: its
+    client), asked for by id: ``describe_images(Owners=["amazon"])`` unfiltered answers all ~1,300 of moto's
+    images, whose serialisation alone took ~2 s of every deployment. Raises botocore's ClientError
+    (InvalidAMIID.NotFound) when moto no longer lists that image."""
+    from moto.ec2.models.amis import AMIS
+
+    (image,) = ec2.describe_images(Owners=["amazon"], ImageIds=[AMIS[index]["ami_id"]])["Images"]
+    return image["ImageId"]
+
+
 def deploy(templates: dict[str, dict]) -> dict[str, str]:
     """Create the stacks (inside an active ``mock_aws``); returns construct id -> stack status."""
     import boto3
 
     ssm = boto3.client("ssm", region_name=REGION)
     ec2 = boto3.client("ec2", region_name=REGION)
-    ami = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    ami = amazon_ami(ec2)
     ssm.put_parameter(Name="/cdk-bootstrap/hnb659fds/version", Value="30", Type="String")
     ssm.put_parameter(Name=AMI_PARAMETER, Value=ami, Type="String")
     cfn = boto3.client("cloudformation", region_name=REGION)
     status = {}
-    for cid in ("DataStack", "MonitoringStack", "TrainingStack"):
-        cfn.create_stack(
-            StackName=f"{ENV}-{cid}",
-            TemplateBody=json.dumps(_strip_unsupported(templates[cid])),
-            Capabilities=["CAPABILITY_IAM", "CAPABILITY_NAMED_IAM"],
-        )
-        status[cid] = cfn.describe_stacks(StackName=f"{ENV}-{cid}")["Stacks"][0]["StackStatus"]
+    with _json_templates_read_as_json():
+        for cid in ("DataStack", "MonitoringStack", "TrainingStack"):
+            cfn.create_stack(
+                StackName=f"{ENV}-{cid}",
+                TemplateBody=json.dumps(_strip_unsupported(templates[cid])),
+                Capabilities=["CAPABILITY_IAM", "CAPABILITY_NAMED_IAM"],
+            )
+            status[cid] = cfn.describe_stacks(StackName=f"{ENV}-{cid}")["Stacks"][0]["StackStatus"]
     return status
 
 
+@contextlib.contextmanager
+def _json_templates_read_as_json() -> Iterator[None]:
+    """While it lasts, moto's CloudFormation reads a JSON template body with ``json`` (as CloudFormation does)
+    instead of PyYAML's pure-Python loader, which took ~1 s of every deployment for the three templates; a body
+    that is not JSON still goes to moto's own YAML-then-JSON parser."""
+    from moto.cloudformation.models import Stack
+
+    yaml_first = Stack.parse_template
+
+    def json_first(template: str) -> dict:
+        try:
+            return json.loads(template)
+        except ValueError:
+            return yaml_first(template)
+
+    Stack.parse_template = staticmethod(json_first)
+    try:
+        yield
+    finally:
+        Stack.parse_template = staticmethod(yaml_first)
+
+
 def fake_credentials(monkeypatch) -> None:
-    """Credentials and region for moto; never real ones (and no request leaves the process)."""
+    """Credentials and region for moto; never real ones (and no request leaves the process). While ``monkeypatch``
+    lasts, every botocore session also reads its data files through one shared loader (:func:`_shared_loader`)."""
     for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN"):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
@@ -127,6 +163,21 @@ def fake_credentials(monkeypatch) -> None:
     monkeypatch.setenv("AWS_DEFAULT_REGION", REGION)
     monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
+    import botocore.session
+
+    monkeypatch.setattr(botocore.session, "create_loader", _shared_loader)
+
+
+@functools.cache
+def _shared_loader(search_path_string=None):
+    """botocore's data loader for ``search_path_string`` (``AWS_DATA_PATH``), one per value for the whole test
+    process: a session reads its service models, endpoints and partitions through its loader, which caches
+    what it decoded, as the clients of one session share them. Every session a test makes (``mock_aws`` drops
+    boto3's default session; the CLI makes its own) had a fresh loader and decoded the same JSON again: ~1.5 s
+    of each moto test."""
+    from botocore.loaders import create_loader
+
+    return create_loader(search_path_string)
 
 
 def put_image(session, tag: str, repository: str = f"trainstack-{ENV}", seed: str = "1") -> str:

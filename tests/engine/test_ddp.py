@@ -4,12 +4,15 @@ and seed 003's command line run as written (FFCV flags removed, a local ImageFol
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
 
 import torch
 from conftest import REPO, run_trainer
 from test_config import SEED_003_FLAGS
+
+from tests import forkserver
 
 
 def _args(d: dict) -> list[str]:
@@ -20,8 +23,6 @@ def _args(d: dict) -> list[str]:
 
 
 def test_two_rank_ddp_keeps_parameters_equal(tiny_digits, tmp_path):
-    import subprocess
-
     args = _args(
         dict(
             data_dir=tiny_digits,
@@ -53,14 +54,8 @@ def test_two_rank_ddp_keeps_parameters_equal(tiny_digits, tmp_path):
         "--mixup-alpha",
         "0.2",
     ]
-    p = subprocess.run(
-        cmd,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**__import__("os").environ, "PYTHONPATH": str(REPO)},
-    )
+    # torchrun's launcher forked from the tests' fork server (its ranks are fresh interpreters all the same)
+    p = forkserver.run(cmd, cwd=REPO, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert p.returncode == 0, p.stderr[-3000:]
     r0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
     r1 = torch.load(tmp_path / "rank1.pt", weights_only=True)

@@ -177,7 +177,7 @@ def test_on_demand_fallback_follows_a_redeploy(aws, capsys, monkeypatch):
     assert "launch template version 2" in capsys.readouterr().out  # same default: the copy is reused
     # "cdk deploy" again with another AMI: CloudFormation adds version 3 and makes it the default
     v1 = ec2.describe_launch_template_versions(LaunchTemplateId=lt_id, Versions=["1"])["LaunchTemplateVersions"][0]
-    new_ami = ec2.describe_images(Owners=["amazon"])["Images"][1]["ImageId"]
+    new_ami = moto_env.amazon_ami(ec2, 1)
     assert new_ami != v1["LaunchTemplateData"]["ImageId"]
     ec2.create_launch_template_version(
         LaunchTemplateId=lt_id, SourceVersion="1", LaunchTemplateData={"ImageId": new_ami, "UserData": "bmV3"}
