@@ -241,15 +241,15 @@ def live_job_instances(ec2, env: str, job: Optional[str] = None) -> list[str]:
 NEW_ID_WAITS_S = (1, 2, 4, 8)
 
 
-def terminate_instances(ec2, instance_ids: list[str], sleep=time.sleep) -> None:
+def terminate_instances(ec2, instance_ids: list[str], sleep=time.sleep) -> list[dict]:
     """TerminateInstances of ``instance_ids``, tried again after :data:`NEW_ID_WAITS_S` seconds while EC2 answers
     ``InvalidInstanceID.NotFound``: right after RunInstances an id may not have reached every part of EC2 yet,
     which "does not mean the instance does not exist" (EC2 developer guide, "Eventual consistency in the Amazon
-    EC2 API"); botocore does not retry that code. Raises botocore ClientError (NotFound after the last wait too)."""
+    EC2 API"); botocore does not retry that code. Returns the answer's ``TerminatingInstances`` (each with its
+    ``PreviousState``). Raises botocore ClientError (NotFound after the last wait too)."""
     for wait in (*NEW_ID_WAITS_S, None):
         try:
-            ec2.terminate_instances(InstanceIds=instance_ids)
-            return
+            return ec2.terminate_instances(InstanceIds=instance_ids).get("TerminatingInstances", [])
         except ClientError as e:
             if wait is None or error_code(e) != "InvalidInstanceID.NotFound":
                 raise

@@ -226,6 +226,8 @@ def stop(aws: Aws, outputs: Outputs, job: str, ec2=None, s3=None) -> str:
         live = live_job_instances(ec2, aws.env, job)
         if live:
             terminate_instances(ec2, live)  # a job stopped right after its launch: EC2 may not know the id yet
+        unseen = [a["instance_id"] for a in r["attempts"] if a["end"] is None and a["instance_id"] not in live]
+        live += terminate_unseen(ec2, unseen)
         closed = close_gone_attempts(s3, outputs.bucket, job, live, ec2)
     except ClientError as e:
         raise explain(e, f"terminating the instances of job {job}") from None
@@ -233,6 +235,25 @@ def stop(aws: Aws, outputs: Outputs, job: str, ec2=None, s3=None) -> str:
         raise CliError(f"job {job}: its record kept changing", "rerun the stop", code=75) from None
     gone = f"; closed the attempt of {' '.join(closed)} (instance already gone)" if closed else ""
     return f"stopped job {job} ({r['state']}); terminated: {' '.join(live) or '-'}{gone}"
+
+
+def terminate_unseen(ec2, instance_ids: list[str]) -> list[str]:
+    """Terminate, one by one, the instances of open attempts that the tag-filtered listing did not show, and return
+    those that were still running: a filtered DescribeInstances may not show an instance launched moments before
+    (EC2 developer guide, "Eventual consistency in the Amazon EC2 API"), and TerminateInstances of one already
+    terminated is a no-op. An id EC2 still does not know after :data:`~infra.recovery_ec2.NEW_ID_WAITS_S` is gone
+    (EC2 forgets terminated instances after about an hour). Raises botocore ClientError."""
+    stopped = []
+    for iid in instance_ids:
+        try:
+            got = terminate_instances(ec2, [iid])
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code", "") == "InvalidInstanceID.NotFound":
+                continue
+            raise
+        if any(c["PreviousState"]["Name"] not in ("shutting-down", "terminated") for c in got):
+            stopped.append(iid)
+    return stopped
 
 
 _GMT = re.compile(r"\((\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) GMT\)")

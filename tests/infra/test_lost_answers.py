@@ -107,3 +107,35 @@ def test_stop_right_after_launch_survives_not_found_for_the_new_instance(session
     assert refused and f"terminated: {iid}" in said, said
     state = ec2.describe_instances(InstanceIds=[iid])["Reservations"][0]["Instances"][0]["State"]["Name"]
     assert state in ("shutting-down", "terminated"), state
+
+
+def test_stop_terminates_a_new_instance_the_filtered_listing_does_not_show_yet(session, monkeypatch):
+    """stop listed the job's instances by tag; a DescribeInstances with filters may not show an instance launched
+    moments before (eventual consistency), and stop closed its attempt as gone and left the instance running."""
+    from types import SimpleNamespace
+
+    from infra.cli import ec2_jobs
+    from infra.cli.outputs import Outputs
+    from infra.cli.session import Aws
+
+    ec2, s3 = session.client("ec2"), session.client("s3")
+    tags = [{"Key": "trainstack:env", "Value": "t"}, {"Key": "trainstack:job", "Value": "j1"}]
+    iid = ec2.run_instances(
+        ImageId="ami-12c6146b", MinCount=1, MaxCount=1, TagSpecifications=[{"ResourceType": "instance", "Tags": tags}]
+    )["Instances"][0]["InstanceId"]
+    record = jr.new_record("j1", "t", "g5.2xlarge", tags, {})
+    record["attempts"].append({"instance_id": iid, "type": "g5.2xlarge", "market": "spot", "start": 0.0, "end": None,
+                               "ended_by": None})  # fmt: skip
+    jr.create(s3, BUCKET, record)
+
+    def not_listed_yet(params, **_):
+        if "Filter.1.Name" in (params.get("body") or {}):  # the tag-filtered listing (query form): not there yet
+            return SimpleNamespace(status_code=200, headers={}), {"Reservations": []}
+        return None
+
+    ec2.meta.events.register_first("before-call.ec2.DescribeInstances", not_listed_yet)
+    said = ec2_jobs.stop(Aws(session, REGION, "123456789012", "t"), Outputs("t", BUCKET, "", "", "", "", ""), "j1",
+                         ec2=ec2, s3=s3)  # fmt: skip
+    assert f"terminated: {iid}" in said and "closed the attempt" not in said, said
+    state = ec2.describe_instances(InstanceIds=[iid])["Reservations"][0]["Instances"][0]["State"]["Name"]
+    assert state in ("shutting-down", "terminated"), state
