@@ -72,6 +72,21 @@ def test_a_record_create_whose_answer_was_lost_is_written_not_a_conflict(session
         jr.save(session.client("s3"), BUCKET, stored)
 
 
+def _job_with_one_open_attempt(session) -> tuple:
+    """(ec2, s3, instance id): a running instance tagged as job j1 of environment t, and j1's record with one open
+    attempt on it."""
+    ec2, s3 = session.client("ec2"), session.client("s3")
+    tags = [{"Key": "trainstack:env", "Value": "t"}, {"Key": "trainstack:job", "Value": "j1"}]
+    iid = ec2.run_instances(
+        ImageId="ami-12c6146b", MinCount=1, MaxCount=1, TagSpecifications=[{"ResourceType": "instance", "Tags": tags}]
+    )["Instances"][0]["InstanceId"]
+    record = jr.new_record("j1", "t", "g5.2xlarge", tags, {})
+    record["attempts"].append({"instance_id": iid, "type": "g5.2xlarge", "market": "spot", "start": 0.0, "end": None,
+                               "ended_by": None})  # fmt: skip
+    jr.create(s3, BUCKET, record)
+    return ec2, s3, iid
+
+
 def test_stop_right_after_launch_survives_not_found_for_the_new_instance(session, monkeypatch):
     """stop's TerminateInstances got InvalidInstanceID.NotFound for an instance launched moments before (EC2's
     eventual consistency; botocore does not retry that code) and stop failed, leaving the instance running."""
@@ -83,15 +98,7 @@ def test_stop_right_after_launch_survives_not_found_for_the_new_instance(session
     from infra.cli.session import Aws
 
     monkeypatch.setattr(recovery_ec2, "NEW_ID_WAITS_S", (0,), raising=False)
-    ec2, s3 = session.client("ec2"), session.client("s3")
-    tags = [{"Key": "trainstack:env", "Value": "t"}, {"Key": "trainstack:job", "Value": "j1"}]
-    iid = ec2.run_instances(
-        ImageId="ami-12c6146b", MinCount=1, MaxCount=1, TagSpecifications=[{"ResourceType": "instance", "Tags": tags}]
-    )["Instances"][0]["InstanceId"]
-    record = jr.new_record("j1", "t", "g5.2xlarge", tags, {})
-    record["attempts"].append({"instance_id": iid, "type": "g5.2xlarge", "market": "spot", "start": 0.0, "end": None,
-                               "ended_by": None})  # fmt: skip
-    jr.create(s3, BUCKET, record)
+    ec2, s3, iid = _job_with_one_open_attempt(session)
     refused = []
 
     def not_yet(params, **_):
@@ -118,15 +125,7 @@ def test_stop_terminates_a_new_instance_the_filtered_listing_does_not_show_yet(s
     from infra.cli.outputs import Outputs
     from infra.cli.session import Aws
 
-    ec2, s3 = session.client("ec2"), session.client("s3")
-    tags = [{"Key": "trainstack:env", "Value": "t"}, {"Key": "trainstack:job", "Value": "j1"}]
-    iid = ec2.run_instances(
-        ImageId="ami-12c6146b", MinCount=1, MaxCount=1, TagSpecifications=[{"ResourceType": "instance", "Tags": tags}]
-    )["Instances"][0]["InstanceId"]
-    record = jr.new_record("j1", "t", "g5.2xlarge", tags, {})
-    record["attempts"].append({"instance_id": iid, "type": "g5.2xlarge", "market": "spot", "start": 0.0, "end": None,
-                               "ended_by": None})  # fmt: skip
-    jr.create(s3, BUCKET, record)
+    ec2, s3, iid = _job_with_one_open_attempt(session)
 
     def not_listed_yet(params, **_):
         if "Filter.1.Name" in (params.get("body") or {}):  # the tag-filtered listing (query form): not there yet
