@@ -1,8 +1,8 @@
 # Trainstack: two commands on a fresh machine (Python 3.11 + venv):
 #   make run    set up .venv and train the embedded default (2 DDP processes on CPU, digit scans)
-#   make test   set up .venv, compile the deformable-attention op (sm_80, no GPU needed), ruff, the op/custom-op
-#               tests and one short training per task on the image's torch (test-image-torch), then all tests
-#               (what .ci/run calls)
+#   make test   set up .venv, compile the deformable-attention op (sm_80, no GPU needed), ruff, then all tests,
+#               and beside them the op/custom-op tests and one short training per task on the image's torch
+#               (test-image-torch) (what .ci/run calls)
 #   make ffcv   the optional FFCV extra (apt packages when missing, as root; requirements-ffcv.txt)
 #   make image-smoke  build images/training/Dockerfile with the OCI builder found (buildah installed when none)
 #               FROM the offline stand-in of the DLC base (images/standin: its CUDA 13.3 toolkit, packages and
@@ -27,12 +27,20 @@ NODE_STAMP     := $(VENV)/.node-$(NODE_VERSION)
 # The venv's bin first (abspath: VENV may be absolute): its python, and its node when `make setup` put one there.
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
+# pip installs without compiling bytecode (--no-compile): compiling the ~20,000 .py files of the venv took 65 of the
+# 117 s of `pip install -r requirements.txt` on an idle 2-vCPU VM (52 s without; docs/benchmarks.md), one core busy,
+# while the tests import ~5,000 of them. Python compiles those on first import and caches them, which
+# PYTHONDONTWRITEBYTECODE would forbid (then every process would compile torch anew): it is not passed to the
+# commands below.
+PIP_INSTALL := -m pip install -q --no-compile
+unexport PYTHONDONTWRITEBYTECODE
+
 setup: $(VENV)/.installed $(NODE_STAMP) node_modules/.installed
 
 $(VENV)/.installed: requirements.txt requirements-trainer.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements.txt
+	$(PY) $(PIP_INSTALL) -r requirements.txt
 	touch $@
 
 # Node for the CDK CLI and for jsii (aws-cdk-lib from Python runs `node` from PATH): the machine's when its
@@ -97,7 +105,7 @@ ffcv: $(VENV)/.ffcv-installed
 
 $(VENV)/.ffcv-installed: requirements-ffcv.txt $(VENV)/.installed
 	$(call apt_install,$(FFCV_APT),ffcv)
-	$(PY) -m pip install -q -r requirements-ffcv.txt
+	$(PY) $(PIP_INSTALL) -r requirements-ffcv.txt
 	touch $@
 
 # The image tools: an OCI builder (a docker engine or podman when present, else Debian's buildah), skopeo and
@@ -152,7 +160,7 @@ IMAGE_TORCH_TESTS := tests/ops/test_msda_reference.py tests/ops/test_msda_librar
 $(IMAGE_TORCH_VENV)/.installed: requirements-image-torch.txt $(VENV)/.installed
 	rm -rf $(IMAGE_TORCH_VENV)
 	python3 -m venv $(IMAGE_TORCH_VENV)
-	PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= $(IMAGE_TORCH_VENV)/bin/python -m pip install -q --no-cache-dir --no-deps \
+	PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= $(IMAGE_TORCH_VENV)/bin/python $(PIP_INSTALL) --no-cache-dir --no-deps \
 	  -r requirements-image-torch.txt
 	$(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))' \
 	  > "$$($(IMAGE_TORCH_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/zz_trainstack_venv.pth"
@@ -182,9 +190,17 @@ format: setup
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-test: setup msda ffcv image-tools lint test-image-torch
-	@df -h . | sed 's/^/make test: disk: /'  # what the venvs left free (a full disk once stopped CI)
-	TRAINSTACK_REQUIRE_IMAGE_TOOLS=1 OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=60 tests
+# test-image-torch runs beside the suite, its output in build/test-image-torch.log (printed at the end): its venv's
+# download and its op's nvcc build keep one core of two busy for ~2 min, which the suite's workers fill instead of
+# waiting (docs/benchmarks.md). The target fails when either fails.
+test: setup msda ffcv image-tools lint
+	@mkdir -p build; $(MAKE) --no-print-directory test-image-torch > build/test-image-torch.log 2>&1 & image=$$!; \
+	echo "make test: test-image-torch beside the tests (build/test-image-torch.log)"; \
+	TRAINSTACK_REQUIRE_IMAGE_TOOLS=1 OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -n $(TEST_WORKERS) \
+	  --dist loadfile --no-loadscope-reorder --durations=60 tests; rc=$$?; \
+	wait $$image; image_rc=$$?; sed 's/^/test-image-torch: /' build/test-image-torch.log; \
+	df -h . | sed 's/^/make test: disk: /'; \
+	echo "make test: tests exit $$rc, test-image-torch exit $$image_rc"; [ $$rc = 0 ] && [ $$image_rc = 0 ]
 
 # The whole journey against an emulated AWS account, no AWS account needed (docs/infrastructure.md, "Try the
 # whole journey without an AWS account"): moto's server on 127.0.0.1, `cdk bootstrap` and `cdk deploy` by the CDK
