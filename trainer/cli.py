@@ -141,7 +141,8 @@ def build_parser(command: Optional[str] = "train") -> argparse.ArgumentParser:
     """The ``trainer`` argument parser; only ``command``'s flags are built (and its module imported).
 
     Other sub-commands are listed with their help line, so ``python -m trainer --help`` imports nothing
-    heavy and ``train`` never imports the planning modules (which need torch and the instance catalog).
+    heavy and ``train`` never imports the planning modules. No command's flags import torch, so ``--help`` and
+    usage errors answer at once (tests/test_architecture.py).
     """
     parser = UsageParser(prog="python -m trainer", description="Trainstack trainer")
     sub = parser.add_subparsers(dest="command", required=True)

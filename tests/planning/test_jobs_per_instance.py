@@ -20,7 +20,8 @@ from trainer.planning.host_ram import (
     pinned_block_bytes,
     predict_host_ram,
 )
-from trainer.planning.plan import PlanError, PlanOptions, make_plan, render_plan, verdict
+from trainer.planning.options import PlanError, PlanOptions
+from trainer.planning.plan import make_plan, render_plan, verdict
 from trainer.tasks.classification.task import ClassificationTask
 
 CLIP_BYTES = 32 * 3 * 64 * 64  # seed 004: 32 frames x 3 x 64 x 64 uint8

@@ -13,7 +13,8 @@ from trainer.cli import main
 from trainer.config import load_config
 from trainer.planning.host_ram import GIB
 from trainer.planning.memory import MemoryPrediction
-from trainer.planning.plan import PlanError, PlanOptions, gpu_model_of, make_plan, render_plan, verdict
+from trainer.planning.options import PlanError, PlanOptions
+from trainer.planning.plan import gpu_model_of, make_plan, render_plan, verdict
 
 TYPES = ("g5.2xlarge", "g5.12xlarge", "p4d.24xlarge", "ml.g5.2xlarge")
 

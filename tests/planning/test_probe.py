@@ -9,7 +9,7 @@ import torch
 
 from trainer.cli import main
 from trainer.config import ConfigError
-from trainer.planning.probe import ProbeOptions
+from trainer.planning.options import ProbeOptions
 from trainer.planning.step_probe import StepMeasurement, search_batch
 
 

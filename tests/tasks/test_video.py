@@ -232,7 +232,8 @@ def test_plan_prices_seed004_and_flags_its_four_job_incident():
     """The shipped seed 004 config through ``plan`` (the video task's clip shapes, frozen backbone under fake
     tensors, its dataset estimate from --dataset-size): 1-3 jobs fit a g5.2xlarge, 4 are an ERROR row."""
     from trainer.planning.memory import predict_step_memory
-    from trainer.planning.plan import PlanOptions, make_plan, verdict
+    from trainer.planning.options import PlanOptions
+    from trainer.planning.plan import make_plan, verdict
 
     cfg = load_config(
         Path(__file__).resolve().parents[2] / "configs" / "seed004_video_g5.yaml", {"cache_features": False}

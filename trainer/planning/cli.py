@@ -85,7 +85,7 @@ def _add_options(p: argparse.ArgumentParser, cls, command: str) -> None:
 def add_planning_command(sub, command: str, add_train_flags: Callable[[argparse.ArgumentParser], None]) -> None:
     """Register ``probe`` or ``plan`` (``command``) on the ``trainer`` sub-parsers."""
     if command == "probe":
-        from trainer.planning.probe import ProbeOptions
+        from trainer.planning.options import ProbeOptions
 
         p = sub.add_parser(
             "probe",
@@ -96,7 +96,7 @@ def add_planning_command(sub, command: str, add_train_flags: Callable[[argparse.
         add_train_flags(p)
         _add_options(p, ProbeOptions, "probe")
         return
-    from trainer.planning.plan import PlanOptions
+    from trainer.planning.options import PlanOptions
 
     p = sub.add_parser(
         "plan",
@@ -113,7 +113,7 @@ def _options(args: argparse.Namespace, cls):
 
 def _check_out_file(path: Path) -> None:
     """Raise PlanError naming ``--out`` when the plan's JSON could not be written there (checked first)."""
-    from trainer.planning.plan import PlanError
+    from trainer.planning.options import PlanError
 
     if path.is_dir():
         raise PlanError(f"--out {path}: is a folder; give a file name such as {path / 'plan.json'}")
@@ -128,8 +128,9 @@ def run_command(args: argparse.Namespace, config_from_namespace: Callable) -> in
     from catalog import CatalogError
     from trainer.config import ConfigError
     from trainer.data.formats.imagefolder import DataError
-    from trainer.planning.plan import PlanError, PlanOptions, make_plan, render_plan
-    from trainer.planning.probe import ProbeOptions, check_out_dir, default_workers, run_probe, write_probe
+    from trainer.planning.options import PlanError, PlanOptions, ProbeOptions
+    from trainer.planning.plan import make_plan, render_plan
+    from trainer.planning.probe import check_out_dir, default_workers, run_probe, write_probe
 
     try:
         cfg = config_from_namespace(args)

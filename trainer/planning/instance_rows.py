@@ -22,7 +22,7 @@ from trainer.planning.memory import target_precision
 from trainer.tasks import task_class
 
 if TYPE_CHECKING:
-    from trainer.planning.plan import PlanOptions
+    from trainer.planning.options import PlanOptions
 
 
 def gpu_model_of(device_name: str) -> Optional[str]:

@@ -16,7 +16,8 @@ from trainer.config import TrainConfig
 from trainer.planning.host_ram import MIB
 from trainer.planning.instance_rows import _host_checks, _Inputs, gpu_model_of, plan_rows
 from trainer.planning.memory import predict_step_memory
-from trainer.planning.plan import PlanError, PlanOptions, _inputs
+from trainer.planning.options import PlanError, PlanOptions
+from trainer.planning.plan import _inputs
 
 
 @dataclass(frozen=True)

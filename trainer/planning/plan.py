@@ -44,16 +44,12 @@ rows themselves (memory, throughput, job layout, host checks, cost, ranking) are
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import torch
 
 import catalog
-from catalog import REFERENCE_GPU
 from trainer.config import TrainConfig
 from trainer.planning.host_ram import GIB
 from trainer.planning.instance_rows import (  # noqa: F401 - gpu_model_of re-exported: its old home
@@ -62,54 +58,7 @@ from trainer.planning.instance_rows import (  # noqa: F401 - gpu_model_of re-exp
     plan_rows,
 )
 from trainer.planning.memory import predict_step_memory
-
-
-class PlanError(ValueError):
-    """The plan cannot be made (unknown type, impossible batch, unusable probe report); one-line message."""
-
-
-@dataclass
-class PlanOptions:
-    """Flags of ``plan`` that are not training fields (the number of epochs is the config's ``epochs``)."""
-
-    probe_report: Optional[str] = None
-    prices: Optional[str] = None
-    platform: Optional[str] = None
-    instances: tuple = ()
-    nproc_per_node: Optional[int] = None
-    margin: float = 0.10
-    dataset_size: Optional[int] = None
-    num_classes: Optional[int] = None
-    model_memory_gib: Optional[float] = None
-    images_per_second: Optional[float] = None
-    throughput_gpu: str = REFERENCE_GPU
-    scaling_efficiency: float = 0.9
-    jobs_per_instance: int = 1
-    out: Optional[str] = None
-
-    def validate(self) -> PlanOptions:
-        """Raise PlanError naming the first bad option."""
-        if self.platform not in (None, "ec2", "sagemaker"):
-            raise PlanError(f"--platform: got {self.platform!r}; allowed: ec2, sagemaker")
-        if not 0 <= self.margin < 1:
-            raise PlanError(f"--margin: got {self.margin}; must be in [0, 1)")
-        if not 0 < self.scaling_efficiency <= 1:
-            raise PlanError(f"--scaling-efficiency: got {self.scaling_efficiency}; must be in (0, 1]")
-        if not isinstance(self.jobs_per_instance, int) or self.jobs_per_instance < 1:
-            raise PlanError(f"--jobs-per-instance: got {self.jobs_per_instance}; must be an integer >= 1")
-        for name in ("nproc_per_node", "dataset_size", "num_classes"):
-            v = getattr(self, name)
-            if v is not None and v < 1:
-                raise PlanError(f"--{name.replace('_', '-')}: got {v}; must be >= 1")
-        for name in ("model_memory_gib", "images_per_second"):
-            v = getattr(self, name)
-            if v is not None and not (v > 0 and math.isfinite(v)):
-                raise PlanError(f"--{name.replace('_', '-')}: got {v}; must be a number > 0")
-        if self.throughput_gpu not in catalog.GPU_MODELS:
-            raise PlanError(
-                f"--throughput-gpu: unknown GPU {self.throughput_gpu!r}; catalog GPUs: " + ", ".join(catalog.GPU_MODELS)
-            )
-        return self
+from trainer.planning.options import PlanError, PlanOptions
 
 
 def load_probe(path: str | Path) -> dict:

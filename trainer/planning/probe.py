@@ -33,39 +33,9 @@ from trainer.engine import distributed as dist
 from trainer.engine.step import build_train_step
 from trainer.planning.host_ram import GIB, predict_loader_ram
 from trainer.planning.loader_probe import measure_loader, proc_kib
+from trainer.planning.options import ProbeOptions
 from trainer.planning.step_probe import StepMeasurement, measure_step, search_batch
 from trainer.tasks import build_task
-
-
-@dataclass
-class ProbeOptions:
-    """Flags of ``probe`` that are not training fields (units in the names)."""
-
-    out_dir: str = "runs/probe"
-    start_batch: int = 8
-    max_batch: int = 1024
-    granularity: int = 8
-    margin: float = 0.10
-    memory_limit_gib: Optional[float] = None
-    steps: int = 3
-    workers: tuple = (0, 2, 4, 8)
-    prefetch: tuple = (2, 4)
-    loader_batches: int = 8
-
-    def validate(self) -> ProbeOptions:
-        """Raise ConfigError naming the first bad option."""
-        for name in ("start_batch", "max_batch", "granularity", "steps", "loader_batches"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"probe --{name.replace('_', '-')}: got {getattr(self, name)}; must be >= 1")
-        if self.start_batch > self.max_batch:
-            raise ConfigError(f"probe --start-batch {self.start_batch} is larger than --max-batch {self.max_batch}")
-        if not 0 <= self.margin < 1:
-            raise ConfigError(f"probe --margin: got {self.margin}; must be in [0, 1)")
-        if self.memory_limit_gib is not None and self.memory_limit_gib <= 0:
-            raise ConfigError(f"probe --memory-limit-gib: got {self.memory_limit_gib}; must be > 0")
-        if any(w < 0 for w in self.workers) or any(p < 1 for p in self.prefetch):
-            raise ConfigError("probe --workers must be >= 0 and --prefetch >= 1")
-        return self
 
 
 @dataclass

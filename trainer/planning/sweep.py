@@ -382,7 +382,7 @@ def run_sweep_command(args: argparse.Namespace) -> int:
     """``python -m trainer sweep``: :func:`run_sweep`, bad input as one ``error: ...`` line and exit 2."""
     from catalog import CatalogError
     from trainer.data.formats.imagefolder import DataError
-    from trainer.planning.plan import PlanError
+    from trainer.planning.options import PlanError
 
     try:
         return run_sweep(args, log=lambda m: print(m, flush=True))

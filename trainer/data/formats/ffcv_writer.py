@@ -33,12 +33,14 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from trainer.data.formats.image_decode import decode_file
-from trainer.data.formats.imagefolder import DataError, SplitScan, scan_split
-from trainer.errors import error_detail
+from trainer.errors import DataError, error_detail
+
+if TYPE_CHECKING:
+    from trainer.data.formats.imagefolder import SplitScan
 
 WRITE_MODES = ("proportion", "smart", "jpg", "raw")
 
@@ -93,6 +95,8 @@ class _DecodedSplit:
 
     def __getitem__(self, i: int):
         from ffcv.fields.rgb_image import resizer
+
+        from trainer.data.formats.image_decode import decode_file  # torch: not imported to parse the command line
 
         path, label = self.samples[i]
         _CURRENT_PATH[:] = [path]
@@ -238,6 +242,8 @@ def write_split(opts: FFCVWriteOptions, split: str) -> dict:
     bad-file log, and ``ffcv_dir`` itself when this call created it). Needs the ffcv extra (``make ffcv``).
     """
     from ffcv.fields import IntField, RGBImageField
+
+    from trainer.data.formats.imagefolder import scan_split
 
     scan = scan_split(opts.data_dir, split)
     out_dir = Path(opts.ffcv_dir)
